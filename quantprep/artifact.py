@@ -1,0 +1,200 @@
+"""Stage 3, artifact: write a verified artifact directory atomically, and read/check one.
+
+Layout and every manifest field are specified in docs/artifact-format.md; this module follows it.
+Writing: build in a temporary sibling directory, fsync every file and the directory, then rename
+into place. A killed build leaves only a `.<name>.partial-*` sibling, which is never loadable
+(no manifest at the published path) and is removed by the next build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from . import __version__
+from .errors import ArtifactError, QuantprepError
+
+FORMAT = "quantprep-artifact"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 64 << 20
+SHARD_BYTES = 2 << 30
+TOP_KEYS = {"manifest_sha256", "format", "format_version", "quantprep_version", "created", "source", "quant", "target", "compat",
+            "modules", "shards", "files"}
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _shard(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(tensors):
+        nbytes = tensors[key].numel() * tensors[key].element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensors[key]
+        size += nbytes
+    return shards
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def clean_stale_partials(out: Path) -> None:
+    """Remove temporary siblings left by killed builds of `out` (their owner pid is gone)."""
+    for p in out.parent.glob(f".{out.name}.partial-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and _pid_alive(int(pid)):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+    old = out.parent / f".{out.name}.old"
+    if old.exists():
+        if not out.exists():
+            os.rename(old, out)  # killed between the two renames of a publish: restore the old artifact
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid != os.getpid()
+
+
+def write_artifact(out: Path, tensors: dict[str, torch.Tensor], manifest: dict, side_files_from: Path | None,
+                   side_files: list[str], progress: bool = True) -> Path:
+    """Write `tensors` + side files + manifest to `out`, atomically. `manifest` lacks shards/files/created."""
+    out = Path(out).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_partials(out)
+    need = sum(t.numel() * t.element_size() for t in tensors.values()) + (64 << 20)
+    free = shutil.disk_usage(out.parent).free
+    if free < need:
+        raise QuantprepError(f"{out.parent}: {free / 2**30:.2f} GiB free, the artifact needs {need / 2**30:.2f} GiB; free disk space or pass --out elsewhere")
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        shards = _shard(tensors)
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        for name, shard in tqdm(list(zip(names, shards)), desc="write", unit="shard", disable=not progress):
+            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        for name in side_files:
+            shutil.copyfile(side_files_from / name, tmp / name)
+        files = {}
+        for p in sorted(tmp.iterdir()):
+            _fsync(p)
+            files[p.name] = {"sha256": sha256_file(p), "size": p.stat().st_size}
+        manifest = dict(manifest, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                        shards=names, files=files)
+        manifest["manifest_sha256"] = manifest_digest(manifest)
+        write_json_durably(tmp / MANIFEST, manifest)
+        _fsync(tmp)
+        publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's canonical JSON without this field: any edited field is caught."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_json_durably(path: Path, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Move a complete directory into place. A reader sees the old artifact or the new one, never a mix."""
+    old = out.parent / f".{out.name}.old"
+    if out.exists():
+        os.rename(out, old)
+    os.rename(tmp, out)
+    _fsync(out.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_manifest(path: Path) -> dict:
+    """Parse and structurally check `path/manifest.json`; raises ArtifactError with one line."""
+    mpath = Path(path) / MANIFEST
+    if not Path(path).is_dir():
+        raise ArtifactError(f"{path}: not a directory; pass an artifact directory written by `quantprep build`")
+    if not mpath.is_file():
+        raise ArtifactError(f"{mpath}: missing; not a quantprep artifact (or an unfinished build): rebuild it")
+    if mpath.stat().st_size > MAX_MANIFEST_BYTES:
+        raise ArtifactError(f"{mpath}: larger than {MAX_MANIFEST_BYTES >> 20} MiB; not a quantprep manifest")
+    try:
+        m = json.loads(mpath.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{mpath}: not valid JSON ({e}); the artifact is corrupt: rebuild it") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise ArtifactError(f"{mpath}: 'format' is not {FORMAT!r}; not a quantprep artifact")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(f"{mpath}: format_version {m.get('format_version')!r} is not supported by quantprep {__version__} (reads {FORMAT_VERSION}); rebuild the artifact or upgrade quantprep")
+    if m.get("manifest_sha256") != manifest_digest(m):
+        raise ArtifactError(f"{mpath}: manifest_sha256 does not match its content; the manifest was edited or corrupted: rebuild the artifact")
+    missing = TOP_KEYS - m.keys()
+    if missing:
+        raise ArtifactError(f"{mpath}: missing field(s) {', '.join(sorted(missing))}; the artifact is corrupt: rebuild it")
+    for key, typ in (("modules", dict), ("files", dict), ("shards", list), ("target", dict), ("compat", dict),
+                     ("quant", dict), ("source", dict)):
+        if not isinstance(m[key], typ):
+            raise ArtifactError(f"{mpath}: field {key!r} must be a JSON {typ.__name__}; the artifact is corrupt: rebuild it")
+    for name, entry in m["files"].items():
+        if (not isinstance(name, str) or "/" in name or name.startswith(".") or not isinstance(entry, dict)
+                or not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str)):
+            raise ArtifactError(f"{mpath}: bad entry for file {name!r}; the artifact is corrupt: rebuild it")
+    for shard in m["shards"]:
+        if shard not in m["files"]:
+            raise ArtifactError(f"{mpath}: shard {shard!r} has no entry in 'files'; the artifact is corrupt: rebuild it")
+    return m
+
+
+def check_files(path: Path, manifest: dict, full_hash: bool) -> None:
+    """Sizes always (cheap, catches truncation); sha256 of every file when `full_hash`."""
+    path = Path(path)
+    listed = set(manifest["files"]) | {MANIFEST}
+    for p in path.iterdir():
+        if p.name not in listed:
+            raise ArtifactError(f"{p}: unknown file in the artifact (not in manifest.json); remove it or rebuild")
+    for name, entry in manifest["files"].items():
+        p = path / name
+        if not p.is_file():
+            raise ArtifactError(f"{p}: missing (listed in manifest.json); the artifact is incomplete: rebuild it")
+        size = p.stat().st_size
+        if size != entry["size"]:
+            raise ArtifactError(f"{p}: size {size} bytes, manifest says {entry['size']}; the file is truncated or altered: rebuild")
+        if full_hash and sha256_file(p) != entry["sha256"]:
+            raise ArtifactError(f"{p}: sha256 does not match manifest.json; the file is corrupted: rebuild the artifact")
+

@@ -1,0 +1,137 @@
+"""Stage 5, load: artifact directory -> a transformers model ready to `generate`.
+
+No repacking and no random init happen here: the manifest is checked against this machine, the
+model skeleton is built with its parameters on the meta device, quantized Linears are swapped for
+the target's modules, and every tensor is assigned straight from the (mmapped) safetensors files.
+This module never imports gptqmodel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from .artifact import check_files, read_manifest
+from .errors import ArtifactError, ArtifactMismatch
+from .targets import get_target
+
+
+@contextlib.contextmanager
+def params_on_meta():
+    """Create nn.Parameters on the meta device (no memory, init is a no-op); buffers stay real.
+
+    Buffers computed in __init__ (rotary `inv_freq`) are not in the checkpoint, so they must be
+    built for real, which `with torch.device("meta")` would not do.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def rebuild_command(manifest: dict) -> str:
+    source = manifest["source"].get("path") or manifest["source"].get("id") or "<gptq-dir>"
+    return f"quantprep prepack {source} --target {manifest['target']['name']} --out <dir>"
+
+
+def check_compat(path: Path, manifest: dict, target) -> None:
+    """Refuse an artifact whose layout this machine's kernels would read differently."""
+    here = target.compat_key()
+    for key, built in manifest["compat"].items():
+        if here.get(key) != built:
+            raise ArtifactMismatch(f"{path}: built for {key}={built}, this machine has {key}={here.get(key)}; "
+                                   f"build a matching artifact here: {rebuild_command(manifest)}")
+    problem = target.runtime_problem()
+    if problem:
+        raise ArtifactMismatch(f"{path}: {problem}; build one for this machine: {rebuild_command(manifest)}")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ArtifactError(f"unknown dtype {name!r} in manifest.json; the artifact is corrupt: rebuild it")
+    return dt
+
+
+def load(path: str | os.PathLike, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+         verify: bool = False):
+    """Load an artifact as a transformers `PreTrainedModel` in eval mode.
+
+    device: defaults to the target's device. dtype: activation dtype (defaults to the one the
+    artifact was packed for). verify: also check every file's sha256 (sizes are always checked).
+    Raises ArtifactMismatch for an artifact built for another machine, ArtifactError if corrupt.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    try:
+        target = get_target(manifest["target"]["name"])
+    except Exception:
+        raise ArtifactMismatch(f"{path}: target {manifest['target'].get('name')!r} is not supported by this quantprep") from None
+    check_compat(path, manifest, target)
+    check_files(path, manifest, full_hash=verify)
+
+    packed_dtype = _dtype(manifest["target"]["act_dtype"])
+    dtype = dtype or packed_dtype
+    device = torch.device(device or target.device)
+
+    config = AutoConfig.from_pretrained(path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the artifact's modules are ours, not transformers' GPTQ ones
+    modules = manifest["modules"]
+    if config.tie_word_embeddings and "lm_head" in modules:
+        config.tie_word_embeddings = False  # a quantized lm_head cannot share the embedding's weight
+    with params_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+    for name, meta in modules.items():
+        parent_name, _, child = name.rpartition(".")
+        try:
+            old = model.get_submodule(name)
+        except AttributeError:
+            raise ArtifactError(f"{path}: module {name} in manifest.json does not exist in the {config.model_type} model") from None
+        if (getattr(old, "in_features", None), getattr(old, "out_features", None)) != (meta["in_features"], meta["out_features"]):
+            raise ArtifactError(f"{path}: module {name} is {meta['in_features']}x{meta['out_features']} in the manifest but "
+                                f"{getattr(old, 'in_features', '?')}x{getattr(old, 'out_features', '?')} in config.json; the artifact is inconsistent: rebuild it")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, target.make_module(meta, dtype))
+
+    state: dict[str, torch.Tensor] = {}
+    for shard in manifest["shards"]:
+        try:
+            state.update(load_file(path / shard, device=str(device)))
+        except Exception as e:
+            raise ArtifactError(f"{path / shard}: cannot read safetensors file ({e}); the artifact is corrupt: rebuild it") from None
+    if dtype != packed_dtype:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    expected = model.state_dict(keep_vars=True)  # meta tensors: the dtype and shape each name must have
+    for name, t in state.items():
+        want = expected.get(name)
+        if want is None:
+            raise ArtifactError(f"{path}: tensor {name} is not part of the model; the artifact is inconsistent: rebuild it")
+        if want.dtype != t.dtype or want.shape != t.shape:
+            raise ArtifactError(f"{path}: tensor {name} is {t.dtype} {tuple(t.shape)}, the model needs {want.dtype} {tuple(want.shape)}; the artifact is corrupt: rebuild it")
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.device.type == "meta":
+            raise ArtifactError(f"{path}: tensor {name} is missing from the artifact; rebuild it")
+    if device.type != "cpu":
+        model.to(device)  # moves the buffers built in __init__ (rotary); loaded tensors are already there
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    model.eval()
+    return model

@@ -1,0 +1,257 @@
+"""Stage 1, source: find or make a GPTQ checkpoint and read it into validated tensors.
+
+Either ingest an existing GPTQ directory (HF layout) or quantize a float model with gptqmodel
+(imported lazily: only building needs it, never loading).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .errors import SourceError
+from .gptq_format import SUPPORTED_BITS
+
+SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Files copied verbatim from the source into the artifact (when present).
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    bits: int
+    group_size: int  # -1 = one group over all of K
+    sym: bool
+    desc_act: bool
+    checkpoint_format: str  # "gptq" (v1: qzeros store zero-1) or "gptq_v2" (store zero)
+
+    def to_json(self) -> dict:
+        return {
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "sym": self.sym,
+            "desc_act": self.desc_act,
+            "checkpoint_format": self.checkpoint_format,
+        }
+
+
+@dataclass
+class GPTQLayer:
+    """One quantized Linear as stored on disk (packed), validated."""
+
+    name: str
+    bits: int
+    group_size: int  # resolved: never -1 (K when the checkpoint says -1)
+    in_features: int  # K
+    out_features: int  # N
+    qweight: torch.Tensor  # int32 [K * bits/32, N]
+    qzeros: torch.Tensor  # int32 [G, N * bits/32], v2 values (zero, not zero-1)
+    scales: torch.Tensor  # [G, N]
+    g_idx: torch.Tensor  # int64 [K]
+    bias: torch.Tensor | None
+
+
+@dataclass
+class GPTQCheckpoint:
+    path: Path
+    quant: QuantConfig
+    model_config: dict
+    layers: dict[str, GPTQLayer]
+    other_tensors: dict[str, torch.Tensor]  # embeddings, norms, float lm_head, ...
+    tensor_files: list[str]
+    sha256: str  # over the source's tensor files, in name order
+    side_files: list[str] = field(default_factory=list)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise SourceError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); fix or re-export the file") from None
+    if not isinstance(data, dict):
+        raise SourceError(f"{path}: expected a JSON object")
+    return data
+
+
+def read_quant_config(path: Path) -> QuantConfig:
+    """Read `quantize_config.json`, else `config.json["quantization_config"]`."""
+    qc_file = path / "quantize_config.json"
+    if qc_file.is_file():
+        raw, where = _read_json(qc_file), qc_file
+    else:
+        cfg_file = path / "config.json"
+        raw = _read_json(cfg_file).get("quantization_config") if cfg_file.is_file() else None
+        where = f"{cfg_file}[quantization_config]"
+        if not raw:
+            raise SourceError(f"{path}: no quantize_config.json and no quantization_config in config.json; is this a GPTQ checkpoint?")
+    method = raw.get("quant_method", "gptq")
+    if method != "gptq":
+        raise SourceError(f"{where}: quant_method is {method!r}; quantprep reads GPTQ checkpoints only")
+    if raw.get("dynamic"):
+        raise SourceError(f"{where}: per-layer 'dynamic' quantization overrides are not supported; re-quantize with one config for all layers")
+    try:
+        bits, group_size = int(raw["bits"]), int(raw.get("group_size", -1))
+    except (KeyError, TypeError, ValueError):
+        raise SourceError(f"{where}: 'bits' and 'group_size' must be integers") from None
+    if bits not in SUPPORTED_BITS:
+        raise SourceError(f"{where}: bits={bits} is not supported (only {SUPPORTED_BITS}); re-quantize to 4 or 8 bits")
+    if group_size != -1 and group_size <= 0:
+        raise SourceError(f"{where}: group_size={group_size} must be -1 or positive")
+    fmt = raw.get("checkpoint_format") or raw.get("format") or "gptq"
+    if fmt not in ("gptq", "gptq_v2"):
+        raise SourceError(f"{where}: checkpoint_format {fmt!r} is not supported (expected 'gptq' or 'gptq_v2')")
+    return QuantConfig(bits, group_size, bool(raw.get("sym", True)), bool(raw.get("desc_act", False)), fmt)
+
+
+def _tensor_files(path: Path) -> list[str]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise SourceError(f"{index}: no 'weight_map' object")
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise SourceError(f"{path}: no *.safetensors files (quantprep never reads pickle .bin files); convert the checkpoint to safetensors")
+    for f in files:
+        if not (path / f).is_file():
+            raise SourceError(f"{path / f}: listed in the index but missing")
+    return files
+
+
+def _sha256_files(path: Path, files: list[str]) -> str:
+    h = hashlib.sha256()
+    for name in files:
+        h.update(name.encode() + b"\0")
+        with open(path / name, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _check(cond: bool, tensor: str, problem: str) -> None:
+    if not cond:
+        raise SourceError(f"tensor {tensor}: {problem}; re-export or re-quantize the checkpoint")
+
+
+def _validate_layer(name: str, t: dict[str, torch.Tensor], q: QuantConfig) -> GPTQLayer:
+    for part in ("qweight", "qzeros", "scales"):
+        if part not in t:
+            raise SourceError(f"tensor {name}.{part}: missing (found {name}.qweight); the checkpoint is incomplete")
+    qweight, qzeros, scales = t["qweight"], t["qzeros"], t["scales"]
+    per = 32 // q.bits
+    _check(qweight.dtype == torch.int32 and qweight.dim() == 2, f"{name}.qweight", f"expected int32 2-D, got {qweight.dtype} {tuple(qweight.shape)}")
+    K, N = qweight.shape[0] * per, qweight.shape[1]
+    gs = K if q.group_size == -1 else q.group_size
+    G = math.ceil(K / gs)
+    _check(N % per == 0, f"{name}.qweight", f"out_features {N} is not a multiple of {per} (cannot pack qzeros at {q.bits} bits)")
+    _check(qzeros.dtype == torch.int32 and tuple(qzeros.shape) == (G, N // per),
+           f"{name}.qzeros", f"expected int32 {(G, N // per)} for K={K}, N={N}, group_size={q.group_size}, bits={q.bits}; got {qzeros.dtype} {tuple(qzeros.shape)}")
+    _check(scales.dtype in SCALE_DTYPES and tuple(scales.shape) == (G, N),
+           f"{name}.scales", f"expected float16/bfloat16/float32 {(G, N)} (G = ceil(K / group_size)); got {scales.dtype} {tuple(scales.shape)}")
+    _check(bool(torch.isfinite(scales).all()), f"{name}.scales", "contains NaN or Inf")
+    g_idx = t.get("g_idx")
+    if g_idx is None:
+        g_idx = torch.arange(K) // gs
+    else:
+        _check(g_idx.dtype in (torch.int32, torch.int64) and tuple(g_idx.shape) == (K,),
+               f"{name}.g_idx", f"expected int32 ({K},), got {g_idx.dtype} {tuple(g_idx.shape)}")
+        g_idx = g_idx.to(torch.int64)
+        _check(bool(((g_idx >= 0) & (g_idx < G)).all()), f"{name}.g_idx", f"values out of range [0, {G})")
+        # A valid grouping: every group holds group_size inputs, the last one the remainder.
+        counts = torch.bincount(g_idx, minlength=G)
+        expected = torch.full((G,), gs)
+        expected[-1] = K - gs * (G - 1)
+        _check(bool((counts == expected).all()), f"{name}.g_idx", f"is not a valid grouping (each group must hold {gs} inputs)")
+    bias = t.get("bias")
+    if bias is not None:
+        _check(bias.dim() == 1 and bias.shape[0] == N and bias.is_floating_point(), f"{name}.bias", f"expected float ({N},), got {bias.dtype} {tuple(bias.shape)}")
+    if q.checkpoint_format == "gptq":
+        from .gptq_format import v1_to_v2_qzeros
+
+        qzeros = v1_to_v2_qzeros(qzeros, q.bits)
+    return GPTQLayer(name, q.bits, gs, K, N, qweight, qzeros, scales, g_idx, bias)
+
+
+def read_checkpoint(path: str | os.PathLike) -> GPTQCheckpoint:
+    """Read and validate a GPTQ checkpoint directory (single or sharded safetensors)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise SourceError(f"{path}: not a directory; pass a GPTQ checkpoint directory")
+    quant = read_quant_config(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise SourceError(f"{cfg_file}: missing; a GPTQ checkpoint needs the model's config.json")
+    model_config = _read_json(cfg_file)
+    files = _tensor_files(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for fname in files:
+        try:
+            with safe_open(path / fname, framework="pt") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise SourceError(f"{path / fname}: cannot read safetensors file ({e}); re-download or re-export it") from None
+
+    parts_by_layer: dict[str, dict[str, torch.Tensor]] = {}
+    for key in tensors:
+        if key.endswith(".qweight"):
+            parts_by_layer[key[: -len(".qweight")]] = {}
+    other: dict[str, torch.Tensor] = {}
+    for key, t in tensors.items():
+        prefix, _, part = key.rpartition(".")
+        if prefix in parts_by_layer and part in ("qweight", "qzeros", "scales", "g_idx", "bias"):
+            parts_by_layer[prefix][part] = t
+        elif part in ("qzeros", "scales", "g_idx"):
+            raise SourceError(f"tensor {key}: has no matching {prefix}.qweight; the checkpoint is incomplete")
+        else:
+            other[key] = t
+    if not parts_by_layer:
+        raise SourceError(f"{path}: no '*.qweight' tensors found; is this a GPTQ checkpoint?")
+    layers = {name: _validate_layer(name, parts, quant) for name, parts in sorted(parts_by_layer.items())}
+    side = [f for f in SIDE_FILES if (path / f).is_file()]
+    return GPTQCheckpoint(path, quant, model_config, layers, other, files, _sha256_files(path, files), side)
+
+
+def is_gptq_dir(path: Path) -> bool:
+    if (path / "quantize_config.json").is_file():
+        return True
+    cfg = path / "config.json"
+    return cfg.is_file() and "quantization_config" in _read_json(cfg)
+
+
+def resolve_hub_model(repo_id: str, revision: str | None = None) -> Path:
+    """A hub id -> local snapshot dir, from the local cache first (works offline)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except Exception:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE"):
+        raise SourceError(f"{repo_id}: not in the local Hugging Face cache and offline mode is on; download it on a connected machine or pass --source PATH")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+    except Exception as e:
+        raise SourceError(f"{repo_id}: not in the local Hugging Face cache and could not be downloaded ({type(e).__name__}); pass --source PATH to a local copy") from None

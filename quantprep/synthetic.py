@@ -1,0 +1,80 @@
+"""Random GPTQ tensors and checkpoints with real shapes, for tests and load-time benchmarks.
+
+The codes are random, so the model's output is noise; the layout, sizes and every step of the
+pipeline are real. Quality is tested on checkpoints quantized by gptqmodel instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .gptq_format import pack_cols, pack_rows, v2_to_v1_qzeros
+
+
+def random_gptq_tensors(K: int, N: int, bits: int, group_size: int, sym: bool, act_order: bool, v1: bool,
+                        bias: bool = False, scale_dtype: torch.dtype = torch.float16,
+                        generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """On-disk GPTQ tensors of one Linear (K inputs, N outputs), as GPTQModel would write them."""
+    gs = K if group_size == -1 else group_size
+    G = math.ceil(K / gs)
+    maxq = (1 << bits) - 1
+    codes = torch.randint(0, maxq + 1, (K, N), generator=generator)
+    if sym:
+        zeros = torch.full((G, N), (maxq + 1) // 2)
+    else:
+        zeros = torch.randint(0, maxq + 1, (G, N), generator=generator)
+    scales = (torch.rand(G, N, generator=generator) * 0.02 + 0.001).to(scale_dtype)
+    if act_order:
+        order = torch.randperm(K, generator=generator)  # GPTQ quantizes inputs in this order
+        g_idx = torch.empty(K, dtype=torch.int32)
+        g_idx[order] = (torch.arange(K) // gs).to(torch.int32)
+    else:
+        g_idx = (torch.arange(K) // gs).to(torch.int32)
+    qzeros = pack_cols(zeros, bits)
+    t = {"qweight": pack_rows(codes, bits), "qzeros": v2_to_v1_qzeros(qzeros, bits) if v1 else qzeros,
+         "scales": scales, "g_idx": g_idx}
+    if bias:
+        t["bias"] = torch.randn(N, generator=generator).to(scale_dtype)
+    return t
+
+
+def write_random_checkpoint(out: Path, model_config: dict, bits: int = 4, group_size: int = 128,
+                            desc_act: bool = True, sym: bool = True, seed: int = 0) -> Path:
+    """A GPTQ checkpoint dir for a Llama/Qwen2-style config, with random codes (v1 format)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    g = torch.Generator().manual_seed(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = AutoConfig.for_model(**model_config)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(cfg)
+    tensors: dict[str, torch.Tensor] = {}
+    quantized = {n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    for name in sorted(quantized):
+        mod = skeleton.get_submodule(name)
+        layer = random_gptq_tensors(mod.in_features, mod.out_features, bits, group_size, sym, desc_act,
+                                    v1=True, bias=mod.bias is not None, generator=g)
+        tensors.update({f"{name}.{k}": v for k, v in layer.items()})
+    for name, p in skeleton.named_parameters():
+        if name.rsplit(".", 1)[0] in quantized:
+            continue
+        if name.endswith("norm.weight") or "layernorm" in name:
+            tensors[name] = torch.ones(p.shape, dtype=torch.float16)
+        else:
+            tensors[name] = (torch.randn(p.shape, generator=g) * 0.02).to(torch.float16)
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    qcfg = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
+            "checkpoint_format": "gptq"}
+    cfg_json = cfg.to_dict()
+    cfg_json["quantization_config"] = qcfg
+    cfg_json["torch_dtype"] = "float16"
+    (out / "config.json").write_text(json.dumps(cfg_json, indent=2))
+    (out / "quantize_config.json").write_text(json.dumps(qcfg, indent=2))
+    return out

@@ -1,0 +1,149 @@
+"""cpu target.
+
+int4: `aten._weight_int4pack_mm_for_cpu`. Weight packed by `_convert_weight_to_int4pack_for_cpu`
+from int32 codes [N, K] (the packed layout depends on the CPU ISA, so the ISA is part of the
+compatibility key). The kernel computes w = (q - 8) * scale + zero per group, so GPTQ's
+w = (q - z) * s becomes zero = (8 - z) * s. Kernel limits (torch 2.14): group size in
+{32, 64, 128, 256}, K divisible by it, N divisible by 16.
+
+GPTQ groups are often not kernel-friendly: group_size -1 (one group over K) or a partial last group
+(SmolLM2: K=576, group 128). We pick the largest kernel group size c that divides the GPTQ group
+size, repeat each GPTQ group's scale over its g/c kernel groups (exact), and zero-pad K only when
+c does not divide K. Padded inputs read zero activations, so they contribute nothing.
+
+int8: no upstream CPU kernel takes groups and zeros (`_weight_int8pack_mm` is per-channel
+symmetric), so the exact path keeps int8 codes and dequantizes per forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..prepack import UnpackedLayer
+
+KERNEL_GROUP_SIZES = (256, 128, 64, 32)
+N_ALIGN = 16
+
+
+def _torch_base_version() -> str:
+    return torch.__version__.split("+")[0]
+
+
+def kernel_group_size(group_size: int) -> int | None:
+    return next((c for c in KERNEL_GROUP_SIZES if group_size % c == 0), None)
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+class CpuInt4Linear(nn.Module):
+    def __init__(self, meta: dict, act_dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = meta["in_features"], meta["out_features"]
+        self.padded_in, self.padded_out = meta["padded_in"], meta["padded_out"]
+        self.kernel_group_size = meta["kernel_group_size"]
+        self.act_dtype = act_dtype
+        dev = torch.device("meta")
+        self.register_buffer("qweight", torch.empty(self.padded_out, self.padded_in // 2, dtype=torch.uint8, device=dev))
+        n_groups = self.padded_in // self.kernel_group_size
+        self.register_buffer("scales_and_zeros", torch.empty(n_groups, self.padded_out, 2, dtype=act_dtype, device=dev))
+        self.register_buffer("perm", torch.empty(self.in_features, dtype=torch.int32, device=dev) if meta["act_order"] else None)
+        self.register_buffer("bias", torch.empty(self.out_features, dtype=act_dtype, device=dev) if meta["bias"] else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.in_features).to(self.act_dtype)
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
+        if self.padded_in != self.in_features:
+            x = F.pad(x, (0, self.padded_in - self.in_features))
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
+        if self.padded_out != self.out_features:
+            y = y[:, : self.out_features]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, kernel_group={self.kernel_group_size}, act_order={self.perm is not None}"
+
+
+class CpuInt8Linear(nn.Module):
+    def __init__(self, meta: dict, act_dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = meta["in_features"], meta["out_features"]
+        self.group_size = meta["group_size"]
+        self.act_dtype = act_dtype
+        dev = torch.device("meta")
+        n_groups = -(-self.in_features // self.group_size)
+        self.register_buffer("qweight", torch.empty(self.in_features, self.out_features, dtype=torch.uint8, device=dev))
+        self.register_buffer("scales", torch.empty(n_groups, self.out_features, dtype=act_dtype, device=dev))
+        self.register_buffer("qzeros", torch.empty(n_groups, self.out_features, dtype=torch.uint8, device=dev))
+        self.register_buffer("perm", torch.empty(self.in_features, dtype=torch.int32, device=dev) if meta["act_order"] else None)
+        self.register_buffer("bias", torch.empty(self.out_features, dtype=act_dtype, device=dev) if meta["bias"] else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.act_dtype)
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        gs, k = self.group_size, self.in_features
+        # (code - zero) is an integer in [-255, 255]: exact in bf16/fp16, so only the scale rounds.
+        centered = self.qweight.to(self.act_dtype) - self.qzeros.to(self.act_dtype).repeat_interleave(gs, 0)[:k]
+        w = centered * self.scales.repeat_interleave(gs, 0)[:k]
+        y = x @ w
+        return y + self.bias if self.bias is not None else y
+
+
+class CpuTarget:
+    name = "cpu"
+    device = "cpu"
+    default_act_dtype = torch.bfloat16
+    layout_version = 1
+
+    def compat_key(self) -> dict:
+        return {"torch": _torch_base_version(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+    def runtime_problem(self) -> str | None:
+        return None  # a CPU is always present
+
+    def kernel(self, bits: int) -> str:
+        return "aten._weight_int4pack_mm_for_cpu" if bits == 4 else "dequant-int8-matmul"
+
+    def pack(self, layer: UnpackedLayer, act_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
+        from ..errors import SourceError
+
+        K, N, gs = layer.in_features, layer.out_features, layer.group_size
+        meta = {"bits": layer.bits, "in_features": K, "out_features": N, "group_size": gs,
+                "act_order": layer.perm is not None, "bias": layer.bias is not None}
+        tensors: dict[str, torch.Tensor] = {}
+        if layer.perm is not None:
+            tensors["perm"] = layer.perm.to(torch.int32)
+        if layer.bias is not None:
+            tensors["bias"] = layer.bias.to(act_dtype)
+        if layer.bits == 8:
+            tensors.update(qweight=layer.codes, scales=layer.scales.to(act_dtype), qzeros=layer.zeros)
+            return tensors, meta
+
+        c = kernel_group_size(gs)
+        if c is None:
+            raise SourceError(f"tensor {layer.name}.scales: group_size {gs} is not a multiple of 32; the cpu int4 kernel needs groups of 32/64/128/256")
+        Kp, Np = _round_up(K, c), _round_up(N, N_ALIGN)
+        codes = F.pad(layer.codes.T.to(torch.int32), (0, Kp - K, 0, Np - N), value=8)  # [Np, Kp]
+        group_of_kernel_group = torch.arange(Kp // c) * c // gs
+        s = layer.scales.float()[group_of_kernel_group]  # [Kp/c, N]
+        z = layer.zeros.float()[group_of_kernel_group]
+        sz = F.pad(torch.stack([s, (8 - z) * s], dim=-1), (0, 0, 0, Np - N))  # [Kp/c, Np, 2]
+        tensors["qweight"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        tensors["scales_and_zeros"] = sz.to(act_dtype)
+        meta.update(kernel_group_size=c, padded_in=Kp, padded_out=Np)
+        return tensors, meta
+
+    def make_module(self, meta: dict, act_dtype: torch.dtype) -> nn.Module:
+        cls = CpuInt4Linear if meta["bits"] == 4 else CpuInt8Linear
+        return cls(meta, act_dtype)
+
+
+TARGET = CpuTarget()
