@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import shutil
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20
 SHARD_BYTES = 2 << 30
+PROBES_FILE = "probes.safetensors"  # see verify.py
 TOP_KEYS = {"manifest_sha256", "format", "format_version", "quantprep_version", "created", "source", "quant", "target", "compat",
             "modules", "shards", "files"}
 
@@ -86,7 +87,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def write_artifact(out: Path, tensors: dict[str, torch.Tensor], manifest: dict, side_files_from: Path | None,
-                   side_files: list[str], progress: bool = True) -> Path:
+                   side_files: list[str], probes: dict[str, torch.Tensor] | None = None, progress: bool = True) -> Path:
     """Write `tensors` + side files + manifest to `out`, atomically. `manifest` lacks shards/files/created."""
     out = Path(out).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -101,15 +102,17 @@ def write_artifact(out: Path, tensors: dict[str, torch.Tensor], manifest: dict, 
     try:
         shards = _shard(tensors)
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        for name, shard in tqdm(list(zip(names, shards)), desc="write", unit="shard", disable=not progress):
+        for name, shard in tqdm(list(zip(names, shards, strict=True)), desc="write", unit="shard", disable=not progress):
             save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        if probes:
+            save_file(probes, str(tmp / PROBES_FILE), metadata={"format": "pt"})
         for name in side_files:
             shutil.copyfile(side_files_from / name, tmp / name)
         files = {}
         for p in sorted(tmp.iterdir()):
             _fsync(p)
             files[p.name] = {"sha256": sha256_file(p), "size": p.stat().st_size}
-        manifest = dict(manifest, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        manifest = dict(manifest, created=datetime.now(UTC).isoformat(timespec="seconds"),
                         shards=names, files=files)
         manifest["manifest_sha256"] = manifest_digest(manifest)
         write_json_durably(tmp / MANIFEST, manifest)

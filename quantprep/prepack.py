@@ -60,16 +60,24 @@ def unpack_layer(layer: GPTQLayer) -> UnpackedLayer:
                          codes, zeros, layer.scales, perm, layer.bias)
 
 
-def prepack_checkpoint(ckpt: GPTQCheckpoint, target, act_dtype: torch.dtype, progress: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-    """Returns (tensors for the artifact, per-module metadata for the manifest)."""
+def prepack_checkpoint(ckpt: GPTQCheckpoint, target, act_dtype: torch.dtype, progress: bool = True
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict[str, torch.Tensor]]:
+    """Returns (tensors for the artifact, per-module metadata for the manifest, verify probes)."""
+    from .verify import make_probe, probe_layer_names
+
     tensors: dict[str, torch.Tensor] = {}
     modules: dict[str, dict] = {}
+    probes: dict[str, torch.Tensor] = {}
+    probe_names = probe_layer_names(list(ckpt.layers))
     for name, layer in tqdm(ckpt.layers.items(), desc=f"prepack {target.name}", unit="layer", disable=not progress):
-        packed, meta = target.pack(unpack_layer(layer), act_dtype)
+        unpacked = unpack_layer(layer)
+        if name in probe_names:
+            probes.update(make_probe(unpacked))
+        packed, meta = target.pack(unpacked, act_dtype)
         for part, t in packed.items():
             tensors[f"{name}.{part}"] = t.contiguous()
         modules[name] = meta
     for key, t in ckpt.other_tensors.items():
         # Float weights are stored in the activation dtype so loading is a zero-copy mmap.
         tensors[key] = (t.to(act_dtype) if t.is_floating_point() else t).contiguous()
-    return tensors, modules
+    return tensors, modules, probes

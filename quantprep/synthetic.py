@@ -16,10 +16,9 @@ from safetensors.torch import save_file
 from .gptq_format import pack_cols, pack_rows, v2_to_v1_qzeros
 
 
-def random_gptq_tensors(K: int, N: int, bits: int, group_size: int, sym: bool, act_order: bool, v1: bool,
-                        bias: bool = False, scale_dtype: torch.dtype = torch.float16,
-                        generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-    """On-disk GPTQ tensors of one Linear (K inputs, N outputs), as GPTQModel would write them."""
+def random_gptq_codes(K: int, N: int, bits: int, group_size: int, sym: bool, act_order: bool,
+                      scale_dtype: torch.dtype = torch.float16, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """Unpacked GPTQ values of one Linear: codes [K, N], zeros [G, N] (v2), scales [G, N], g_idx [K]."""
     gs = K if group_size == -1 else group_size
     G = math.ceil(K / gs)
     maxq = (1 << bits) - 1
@@ -35,9 +34,21 @@ def random_gptq_tensors(K: int, N: int, bits: int, group_size: int, sym: bool, a
         g_idx[order] = (torch.arange(K) // gs).to(torch.int32)
     else:
         g_idx = (torch.arange(K) // gs).to(torch.int32)
-    qzeros = pack_cols(zeros, bits)
-    t = {"qweight": pack_rows(codes, bits), "qzeros": v2_to_v1_qzeros(qzeros, bits) if v1 else qzeros,
-         "scales": scales, "g_idx": g_idx}
+    return {"codes": codes, "zeros": zeros, "scales": scales, "g_idx": g_idx}
+
+
+def pack_gptq(values: dict[str, torch.Tensor], bits: int, v1: bool) -> dict[str, torch.Tensor]:
+    """Unpacked values -> on-disk GPTQ tensors (v1 stores zero-1, as GPTQModel saves by default)."""
+    qzeros = pack_cols(values["zeros"], bits)
+    return {"qweight": pack_rows(values["codes"], bits), "qzeros": v2_to_v1_qzeros(qzeros, bits) if v1 else qzeros,
+            "scales": values["scales"], "g_idx": values["g_idx"]}
+
+
+def random_gptq_tensors(K: int, N: int, bits: int, group_size: int, sym: bool, act_order: bool, v1: bool,
+                        bias: bool = False, scale_dtype: torch.dtype = torch.float16,
+                        generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """On-disk GPTQ tensors of one Linear (K inputs, N outputs), as GPTQModel would write them."""
+    t = pack_gptq(random_gptq_codes(K, N, bits, group_size, sym, act_order, scale_dtype, generator), bits, v1)
     if bias:
         t["bias"] = torch.randn(N, generator=generator).to(scale_dtype)
     return t

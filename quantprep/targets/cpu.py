@@ -31,8 +31,11 @@ def _torch_base_version() -> str:
     return torch.__version__.split("+")[0]
 
 
-def kernel_group_size(group_size: int) -> int | None:
-    return next((c for c in KERNEL_GROUP_SIZES if group_size % c == 0), None)
+def kernel_group_size(group_size: int, in_features: int) -> int | None:
+    """Largest kernel group dividing the GPTQ group; one that also divides K avoids padding.
+    A single group over all of K (group_size -1) has one scale, so any kernel group fits."""
+    fits = [c for c in KERNEL_GROUP_SIZES if group_size % c == 0 or group_size >= in_features]
+    return next((c for c in fits if in_features % c == 0), fits[0] if fits else None)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -127,7 +130,7 @@ class CpuTarget:
             tensors.update(qweight=layer.codes, scales=layer.scales.to(act_dtype), qzeros=layer.zeros)
             return tensors, meta
 
-        c = kernel_group_size(gs)
+        c = kernel_group_size(gs, K)
         if c is None:
             raise SourceError(f"tensor {layer.name}.scales: group_size {gs} is not a multiple of 32; the cpu int4 kernel needs groups of 32/64/128/256")
         Kp, Np = _round_up(K, c), _round_up(N, N_ALIGN)

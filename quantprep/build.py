@@ -1,0 +1,115 @@
+"""The pipeline, end to end: source -> prepack -> artifact, for one or more targets."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .artifact import FORMAT, FORMAT_VERSION, write_artifact
+from .errors import RecipeError, SourceError
+from .prepack import prepack_checkpoint
+from .recipes import Recipe
+from .source import GPTQCheckpoint, is_gptq_dir, read_checkpoint, resolve_hub_model
+from .targets import get_target
+
+DEFAULT_OUT = Path("artifacts")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("QUANTPREP_CACHE", DEFAULT_OUT / ".cache")).absolute()
+
+
+def _quant_key(recipe: Recipe, source_id: str) -> str:
+    spec = {"source": source_id, "bits": recipe.bits, "group_size": recipe.group_size, "desc_act": recipe.desc_act,
+            "sym": recipe.sym, "calibration": recipe.calibration, "samples": recipe.samples}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _quantize(recipe: Recipe, float_dir: Path, source_id: str) -> Path:
+    from .quantize import builtin_calibration, quantize_gptq
+
+    if recipe.calibration != "builtin":
+        raise RecipeError(f"{recipe.path}: quantize.calibration {recipe.calibration!r} is not supported (use 'builtin')")
+    out = cache_dir() / "gptq" / f"{recipe.name}-{_quant_key(recipe, source_id)}"
+    print(f"quantize {source_id} -> {out} (gptqmodel, {recipe.bits}-bit, group {recipe.group_size}, "
+          f"desc_act={recipe.desc_act}, sym={recipe.sym}, {recipe.samples} texts)", flush=True)
+    return quantize_gptq(float_dir, out, recipe.bits, recipe.group_size, recipe.desc_act, recipe.sym,
+                         builtin_calibration(recipe.samples))
+
+
+def resolve_source(recipe: Recipe, source: str | None) -> tuple[Path, dict]:
+    """Returns (GPTQ checkpoint dir, source identity for the manifest). Quantizes when needed."""
+    if source is not None:
+        p = Path(source)
+        if p.exists():
+            return _from_dir(recipe, p, {"path": str(p.absolute())})
+        if source.count("/") == 1 and not source.startswith((".", "/")):
+            return _from_dir(recipe, resolve_hub_model(source), {"id": source})
+        raise SourceError(f"{source}: no such directory (and not a hub id like org/name)")
+    src = recipe.source
+    if "path" in src:
+        p = Path(src["path"]).expanduser()
+        if not p.exists():
+            raise SourceError(f"{recipe.path}: source.path {p} does not exist")
+        return _from_dir(recipe, p, {"path": str(p.absolute())})
+    if "hub" in src:
+        return _from_dir(recipe, resolve_hub_model(src["hub"], src.get("revision")),
+                         {"id": src["hub"], "revision": src.get("revision")})
+    from .quantize import export_gguf, find_gguf
+
+    gguf = find_gguf(src["gguf_package"], src.get("gguf_file"))
+    source_id = f"{src['gguf_package']}:{gguf.name}"
+    float_dir = export_gguf(gguf, cache_dir() / "float" / recipe.name)
+    return _quantize(recipe, float_dir, source_id), {"id": source_id, "quantized_by": "gptqmodel"}
+
+
+def _from_dir(recipe: Recipe, path: Path, identity: dict) -> tuple[Path, dict]:
+    if not path.is_dir():
+        raise SourceError(f"{path}: not a directory; pass a GPTQ checkpoint or float model directory")
+    if is_gptq_dir(path):
+        return path, identity
+    if not (path / "config.json").is_file():
+        raise SourceError(f"{path}: no config.json; not a Hugging Face model directory")
+    source_id = identity.get("id") or identity["path"]
+    return _quantize(recipe, path, source_id), dict(identity, quantized_by="gptqmodel")
+
+
+def build_manifest(ckpt: GPTQCheckpoint, target, act_dtype: torch.dtype, modules: dict, identity: dict) -> dict:
+    bits = sorted({m["bits"] for m in modules.values()})
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "quantprep_version": __version__,
+        "source": dict(identity, gptq_path=str(ckpt.path.absolute()), sha256=ckpt.sha256, files=ckpt.tensor_files),
+        "quant": ckpt.quant.to_json(),
+        "target": {"name": target.name, "device": target.device, "kernels": {str(b): target.kernel(b) for b in bits},
+                   "layout_version": target.layout_version, "act_dtype": str(act_dtype).removeprefix("torch.")},
+        "compat": target.compat_key(),
+        "modules": modules,
+    }
+
+
+def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for, act_dtype: str | None = None,
+                    progress: bool = True) -> list[dict]:
+    """Read the checkpoint once, then prepack + write one artifact per target. `out_for(target)` -> dir."""
+    resolved = [get_target(t) for t in targets]  # unknown target names fail before any work
+    ckpt = read_checkpoint(gptq_dir)
+    results = []
+    for target in resolved:
+        t0 = time.perf_counter()
+        dt = getattr(torch, act_dtype) if act_dtype else target.default_act_dtype
+        tensors, modules, probes = prepack_checkpoint(ckpt, target, dt, progress=progress)
+        t1 = time.perf_counter()
+        out = write_artifact(out_for(target.name), tensors, build_manifest(ckpt, target, dt, modules, identity),
+                             ckpt.path, ckpt.side_files, probes, progress=progress)
+        t2 = time.perf_counter()
+        size = sum(p.stat().st_size for p in out.iterdir())
+        results.append({"target": target.name, "path": str(out), "bytes": size, "layers": len(modules),
+                        "prepack_s": round(t1 - t0, 3), "write_s": round(t2 - t1, 3)})
+    return results

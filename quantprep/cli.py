@@ -1,0 +1,189 @@
+"""`quantprep` command line. User errors: one line on stderr, exit 2, no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .errors import QuantprepError
+
+
+def _print_json_or(args, data, text: str) -> None:
+    print(json.dumps(data, indent=2) if args.json else text)
+
+
+def cmd_build(args) -> int:
+    from .build import DEFAULT_OUT, build_artifacts, resolve_source
+    from .recipes import find_recipe
+    from .targets import get_target
+
+    recipe = find_recipe(args.recipe)
+    targets = args.target or recipe.targets
+    for t in targets:
+        get_target(t)  # unknown names fail before quantizing
+    gptq_dir, identity = resolve_source(recipe, args.source)
+    out_root = Path(args.out) if args.out else DEFAULT_OUT / recipe.name
+    results = build_artifacts(gptq_dir, identity, targets, lambda t: out_root / t, recipe.act_dtype,
+                              progress=not args.json)
+    if args.check:
+        for r in results:
+            if get_target(r["target"]).runtime_problem() is None:
+                r["check"] = _fresh_process_generate(Path(r["path"]), recipe.prompt, recipe.max_new_tokens, quiet=args.json)
+    _print_json_or(args, results, "\n".join(f"wrote {r['path']} ({r['bytes'] / 2**20:.1f} MiB, {r['layers']} layers, "
+                                            f"prepack {r['prepack_s']:.2f} s)" for r in results))
+    return 0
+
+
+def _fresh_process_generate(path: Path, prompt: str, max_new_tokens: int, quiet: bool) -> dict:
+    """Load the artifact back in a new Python process (nothing cached in this one) and generate."""
+    cmd = [sys.executable, "-m", "quantprep", "generate", str(path), "--prompt", prompt,
+           "--max-new-tokens", str(max_new_tokens), "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise QuantprepError(f"{path}: the fresh-process load check failed: {proc.stderr.strip().splitlines()[-1:]}")
+    result = json.loads(proc.stdout)
+    if not quiet:
+        print(f"{path}: fresh process loaded in {result['load_s']:.2f} s, first token after {result['first_token_s']:.2f} s")
+        print(f"  prompt: {prompt}\n  completion: {result['completion']!r}")
+    return result
+
+
+def cmd_prepack(args) -> int:
+    from .build import build_artifacts
+    from .source import is_gptq_dir
+
+    src = Path(args.gptq_dir)
+    if not src.is_dir():
+        raise QuantprepError(f"{src}: no such directory; pass a GPTQ checkpoint directory")
+    if not is_gptq_dir(src):
+        raise QuantprepError(f"{src}: not a GPTQ checkpoint (no quantize_config.json or quantization_config); use `quantprep build RECIPE --source {src}` to quantize a float model")
+    results = build_artifacts(src, {"path": str(src.absolute())}, [args.target], lambda t: Path(args.out),
+                              args.act_dtype, progress=not args.json)
+    r = results[0]
+    _print_json_or(args, r, f"wrote {r['path']} ({r['bytes'] / 2**20:.1f} MiB, {r['layers']} layers, prepack {r['prepack_s']:.2f} s)")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from .artifact import read_manifest
+
+    m = read_manifest(Path(args.dir))
+    if args.json:
+        print(json.dumps(m, indent=2))
+        return 0
+    t, q = m["target"], m["quant"]
+    size = sum(f["size"] for f in m["files"].values())
+    print(f"artifact   {args.dir}")
+    print(f"source     {m['source'].get('id') or m['source'].get('path')} (sha256 {m['source']['sha256'][:16]}...)")
+    print(f"quant      {q['bits']}-bit, group {q['group_size']}, desc_act={q['desc_act']}, sym={q['sym']}, from {q['checkpoint_format']}")
+    print(f"target     {t['name']} ({', '.join(t['kernels'].values())}), layout v{t['layout_version']}, act {t['act_dtype']}")
+    print(f"compat     {', '.join(f'{k}={v}' for k, v in m['compat'].items())}")
+    print(f"modules    {len(m['modules'])} quantized linears, act-order on {sum(x['act_order'] for x in m['modules'].values())}")
+    print(f"files      {len(m['files'])}, {size / 2**20:.1f} MiB; built {m['created']} by quantprep {m['quantprep_version']}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from .verify import verify_artifact
+
+    report = verify_artifact(Path(args.dir))
+    lines = [f"{args.dir}: {report['files']} files, sha256 ok"]
+    lines += [f"  {r['layer']}: rel err {r['rel_err']:.2e} (tol {r['tol']:.0e}) ok" for r in report["numeric"]]
+    if report["skipped"]:
+        lines.append(f"  {report['skipped']}")
+    _print_json_or(args, report, "\n".join(lines))
+    return 0
+
+
+def cmd_list(args) -> int:
+    from .recipes import list_recipes, parse_recipe
+
+    rows = [parse_recipe(p) for p in list_recipes()]
+    _print_json_or(args, [{"name": r.name, "description": r.description, "targets": r.targets} for r in rows],
+                   "\n".join(f"{r.name:16s} {r.description} (targets: {', '.join(r.targets)})" for r in rows))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    t0 = time.perf_counter()
+    import torch
+
+    from . import load
+
+    model = load(args.dir)
+    t1 = time.perf_counter()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.dir)
+    if tok.chat_template:
+        enc = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)
+    else:
+        enc = tok(args.prompt, return_tensors="pt")
+    with torch.no_grad():
+        model.generate(**enc, max_new_tokens=1, do_sample=False)
+        t2 = time.perf_counter()
+        out = model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False)
+    completion = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    result = {"load_s": t1 - t0, "first_token_s": t2 - t0, "completion": completion}
+    _print_json_or(args, result, f"load {result['load_s']:.2f} s, first token {result['first_token_s']:.2f} s\n{completion}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="quantprep", description="Prepare GPTQ models offline so serving loads them in seconds.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("build", help="source -> prepack -> artifact for a recipe")
+    b.add_argument("recipe", help="recipe name (see `quantprep list`) or path to a .toml file")
+    b.add_argument("--source", help="GPTQ checkpoint dir, float model dir, or hub id (overrides the recipe's source)")
+    b.add_argument("--target", action="append", help="target (repeatable); default: the recipe's targets")
+    b.add_argument("--out", help="output root; artifacts go to OUT/<target> (default artifacts/<recipe>)")
+    b.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="load each artifact runnable here in a fresh process and generate (default: on)")
+    b.add_argument("--json", action="store_true", help="print a JSON summary")
+    b.set_defaults(func=cmd_build)
+
+    pp = sub.add_parser("prepack", help="an existing GPTQ checkpoint dir -> artifact")
+    pp.add_argument("gptq_dir")
+    pp.add_argument("--target", required=True)
+    pp.add_argument("--out", required=True)
+    pp.add_argument("--act-dtype", choices=["bfloat16", "float16", "float32"], help="default: the target's")
+    pp.add_argument("--json", action="store_true")
+    pp.set_defaults(func=cmd_prepack)
+
+    for name, func, helptext in (("inspect", cmd_inspect, "summarize an artifact's manifest"),
+                                 ("verify", cmd_verify, "check file hashes and a numeric spot check")):
+        s = sub.add_parser(name, help=helptext)
+        s.add_argument("dir")
+        s.add_argument("--json", action="store_true")
+        s.set_defaults(func=func)
+
+    lp = sub.add_parser("list", help="list recipes")
+    lp.add_argument("--json", action="store_true")
+    lp.set_defaults(func=cmd_list)
+
+    g = sub.add_parser("generate", help="load an artifact and generate a greedy completion")
+    g.add_argument("dir")
+    g.add_argument("--prompt", default="What is the capital of France?")
+    g.add_argument("--max-new-tokens", type=int, default=16)
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(func=cmd_generate)
+
+    args = p.parse_args(argv)
+    try:
+        return args.func(args)
+    except QuantprepError as e:
+        print(f"quantprep: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("quantprep: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

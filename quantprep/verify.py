@@ -1,0 +1,94 @@
+"""Numeric spot check that travels with the artifact.
+
+At build time, for a few layers (first, middle, last) we store a random input and the output of
+the dense float32 dequantized reference computed from the GPTQ source (`probes.safetensors`).
+`quantprep verify` rebuilds just those modules from the artifact, runs the kernel and compares,
+so an artifact can be checked on the serving machine without the source checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .artifact import PROBES_FILE, check_files, read_manifest
+from .errors import ArtifactError
+from .prepack import UnpackedLayer
+
+PROBE_ROWS = 4
+# Relative error bounds vs the float32 reference. The kernels round the activations and the
+# folded zero (8 - z) * s to the activation dtype (bf16 has 8 mantissa bits: ~0.4% per element)
+# and accumulate in float32; measured errors sit 3-10x below these bounds.
+REL_TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
+
+
+def probe_layer_names(names: list[str]) -> set[str]:
+    names = sorted(names)
+    return {names[0], names[len(names) // 2], names[-1]}
+
+
+def make_probe(layer: UnpackedLayer, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A fresh random input and the dense float32 reference output for one layer."""
+    x = torch.randn(PROBE_ROWS, layer.in_features, generator=torch.Generator().manual_seed(seed))
+    y = x @ layer.dequantize()
+    if layer.bias is not None:
+        y = y + layer.bias.float()
+    return {f"{layer.name}.x": x, f"{layer.name}.y": y}
+
+
+def run_probes(path: Path, manifest: dict, target, device: str | None = None) -> list[dict]:
+    """Returns one row per probed layer: name, rel_err, tol, ok."""
+    dtype = getattr(torch, manifest["target"]["act_dtype"])
+    tol = REL_TOL[manifest["target"]["act_dtype"]]
+    device = device or target.device
+    rows = []
+    with safe_open(path / PROBES_FILE, framework="pt") as probes:
+        names = sorted({k.rsplit(".", 1)[0] for k in probes.keys()})
+        shard_handles = [safe_open(path / s, framework="pt", device=device) for s in manifest["shards"]]
+        keys = [set(h.keys()) for h in shard_handles]
+        for name in names:
+            meta = manifest["modules"].get(name)
+            if meta is None:
+                raise ArtifactError(f"{path / PROBES_FILE}: probe {name} has no module in manifest.json; rebuild the artifact")
+            module = target.make_module(meta, dtype)
+            state = {}
+            for part in list(module.state_dict(keep_vars=True)):
+                key = f"{name}.{part}"
+                h = next((h for h, k in zip(shard_handles, keys, strict=True) if key in k), None)
+                if h is None:
+                    raise ArtifactError(f"{path}: tensor {key} is missing from the artifact; rebuild it")
+                state[part] = h.get_tensor(key)
+            module.load_state_dict(state, assign=True)
+            x, y_ref = probes.get_tensor(f"{name}.x"), probes.get_tensor(f"{name}.y")
+            with torch.no_grad():
+                y = module(x.to(device=device, dtype=dtype)).float().cpu()
+            rel = ((y - y_ref).norm() / y_ref.norm()).item()
+            rows.append({"layer": name, "rel_err": rel, "tol": tol, "ok": bool(rel <= tol)})
+    return rows
+
+
+def verify_artifact(path: Path) -> dict:
+    """Full check: manifest, every file's size and sha256, then the numeric probes if this machine
+    can run the target's kernels. Raises ArtifactError on the first problem."""
+    from .errors import ArtifactMismatch
+    from .load import check_compat
+    from .targets import get_target
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    check_files(path, manifest, full_hash=True)
+    report = {"path": str(path), "files": len(manifest["files"]), "hashes": "ok", "numeric": [], "skipped": None}
+    target = get_target(manifest["target"]["name"])
+    try:
+        check_compat(path, manifest, target)
+    except ArtifactMismatch as e:
+        report["skipped"] = f"numeric check skipped: {e}"
+        return report
+    report["numeric"] = run_probes(path, manifest, target)
+    bad = [r for r in report["numeric"] if not r["ok"]]
+    if bad:
+        r = bad[0]
+        raise ArtifactError(f"{path}: layer {r['layer']} differs from the dense reference (rel err {r['rel_err']:.2e} > {r['tol']:.0e}); the artifact is wrong: rebuild it")
+    return report

@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny Qwen2 models quantized by the real gptqmodel (seconds, not minutes).
+
+The tiny model is chosen to hit the hard cases of real checkpoints: attention bias (q/k/v),
+tied embeddings, a partial last group (down_proj K=320 with group 128), act-order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parent.parent
+CALIB = (REPO / "quantprep" / "calibration.txt").read_text()
+
+
+def make_tiny_float_model(out: Path, seed: int = 0) -> Path:
+    """A 2-layer Qwen2 with a word-level tokenizer built from the calibration texts."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    words = sorted(set(CALIB.replace("\n", " ").split()))
+    vocab = {"<unk>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>", pad_token="<eos>")
+    cfg = AutoConfig.for_model("qwen2", vocab_size=len(vocab), hidden_size=128, intermediate_size=320,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=1, pad_token_id=1)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def quantize_tiny(float_dir: Path, out: Path, **qc) -> Path:
+    """Quantize in a subprocess: gptqmodel starts worker pools we do not want inside pytest."""
+    code = (
+        "import sys, json; from quantprep.quantize import quantize_gptq, builtin_calibration; "
+        "from pathlib import Path; a = json.loads(sys.argv[1]); "
+        "quantize_gptq(Path(a['src']), Path(a['out']), a['bits'], a['group_size'], a['desc_act'], a['sym'], builtin_calibration(17))"
+    )
+    arg = json.dumps({"src": str(float_dir), "out": str(out), **qc})
+    subprocess.run([sys.executable, "-c", code, arg], check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_float(tmp_path_factory) -> Path:
+    return make_tiny_float_model(tmp_path_factory.mktemp("tiny") / "float")
+
+
+@pytest.fixture(scope="session")
+def tiny_gptq4(tiny_float, tmp_path_factory) -> Path:
+    """4-bit, group 128, act-order, symmetric: the recipe default."""
+    return quantize_tiny(tiny_float, tmp_path_factory.mktemp("q4") / "gptq", bits=4, group_size=128, desc_act=True, sym=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_gptq8(tiny_float, tmp_path_factory) -> Path:
+    """8-bit, group 32, no act-order, asymmetric."""
+    return quantize_tiny(tiny_float, tmp_path_factory.mktemp("q8") / "gptq", bits=8, group_size=32, desc_act=False, sym=False)

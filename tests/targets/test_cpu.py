@@ -1,0 +1,70 @@
+"""cpu target: every prepacked linear equals the dense float32 reference on fresh random inputs.
+
+Tolerances (relative Frobenius error of the output): float32 activations 1e-5 (only float32
+summation order and the folded zero (8 - z) * s rounding differ); bfloat16 2e-2 (activations and
+scales round to 8 mantissa bits, ~0.4% per element; measured ~3e-3).
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from quantprep.prepack import unpack_layer
+from quantprep.source import QuantConfig, _validate_layer
+from quantprep.synthetic import random_gptq_tensors
+from quantprep.targets import get_target
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+CPU = get_target("cpu")
+
+
+def _module_for(raw, q, dtype):
+    layer = unpack_layer(_validate_layer("m", raw, q))
+    tensors, meta = CPU.pack(layer, dtype)
+    module = CPU.make_module(meta, dtype)
+    module.load_state_dict(tensors, assign=True)
+    return layer, module, meta
+
+
+@pytest.mark.parametrize("bits,group_size,sym,act_order,v1", list(itertools.product([4, 8], [-1, 32, 64, 128], [True, False], [True, False], [True, False])))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_linear_matches_dense(bits, group_size, sym, act_order, v1, dtype):
+    # K=576 with group 128 (partial last group, as SmolLM2); N=200 is not a multiple of 16.
+    K, N = 576, 200
+    gen = torch.Generator().manual_seed(hash((bits, group_size, sym, act_order, v1)) % 2**31)
+    raw = random_gptq_tensors(K, N, bits, group_size, sym, act_order, v1, bias=True, generator=gen)
+    q = QuantConfig(bits, group_size, sym, act_order, "gptq" if v1 else "gptq_v2")
+    layer, module, _ = _module_for(raw, q, dtype)
+    x = torch.randn(2, 7, K)  # fresh inputs, batched 3-D as in a transformer
+    ref = x @ layer.dequantize() + layer.bias.float()
+    with torch.no_grad():
+        y = module(x.to(dtype)).float()
+    assert y.shape == (2, 7, N)
+    rel = ((y - ref).norm() / ref.norm()).item()
+    assert rel < TOL[dtype], f"rel err {rel:.2e}"
+    top1 = (y.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert top1 >= (1.0 if dtype == torch.float32 else 0.85)
+
+
+def test_kernel_group_and_padding_choice():
+    gen = torch.Generator().manual_seed(0)
+    q = QuantConfig(4, 128, True, True, "gptq")
+    _, _, meta = _module_for(random_gptq_tensors(576, 200, 4, 128, True, True, True, generator=gen), q, torch.bfloat16)
+    # 576 = 4.5 groups of 128: kernel groups of 64 divide both, so no K padding; N pads to 208.
+    assert (meta["kernel_group_size"], meta["padded_in"], meta["padded_out"]) == (64, 576, 208)
+    q = QuantConfig(4, -1, True, False, "gptq")
+    _, _, meta = _module_for(random_gptq_tensors(200, 64, 4, -1, True, False, True, generator=gen), q, torch.bfloat16)
+    assert (meta["kernel_group_size"], meta["padded_in"]) == (32, 224)  # 200 -> padded to a multiple of 32
+
+
+def test_a_wrong_zero_is_caught():
+    """The reference comparison must be able to fail: corrupt one zero and the error explodes."""
+    gen = torch.Generator().manual_seed(1)
+    q = QuantConfig(4, 32, False, True, "gptq_v2")
+    layer, module, _ = _module_for(random_gptq_tensors(256, 64, 4, 32, False, True, False, generator=gen), q, torch.float32)
+    module.scales_and_zeros[0, :, 1] += module.scales_and_zeros[0, :, 0]  # zero off by one code
+    x = torch.randn(4, 256)
+    ref = x @ layer.dequantize()
+    rel = ((module(x) - ref).norm() / ref.norm()).item()
+    assert rel > 1e-2
