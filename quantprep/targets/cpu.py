@@ -32,10 +32,10 @@ def _torch_base_version() -> str:
 
 
 def kernel_group_size(group_size: int, in_features: int) -> int | None:
-    """Largest kernel group dividing the GPTQ group; one that also divides K avoids padding.
+    """The kernel group dividing the GPTQ group that pads K least (then the largest).
     A single group over all of K (group_size -1) has one scale, so any kernel group fits."""
     fits = [c for c in KERNEL_GROUP_SIZES if group_size % c == 0 or group_size >= in_features]
-    return next((c for c in fits if in_features % c == 0), fits[0] if fits else None)
+    return min(fits, key=lambda c: (_round_up(in_features, c), -c), default=None)
 
 
 def _round_up(x: int, m: int) -> int:

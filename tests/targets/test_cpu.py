@@ -36,15 +36,16 @@ def test_prepacked_linear_matches_dense(bits, group_size, sym, act_order, v1, dt
     raw = random_gptq_tensors(K, N, bits, group_size, sym, act_order, v1, bias=True, generator=gen)
     q = QuantConfig(bits, group_size, sym, act_order, "gptq" if v1 else "gptq_v2")
     layer, module, _ = _module_for(raw, q, dtype)
-    x = torch.randn(2, 7, K)  # fresh inputs, batched 3-D as in a transformer
+    x = torch.randn(4, 64, K)  # fresh inputs, batched 3-D as in a transformer
     ref = x @ layer.dequantize() + layer.bias.float()
     with torch.no_grad():
         y = module(x.to(dtype)).float()
-    assert y.shape == (2, 7, N)
+    assert y.shape == (4, 64, N)
     rel = ((y - ref).norm() / ref.norm()).item()
     assert rel < TOL[dtype], f"rel err {rel:.2e}"
+    # Top-1 over 256 rows: bf16 flips near-ties (~1% of rows measured), float32 may flip exact near-ties only.
     top1 = (y.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    assert top1 >= (1.0 if dtype == torch.float32 else 0.85)
+    assert top1 >= (0.99 if dtype == torch.float32 else 0.9)
 
 
 def test_kernel_group_and_padding_choice():
