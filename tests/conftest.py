@@ -69,3 +69,60 @@ def tiny_gptq4(tiny_float, tmp_path_factory) -> Path:
 def tiny_gptq8(tiny_float, tmp_path_factory) -> Path:
     """8-bit, group 32, no act-order, asymmetric."""
     return quantize_tiny(tiny_float, tmp_path_factory.mktemp("q8") / "gptq", bits=8, group_size=32, desc_act=False, sym=False)
+
+
+GPTQMODEL_RUN = r"""
+import sys, torch
+from safetensors.torch import load_file, save_file
+from gptqmodel import BACKEND, GPTQModel
+gptq_dir, io = sys.argv[1], sys.argv[2]
+ids = load_file(io)["input_ids"]
+# TORCH backend: GPTQModel's default CPU kernels crash on K % group_size != 0; it runs fp16/bf16 only.
+gm = GPTQModel.load(gptq_dir, backend=BACKEND.TORCH, device="cpu", dtype=torch.float16)
+with torch.no_grad():
+    logits = gm.model(input_ids=ids).logits.float()
+    greedy = gm.generate(input_ids=ids[:1], attention_mask=torch.ones_like(ids[:1]), max_new_tokens=int(sys.argv[3]), do_sample=False)
+save_file({"logits": logits, "greedy": greedy[:, ids.shape[1]:].contiguous()}, io)
+"""
+
+
+def gptqmodel_run(gptq_dir: Path, input_ids: torch.Tensor, tmp: Path, new_tokens: int = 16) -> dict[str, torch.Tensor]:
+    """Logits and a greedy continuation from the real GPTQModel, in a fresh process."""
+    from safetensors.torch import load_file, save_file
+
+    io = tmp / "gptqmodel_io.safetensors"
+    save_file({"input_ids": input_ids.contiguous()}, str(io))
+    proc = subprocess.run([sys.executable, "-c", GPTQMODEL_RUN, str(gptq_dir), str(io), str(new_tokens)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return load_file(io)
+
+
+def dense_reference_model(gptq_dir: Path, dtype: torch.dtype = torch.float32):
+    """The same checkpoint with every quantized weight dequantized to a dense float Linear."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantprep.prepack import unpack_layer
+    from quantprep.source import read_checkpoint
+
+    ckpt = read_checkpoint(gptq_dir)
+    config = AutoConfig.from_pretrained(gptq_dir)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {k: v.to(dtype) for k, v in ckpt.other_tensors.items()}
+    for name, layer in ckpt.layers.items():
+        state[f"{name}.weight"] = unpack_layer(layer).dequantize().T.to(dtype)
+        if layer.bias is not None:
+            state[f"{name}.bias"] = layer.bias.to(dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def top1(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return (a.argmax(-1) == ref.argmax(-1)).float().mean().item()
