@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -37,10 +39,15 @@ def _quantize(recipe: Recipe, float_dir: Path, source_id: str) -> Path:
     if recipe.calibration != "builtin":
         raise RecipeError(f"{recipe.path}: quantize.calibration {recipe.calibration!r} is not supported (use 'builtin')")
     out = cache_dir() / "gptq" / f"{recipe.name}-{_quant_key(recipe, source_id)}"
+    if (out / "quantize_config.json").is_file():
+        print(f"using cached GPTQ checkpoint {out}", file=sys.stderr)
+        return out
     print(f"quantize {source_id} -> {out} (gptqmodel, {recipe.bits}-bit, group {recipe.group_size}, "
-          f"desc_act={recipe.desc_act}, sym={recipe.sym}, {recipe.samples} texts)", flush=True)
-    return quantize_gptq(float_dir, out, recipe.bits, recipe.group_size, recipe.desc_act, recipe.sym,
-                         builtin_calibration(recipe.samples))
+          f"desc_act={recipe.desc_act}, sym={recipe.sym}, {recipe.samples} texts)", file=sys.stderr, flush=True)
+    # gptqmodel logs to stdout; keep stdout for our results (--json).
+    with contextlib.redirect_stdout(sys.stderr):
+        return quantize_gptq(float_dir, out, recipe.bits, recipe.group_size, recipe.desc_act, recipe.sym,
+                             builtin_calibration(recipe.samples))
 
 
 def resolve_source(recipe: Recipe, source: str | None) -> tuple[Path, dict]:
@@ -65,7 +72,8 @@ def resolve_source(recipe: Recipe, source: str | None) -> tuple[Path, dict]:
 
     gguf = find_gguf(src["gguf_package"], src.get("gguf_file"))
     source_id = f"{src['gguf_package']}:{gguf.name}"
-    float_dir = export_gguf(gguf, cache_dir() / "float" / recipe.name)
+    with contextlib.redirect_stdout(sys.stderr):
+        float_dir = export_gguf(gguf, cache_dir() / "float" / recipe.name)
     return _quantize(recipe, float_dir, source_id), {"id": source_id, "quantized_by": "gptqmodel"}
 
 

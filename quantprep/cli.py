@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -135,6 +136,9 @@ def cmd_generate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torchao (imported by transformers when installed) logs deprecation noise at import; keep
+    # stderr for our one-line errors.
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     p = argparse.ArgumentParser(prog="quantprep", description="Prepare GPTQ models offline so serving loads them in seconds.")
     sub = p.add_subparsers(dest="command", required=True)
 

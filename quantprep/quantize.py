@@ -81,14 +81,14 @@ def export_gguf(gguf: Path, out: Path) -> Path:
 def quantize_gptq(float_dir: Path, out: Path, bits: int, group_size: int, desc_act: bool, sym: bool,
                   texts: list[str]) -> Path:
     """Quantize a float HF model directory with gptqmodel; writes a GPTQ (v1) checkpoint to `out`."""
+    if (out / "quantize_config.json").is_file():
+        return out
+    # gptqmodel refuses a 1-worker pool on 2-core machines ("Virtual pool ... only has 1").
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, os.cpu_count() or 2)))
     try:
         from gptqmodel import GPTQModel, QuantizeConfig
     except ImportError:
         raise SourceError("quantizing needs gptqmodel: pip install 'quantprep[quantize]' (or `make setup`)") from None
-
-    if (out / "quantize_config.json").is_file():
-        return out
     tmp = _atomic_dir(out)
     try:
         qc = QuantizeConfig(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym)

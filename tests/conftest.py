@@ -54,6 +54,28 @@ def quantize_tiny(float_dir: Path, out: Path, **qc) -> Path:
     return out
 
 
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 160,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "tie_word_embeddings": False}
+
+
+@pytest.fixture
+def random_gptq(tmp_path) -> Path:
+    """A 1-layer Llama GPTQ checkpoint with random codes (no gptqmodel: milliseconds). K=160 with
+    group 64 gives down_proj a partial last group."""
+    from quantprep.synthetic import write_random_checkpoint
+
+    return write_random_checkpoint(tmp_path / "gptq", TINY_LLAMA, bits=4, group_size=64, desc_act=True, sym=False)
+
+
+@pytest.fixture
+def random_artifact(random_gptq, tmp_path) -> Path:
+    from quantprep.build import build_artifacts
+
+    out = tmp_path / "artifact"
+    build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: out, progress=False)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_float(tmp_path_factory) -> Path:
     return make_tiny_float_model(tmp_path_factory.mktemp("tiny") / "float")

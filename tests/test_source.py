@@ -9,17 +9,14 @@ from safetensors.torch import load_file, save_file
 from quantprep.errors import SourceError
 from quantprep.prepack import unpack_layer
 from quantprep.source import read_checkpoint
-from quantprep.synthetic import write_random_checkpoint
 
-TINY_LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 160,
-              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "tie_word_embeddings": False}
 Q = "model.layers.0.self_attn.q_proj"
 DOWN = "model.layers.0.mlp.down_proj"  # K=160, group 64: partial last group
 
 
 @pytest.fixture
-def ckpt_dir(tmp_path):
-    return write_random_checkpoint(tmp_path / "gptq", TINY_LLAMA, bits=4, group_size=64, desc_act=True, sym=False)
+def ckpt_dir(random_gptq):
+    return random_gptq
 
 
 def _edit(ckpt_dir, fn):

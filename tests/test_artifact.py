@@ -1,0 +1,141 @@
+"""The artifact on disk: atomic publish, and every kind of damage refused with a typed one-line error."""
+
+import json
+
+import pytest
+import torch
+
+import quantprep
+from quantprep.artifact import MANIFEST, manifest_digest, read_manifest, write_json_durably
+from quantprep.build import build_artifacts
+from quantprep.errors import ArtifactError, ArtifactMismatch
+from quantprep.verify import verify_artifact
+
+
+def _rewrite_manifest(art, fn, fix_digest=True):
+    m = json.loads((art / MANIFEST).read_text())
+    fn(m)
+    if fix_digest:
+        m["manifest_sha256"] = manifest_digest(m)
+    write_json_durably(art / MANIFEST, m)
+
+
+def _shard(art):
+    return art / read_manifest(art)["shards"][0]
+
+
+def test_artifact_layout_and_manifest(random_artifact):
+    m = read_manifest(random_artifact)
+    assert m["target"]["name"] == "cpu" and m["target"]["act_dtype"] == "bfloat16"
+    assert m["compat"] == {"torch": torch.__version__.split("+")[0], "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    assert set(m["files"]) == {p.name for p in random_artifact.iterdir()} - {MANIFEST}
+    assert {"config.json", "probes.safetensors", *m["shards"]} <= set(m["files"])
+    assert len(m["modules"]) == 7 and m["source"]["sha256"]
+    assert not list(random_artifact.parent.glob(".*partial*"))
+
+
+def test_verify_passes_and_runs_numeric_probes(random_artifact):
+    report = verify_artifact(random_artifact)
+    assert report["hashes"] == "ok" and len(report["numeric"]) == 3
+    assert all(r["ok"] and r["rel_err"] < r["tol"] for r in report["numeric"])
+
+
+def test_verify_catches_a_numerically_wrong_artifact(random_artifact):
+    """Swap two layers' scales (hashes re-signed, so only the numeric probe can notice)."""
+    from safetensors.torch import load_file, save_file
+
+    from quantprep.artifact import sha256_file
+
+    shard = _shard(random_artifact)
+    t = load_file(shard)
+    key = "model.layers.0.mlp.down_proj.scales_and_zeros"
+    t[key] = t[key] * 1.5
+    save_file(t, str(shard), metadata={"format": "pt"})
+    _rewrite_manifest(random_artifact, lambda m: m["files"][shard.name].update(sha256=sha256_file(shard), size=shard.stat().st_size))
+    with pytest.raises(ArtifactError, match="differs from the dense reference"):
+        verify_artifact(random_artifact)
+
+
+def test_flipped_byte_is_caught_by_hash(random_artifact):
+    shard = _shard(random_artifact)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(data)
+    with pytest.raises(ArtifactError, match="sha256") as e:
+        verify_artifact(random_artifact)
+    assert shard.name in str(e.value)
+    with pytest.raises(ArtifactError, match="sha256"):
+        quantprep.load(random_artifact, verify=True)
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("truncate", "size"), ("delete", "missing"), ("extra", "unknown file"),
+])
+def test_damaged_files_refused_at_load(random_artifact, damage, needle):
+    shard = _shard(random_artifact)
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-10])
+    elif damage == "delete":
+        shard.unlink()
+    else:
+        (random_artifact / "notes.txt").write_text("hi")
+    with pytest.raises(ArtifactError, match=needle):
+        quantprep.load(random_artifact)
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda m: m["quant"].update(bits=8), "manifest_sha256"),
+    (lambda m: m["target"].update(act_dtype="float16"), "manifest_sha256"),
+    (lambda m: m.update(format_version=99), "format_version"),
+])
+def test_edited_manifest_refused(random_artifact, edit, needle):
+    _rewrite_manifest(random_artifact, edit, fix_digest=False)
+    with pytest.raises(ArtifactError, match=needle):
+        quantprep.load(random_artifact)
+
+
+def test_unknown_format_version_refused_even_if_signed(random_artifact):
+    _rewrite_manifest(random_artifact, lambda m: m.update(format_version=2))
+    with pytest.raises(ArtifactError, match="format_version 2 is not supported"):
+        quantprep.load(random_artifact)
+
+
+@pytest.mark.parametrize("key,value", [("cpu_capability", "AVX2"), ("torch", "2.9.0")])
+def test_compat_mismatch_refused_with_rebuild_command(random_artifact, key, value):
+    _rewrite_manifest(random_artifact, lambda m: m["compat"].update({key: value}))
+    with pytest.raises(ArtifactMismatch) as e:
+        quantprep.load(random_artifact)
+    assert f"{key}={value}" in str(e.value) and "quantprep prepack" in str(e.value)
+
+
+def test_wrong_tensor_dtype_refused(random_artifact):
+    from safetensors.torch import load_file, save_file
+
+    from quantprep.artifact import sha256_file
+
+    shard = _shard(random_artifact)
+    t = load_file(shard)
+    t["model.layers.0.self_attn.q_proj.qweight"] = t["model.layers.0.self_attn.q_proj.qweight"].to(torch.int32)
+    save_file(t, str(shard), metadata={"format": "pt"})
+    _rewrite_manifest(random_artifact, lambda m: m["files"][shard.name].update(sha256=sha256_file(shard), size=shard.stat().st_size))
+    with pytest.raises(ArtifactError, match="q_proj.qweight is torch.int32"):
+        quantprep.load(random_artifact)
+
+
+def test_failed_build_keeps_previous_artifact(random_gptq, random_artifact):
+    before = read_manifest(random_artifact)["manifest_sha256"]
+    (random_gptq / "config.json").write_text("{ not json")  # the rebuild fails while reading the source
+    with pytest.raises(Exception):
+        build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: random_artifact, progress=False)
+    assert read_manifest(random_artifact)["manifest_sha256"] == before
+    verify_artifact(random_artifact)
+    assert not list(random_artifact.parent.glob(f".{random_artifact.name}.*"))
+
+
+def test_rebuild_replaces_atomically(random_gptq, random_artifact):
+    before = read_manifest(random_artifact)["created"]
+    build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: random_artifact, "float32", progress=False)
+    m = read_manifest(random_artifact)
+    assert m["target"]["act_dtype"] == "float32" and m["created"] >= before
+    verify_artifact(random_artifact)
+    assert not list(random_artifact.parent.glob(f".{random_artifact.name}.*"))

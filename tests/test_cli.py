@@ -1,0 +1,88 @@
+"""The command line: exit codes, one-line errors, JSON output, and the build -> inspect -> verify flow."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from quantprep.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(code, err, needle):
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err and needle in lines[0], err
+
+
+def test_list(capsys):
+    code, out, _ = run(capsys, "list", "--json")
+    assert code == 0
+    assert {r["name"] for r in json.loads(out)} >= {"smollm2-135m", "qwen2.5-1.5b"}
+
+
+def test_unknown_recipe(capsys):
+    one_line_error(*run(capsys, "build", "nope")[::2], "unknown recipe 'nope'")
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("name = \n", "malformed TOML"),
+    ("[source]\npath = '/x'\n[quantize]\nbitz = 4\n", "unknown key [quantize] 'bitz'"),
+    ("[source]\npath = '/x'\n[quantize]\nbits = 3\n", "quantize.bits"),
+    ("[source]\npath = '/x'\nhub = 'a/b'\n", "exactly one of"),
+    ("[source]\npath = '/x'\n[build]\ntargets = ['tpu']\n", "unknown target 'tpu'"),
+    ("[source]\npath = '/does/not/exist'\n", "does not exist"),
+    ("surprise = 1\n[source]\npath = '/x'\n", "unknown key 'surprise'"),
+])
+def test_bad_recipes(capsys, tmp_path, text, needle):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(text)
+    one_line_error(*run(capsys, "build", str(recipe))[::2], needle)
+
+
+def test_unknown_target_and_missing_paths(capsys, random_gptq, tmp_path):
+    one_line_error(*run(capsys, "prepack", str(random_gptq), "--target", "tpu", "--out", str(tmp_path / "o"))[::2], "unknown target 'tpu'")
+    one_line_error(*run(capsys, "prepack", str(tmp_path / "nope"), "--target", "cpu", "--out", str(tmp_path / "o"))[::2], "no such directory")
+    one_line_error(*run(capsys, "verify", str(tmp_path / "nope"))[::2], "not a directory")
+    one_line_error(*run(capsys, "build", "smollm2-135m", "--source", str(tmp_path / "nope"))[::2], "no such directory")
+
+
+def test_hub_id_offline_says_so(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    one_line_error(*run(capsys, "build", "qwen2.5-1.5b", "--no-check")[::2], "not in the local Hugging Face cache")
+
+
+def test_prepack_inspect_verify(capsys, random_gptq, tmp_path):
+    out = tmp_path / "art"
+    code, stdout, _ = run(capsys, "prepack", str(random_gptq), "--target", "cpu", "--out", str(out), "--json")
+    assert code == 0 and json.loads(stdout)["path"] == str(out.absolute())
+    code, stdout, _ = run(capsys, "inspect", str(out))
+    assert code == 0 and "4-bit, group 64, desc_act=True" in stdout
+    code, stdout, _ = run(capsys, "verify", str(out), "--json")
+    report = json.loads(stdout)
+    assert code == 0 and report["hashes"] == "ok" and all(r["ok"] for r in report["numeric"])
+    shard = next(out.glob("model-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(data)
+    one_line_error(*run(capsys, "verify", str(out))[::2], shard.name)
+
+
+def test_build_with_source_loads_in_fresh_process(tiny_gptq4, tmp_path):
+    """The real console script: build from an existing GPTQ dir, then the fresh-process generate."""
+    exe = [sys.executable, "-m", "quantprep"]
+    proc = subprocess.run(exe + ["build", "smollm2-135m", "--source", str(tiny_gptq4), "--out", str(tmp_path), "--json"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [result] = json.loads(proc.stdout)
+    assert result["target"] == "cpu" and result["check"]["load_s"] > 0
+    assert (tmp_path / "cpu" / "manifest.json").is_file()
+    bad = subprocess.run(exe + ["build", "smollm2-135m", "--target", "tpu"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown target" in bad.stderr
