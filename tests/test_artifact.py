@@ -8,7 +8,7 @@ import torch
 import quantprep
 from quantprep.artifact import MANIFEST, manifest_digest, read_manifest, write_json_durably
 from quantprep.build import build_artifacts
-from quantprep.errors import ArtifactError, ArtifactMismatch
+from quantprep.errors import ArtifactError, ArtifactMismatch, SourceError
 from quantprep.verify import verify_artifact
 
 
@@ -125,7 +125,7 @@ def test_wrong_tensor_dtype_refused(random_artifact):
 def test_failed_build_keeps_previous_artifact(random_gptq, random_artifact):
     before = read_manifest(random_artifact)["manifest_sha256"]
     (random_gptq / "config.json").write_text("{ not json")  # the rebuild fails while reading the source
-    with pytest.raises(Exception):
+    with pytest.raises(SourceError):
         build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: random_artifact, progress=False)
     assert read_manifest(random_artifact)["manifest_sha256"] == before
     verify_artifact(random_artifact)
