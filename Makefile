@@ -26,6 +26,7 @@ build: setup
 	$(BIN)/quantprep build smollm2-135m
 
 test: setup
+	$(BIN)/ruff check quantprep tests benchmarks
 	$(BIN)/pytest -q
 
 bench: setup

@@ -1,0 +1,166 @@
+"""Load-to-first-token, fresh processes, side by side (issue: core).
+
+For each model, each in a new Python process, medians of --runs runs:
+  (a) GPTQModel.load (backend TORCH) + 1 generated token
+  (b) quantprep.load of the artifact + 1 generated token
+  (c) floor: python + import torch + read the artifact's bytes with safetensors + one forward
+      of a dense bf16 model of the same shapes (pure torch, weights reused across layers so
+      the floor pays no allocation)
+Times run from process spawn (time.time() in the parent) to the first token in the child.
+Models: the real SmolLM2 build (artifacts/.cache, made by `make build`) and a Qwen2.5-1.5B-shaped
+GPTQ checkpoint with random codes (written once under artifacts/.cache/bench). Also reports the
+prepack time of the 1.5B checkpoint (median of 3, in-process).
+
+    python benchmarks/load.py [--runs 3] [--models smollm2,qwen1.5b] [--out benchmarks/results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH_CACHE = REPO / "artifacts" / ".cache" / "bench"
+QWEN_1_5B = {"model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+             "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+             "tie_word_embeddings": True, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
+
+CHILD_GPTQMODEL = """
+import time, sys, json, torch
+t0 = time.time()
+from gptqmodel import BACKEND, GPTQModel
+t1 = time.time()
+m = GPTQModel.load(sys.argv[1], backend=BACKEND.TORCH, device="cpu")
+t2 = time.time()
+ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
+print(json.dumps({"import": t1, "load": t2, "first": time.time()}))
+"""
+
+CHILD_QUANTPREP = """
+import time, sys, json, torch
+t0 = time.time()
+import quantprep
+t1 = time.time()
+m = quantprep.load(sys.argv[1])
+t2 = time.time()
+ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
+print(json.dumps({"import": t1, "load": t2, "first": time.time()}))
+"""
+
+CHILD_FLOOR = """
+import time, sys, json
+import torch
+t1 = time.time()
+from safetensors.torch import load
+art = sys.argv[1]
+manifest = json.load(open(art + "/manifest.json"))
+tensors = {}
+for shard in manifest["shards"]:
+    with open(art + "/" + shard, "rb") as f:
+        tensors.update(load(f.read()))  # every byte read from disk
+t2 = time.time()
+c = json.load(open(art + "/config.json"))
+h, i, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+kv = c["num_key_value_heads"] * c.get("head_dim", h // c["num_attention_heads"])
+dt = torch.bfloat16
+w = {n: torch.empty(k, o, dtype=dt) for n, (k, o) in
+     {"q": (h, h), "k": (h, kv), "v": (h, kv), "o": (h, h), "g": (h, i), "u": (h, i), "d": (i, h)}.items()}
+emb = tensors["model.embed_tokens.weight"]
+with torch.no_grad():
+    x = emb[torch.arange(8)].to(dt)
+    for _ in range(L):
+        a = x @ w["q"]; x @ w["k"]; x @ w["v"]; x = x + a @ w["o"]
+        x = x + (torch.nn.functional.silu(x @ w["g"]) * (x @ w["u"])) @ w["d"]
+    (x[-1:] @ emb.T.to(dt)).argmax()
+print(json.dumps({"import": t1, "load": t2, "first": time.time()}))
+"""
+
+
+def fresh_process(code: str, arg: str) -> dict:
+    env = dict(os.environ, GPTQMODEL_CPU_WORKERS=os.environ.get("GPTQMODEL_CPU_WORKERS", "2"),
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, env=env, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    t = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"import_s": t["import"] - start, "load_s": t["load"] - t["import"], "first_s": t["first"] - t["load"],
+            "total_s": t["first"] - start}
+
+
+def median_runs(code: str, arg: str, runs: int) -> dict:
+    rows = [fresh_process(code, arg) for _ in range(runs)]
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"runs": [r["total_s"] for r in rows]}
+
+
+def smollm2_paths() -> tuple[Path, Path]:
+    art = REPO / "artifacts" / "smollm2-135m" / "cpu"
+    if not (art / "manifest.json").is_file():
+        sys.exit("run `make build` first: it builds artifacts/smollm2-135m/cpu")
+    return Path(json.loads((art / "manifest.json").read_text())["source"]["gptq_path"]), art
+
+
+def qwen_paths() -> tuple[Path, Path, list[float]]:
+    from quantprep.build import build_artifacts
+    from quantprep.synthetic import write_random_checkpoint
+
+    gptq = BENCH_CACHE / "qwen2.5-1.5b-random-gptq"
+    if not (gptq / "quantize_config.json").is_file():
+        print("writing a Qwen2.5-1.5B-shaped random GPTQ checkpoint (once)...", file=sys.stderr)
+        tmp = gptq.with_name(gptq.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_random_checkpoint(tmp, QWEN_1_5B, bits=4, group_size=128, desc_act=True, sym=True)
+        smol_gptq, _ = smollm2_paths()  # a tokenizer, so GPTQModel.load finds one
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(smol_gptq / f, tmp / f)
+        tmp.rename(gptq)
+    art = BENCH_CACHE / "qwen2.5-1.5b-artifact"
+    prepack = []
+    for _ in range(3):
+        [r] = build_artifacts(gptq, {"path": str(gptq)}, ["cpu"], lambda t: art, progress=False)
+        prepack.append(r["prepack_s"])
+    return gptq, art, prepack
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--models", default="smollm2,qwen1.5b")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results-load.json"))
+    args = p.parse_args()
+    results = {"machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus", "date": time.strftime("%Y-%m-%d"),
+               "python": platform.python_version(), "models": {}}
+    import torch
+
+    results["torch"] = torch.__version__
+    results["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    for model in args.models.split(","):
+        extra = {}
+        if model == "smollm2":
+            gptq, art = smollm2_paths()
+        else:
+            gptq, art, prepack = qwen_paths()
+            extra["prepack_s"] = {"median": statistics.median(prepack), "runs": prepack}
+        row = {"artifact_mib": sum(f.stat().st_size for f in art.iterdir()) / 2**20, **extra}
+        for name, code in (("a_gptqmodel", CHILD_GPTQMODEL), ("b_quantprep", CHILD_QUANTPREP), ("c_floor", CHILD_FLOOR)):
+            print(f"{model}: {name} x{args.runs}...", file=sys.stderr, flush=True)
+            row[name] = median_runs(code, str(gptq if name == "a_gptqmodel" else art), args.runs)
+        row["b_over_a"] = row["b_quantprep"]["total_s"] / row["a_gptqmodel"]["total_s"]
+        row["b_over_c"] = row["b_quantprep"]["total_s"] / row["c_floor"]["total_s"]
+        results["models"][model] = row
+        print(json.dumps({model: row}, indent=2), flush=True)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
