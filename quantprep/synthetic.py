@@ -55,8 +55,9 @@ def random_gptq_tensors(K: int, N: int, bits: int, group_size: int, sym: bool, a
 
 
 def write_random_checkpoint(out: Path, model_config: dict, bits: int = 4, group_size: int = 128,
-                            desc_act: bool = True, sym: bool = True, seed: int = 0) -> Path:
-    """A GPTQ checkpoint dir for a Llama/Qwen2-style config, with random codes (v1 format)."""
+                            desc_act: bool = True, sym: bool = True, seed: int = 0, lm_head: bool = False) -> Path:
+    """A GPTQ checkpoint dir for a Llama/Qwen2-style config, with random codes (v1 format).
+    lm_head=True quantizes lm_head too (GPTQModel's `lm_head=True`), untying it from the embedding."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     g = torch.Generator().manual_seed(seed)
@@ -65,7 +66,7 @@ def write_random_checkpoint(out: Path, model_config: dict, bits: int = 4, group_
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(cfg)
     tensors: dict[str, torch.Tensor] = {}
-    quantized = {n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    quantized = {n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear) and (lm_head or n != "lm_head")}
     for name in sorted(quantized):
         mod = skeleton.get_submodule(name)
         layer = random_gptq_tensors(mod.in_features, mod.out_features, bits, group_size, sym, desc_act,
@@ -78,11 +79,11 @@ def write_random_checkpoint(out: Path, model_config: dict, bits: int = 4, group_
             tensors[name] = torch.ones(p.shape, dtype=torch.float16)
         else:
             tensors[name] = (torch.randn(p.shape, generator=g) * 0.02).to(torch.float16)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings or lm_head:
         tensors.pop("lm_head.weight", None)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     qcfg = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
-            "checkpoint_format": "gptq"}
+            "checkpoint_format": "gptq", "lm_head": lm_head}
     cfg_json = cfg.to_dict()
     cfg_json["quantization_config"] = qcfg
     cfg_json["torch_dtype"] = "float16"

@@ -130,6 +130,8 @@ def dense_reference_model(gptq_dir: Path, dtype: torch.dtype = torch.float32):
     ckpt = read_checkpoint(gptq_dir)
     config = AutoConfig.from_pretrained(gptq_dir)
     del config.quantization_config
+    if "lm_head" in ckpt.layers:
+        config.tie_word_embeddings = False
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     state = {k: v.to(dtype) for k, v in ckpt.other_tensors.items()}
     for name, layer in ckpt.layers.items():

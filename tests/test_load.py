@@ -80,3 +80,20 @@ def test_float_tensors_are_stored_in_act_dtype_and_tied(case):
     assert model.get_input_embeddings().weight.dtype == torch.bfloat16
     assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     assert not any(p.device.type == "meta" for p in model.parameters())
+
+
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_random_qwen2_with_quantized_lm_head(tmp_path, lm_head):
+    """Tied embeddings with a float lm_head, and a quantized lm_head (which unties it)."""
+    from quantprep.synthetic import write_random_checkpoint
+
+    cfg = {"model_type": "qwen2", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}
+    gptq = write_random_checkpoint(tmp_path / "gptq", cfg, bits=4, group_size=32, desc_act=True, sym=False, lm_head=lm_head)
+    _build(gptq, tmp_path / "art", "float32")
+    model = quantprep.load(tmp_path / "art")
+    assert (type(model.lm_head).__name__ == "CpuInt4Linear") == lm_head
+    ids = torch.randint(0, 512, (2, 16))
+    with torch.no_grad():
+        got, ref = model(input_ids=ids).logits, dense_reference_model(gptq)(input_ids=ids).logits
+    assert rel_err(got, ref) < 1e-5 and top1(got, ref) >= 0.99
