@@ -13,7 +13,6 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned: pip takes 2.14.1 from this machine's disk; gptqmodel 7.7 needs >= 2.14.1.
 	$(BIN)/pip install -q "torch==2.14.1"
 	$(BIN)/pip install -q -e ".[quantize,test]"
