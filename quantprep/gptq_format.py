@@ -5,6 +5,8 @@ GPTQ packs `32 // bits` codes into each int32, lowest bits first:
   qzeros  int32 [G, N * bits / 32]  packs along N (columns).
 """
 
+import sys
+
 import torch
 
 SUPPORTED_BITS = (4, 8)
@@ -15,10 +17,17 @@ def _shifts(bits: int) -> torch.Tensor:
 
 
 def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 [R, C] -> uint8 codes [R * 32/bits, C]."""
-    per = 32 // bits
-    vals = (packed.unsqueeze(1) >> _shifts(bits).view(1, per, 1)) & ((1 << bits) - 1)
-    return vals.reshape(packed.shape[0] * per, packed.shape[1]).to(torch.uint8)
+    """int32 [R, C] -> uint8 codes [R * 32/bits, C].
+
+    Works on the int32's little-endian bytes: byte b of a word holds codes 2b (low nibble) and
+    2b+1 (high) at 4 bits, code b at 8 bits. uint8 throughout: 4x less memory traffic than int32.
+    """
+    assert sys.byteorder == "little"
+    R, C = packed.shape
+    b = packed.contiguous().view(torch.uint8).reshape(R, C, 4)
+    if bits == 8:
+        return b.permute(0, 2, 1).reshape(R * 4, C)
+    return torch.stack([b & 0xF, b >> 4], dim=3).permute(0, 2, 3, 1).reshape(R * 8, C)
 
 
 def unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:

@@ -69,3 +69,48 @@ def test_a_wrong_zero_is_caught():
     ref = x @ layer.dequantize()
     rel = ((module(x) - ref).norm() / ref.norm()).item()
     assert rel > 1e-2
+
+
+@pytest.mark.parametrize("N,K", [(64, 64), (128, 576), (80, 64), (208, 576), (16, 32), (1536, 512)])
+def test_fast_pack_equals_upstream_op(N, K):
+    from quantprep.targets.cpu import pack_int4
+
+    codes = torch.randint(0, 16, (K, N), dtype=torch.uint8)
+    ref = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.T.to(torch.int32).contiguous(), 1)
+    assert torch.equal(pack_int4(codes, torch.backends.cpu.get_cpu_capability()), ref)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "default"])
+def test_other_isas_pack_and_run(isa):
+    """ATEN_CPU_CAPABILITY picks the kernels' ISA at process start: check each layout we emit
+    (AVX2: our packer; DEFAULT: the upstream op) against the op and the dense reference there."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from quantprep.targets.cpu import pack_int4
+from quantprep.prepack import unpack_layer
+from quantprep.source import QuantConfig, _validate_layer
+from quantprep.synthetic import random_gptq_tensors
+from quantprep.targets import get_target
+cap = torch.backends.cpu.get_cpu_capability()
+codes = torch.randint(0, 16, (576, 208), dtype=torch.uint8)
+assert torch.equal(pack_int4(codes, cap), torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.T.to(torch.int32).contiguous(), 1))
+t = get_target("cpu")
+layer = unpack_layer(_validate_layer("m", random_gptq_tensors(576, 208, 4, 128, False, True, True), QuantConfig(4, 128, False, True, "gptq")))
+tensors, meta = t.pack(layer, torch.bfloat16)
+m = t.make_module(meta, torch.bfloat16)
+m.load_state_dict(tensors, assign=True)
+x = torch.randn(64, 576)
+ref = x @ layer.dequantize()
+rel = ((m(x.bfloat16()).float() - ref).norm() / ref.norm()).item()
+assert rel < 2e-2, rel
+print(cap)
+"""
+    import os
+
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=isa)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == isa.upper()
