@@ -24,10 +24,13 @@ def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """
     assert sys.byteorder == "little"
     R, C = packed.shape
-    b = packed.contiguous().view(torch.uint8).reshape(R, C, 4)
+    b = packed.contiguous().view(torch.uint8).reshape(R, C, 4).permute(0, 2, 1)  # [R, 4, C] view
     if bits == 8:
-        return b.permute(0, 2, 1).reshape(R * 4, C)
-    return torch.stack([b & 0xF, b >> 4], dim=3).permute(0, 2, 3, 1).reshape(R * 8, C)
+        return b.reshape(R * 4, C)
+    out = torch.empty(R, 4, 2, C, dtype=torch.uint8)
+    torch.bitwise_and(b, 0xF, out=out[:, :, 0])
+    torch.bitwise_right_shift(b, 4, out=out[:, :, 1])
+    return out.view(R * 8, C)
 
 
 def unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
