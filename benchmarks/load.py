@@ -3,9 +3,14 @@
 For each model, each in a new Python process, medians of --runs runs:
   (a) GPTQModel.load (backend TORCH) + 1 generated token
   (b) quantprep.load of the artifact + 1 generated token
-  (c) floor: python + import torch + read the artifact's bytes with safetensors + one forward
-      of a dense bf16 model of the same shapes (pure torch, weights reused across layers so
-      the floor pays no allocation)
+  (a0) the same with an empty Inductor cache (GPTQModel's TORCH kernels go through
+      torch.compile, which caches compiled code on disk between processes: (a) is a warm start)
+  (c) floor: python + import torch + every byte of the artifact read through safetensors
+      (mmap, each page touched) + one forward of a dense bf16 model of the same shapes (pure
+      torch, weights reused across layers so the floor pays no allocation)
+  (ct) the floor plus importing transformers' modeling code for this model: the part of (b)
+      that is transformers' own start-up, which quantprep cannot avoid while it returns a
+      transformers model
 Times run from process spawn (time.time() in the parent) to the first token in the child.
 Models: the real SmolLM2 build (artifacts/.cache, made by `make build`) and a Qwen2.5-1.5B-shaped
 GPTQ checkpoint with random codes (written once under artifacts/.cache/bench). Also reports the
@@ -24,6 +29,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,14 +66,17 @@ print(json.dumps({"import": t1, "load": t2, "first": time.time()}))
 CHILD_FLOOR = """
 import time, sys, json
 import torch
-t1 = time.time()
-from safetensors.torch import load
 art = sys.argv[1]
+if len(sys.argv) > 2:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(art))]  # imports the modeling code
+t1 = time.time()
+from safetensors.torch import load_file
 manifest = json.load(open(art + "/manifest.json"))
 tensors = {}
 for shard in manifest["shards"]:
-    with open(art + "/" + shard, "rb") as f:
-        tensors.update(load(f.read()))  # every byte read from disk
+    tensors.update(load_file(art + "/" + shard))
+touched = sum(int(t.view(-1).view(torch.uint8)[::4096].sum()) for t in tensors.values())  # fault in every page
 t2 = time.time()
 c = json.load(open(art + "/config.json"))
 h, i, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
@@ -86,11 +95,15 @@ print(json.dumps({"import": t1, "load": t2, "first": time.time()}))
 """
 
 
-def fresh_process(code: str, arg: str) -> dict:
+def fresh_process(code: str, args: list[str], cold_inductor: bool = False) -> dict:
     env = dict(os.environ, GPTQMODEL_CPU_WORKERS=os.environ.get("GPTQMODEL_CPU_WORKERS", "2"),
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    if cold_inductor:
+        env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cold-")
     start = time.time()
-    proc = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, env=env, cwd=REPO)
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=REPO)
+    if cold_inductor:
+        shutil.rmtree(env["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     t = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -98,8 +111,8 @@ def fresh_process(code: str, arg: str) -> dict:
             "total_s": t["first"] - start}
 
 
-def median_runs(code: str, arg: str, runs: int) -> dict:
-    rows = [fresh_process(code, arg) for _ in range(runs)]
+def median_runs(code: str, args: list[str], runs: int, cold_inductor: bool = False) -> dict:
+    rows = [fresh_process(code, args, cold_inductor) for _ in range(runs)]
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"runs": [r["total_s"] for r in rows]}
 
 
@@ -152,11 +165,19 @@ def main() -> None:
             gptq, art, prepack = qwen_paths()
             extra["prepack_s"] = {"median": statistics.median(prepack), "runs": prepack}
         row = {"artifact_mib": sum(f.stat().st_size for f in art.iterdir()) / 2**20, **extra}
-        for name, code in (("a_gptqmodel", CHILD_GPTQMODEL), ("b_quantprep", CHILD_QUANTPREP), ("c_floor", CHILD_FLOOR)):
+        variants = {"a_gptqmodel": (CHILD_GPTQMODEL, [str(gptq)], False),
+                    "a0_gptqmodel_cold_inductor": (CHILD_GPTQMODEL, [str(gptq)], True),
+                    "b_quantprep": (CHILD_QUANTPREP, [str(art)], False),
+                    "c_floor": (CHILD_FLOOR, [str(art)], False),
+                    "ct_floor_with_transformers": (CHILD_FLOOR, [str(art), "transformers"], False)}
+        for name, (code, child_args, cold) in variants.items():
             print(f"{model}: {name} x{args.runs}...", file=sys.stderr, flush=True)
-            row[name] = median_runs(code, str(gptq if name == "a_gptqmodel" else art), args.runs)
-        row["b_over_a"] = row["b_quantprep"]["total_s"] / row["a_gptqmodel"]["total_s"]
-        row["b_over_c"] = row["b_quantprep"]["total_s"] / row["c_floor"]["total_s"]
+            row[name] = median_runs(code, child_args, args.runs, cold)
+        b = row["b_quantprep"]["total_s"]
+        row["b_over_a"] = b / row["a_gptqmodel"]["total_s"]
+        row["b_over_a0"] = b / row["a0_gptqmodel_cold_inductor"]["total_s"]
+        row["b_over_c"] = b / row["c_floor"]["total_s"]
+        row["b_over_ct"] = b / row["ct_floor_with_transformers"]["total_s"]
         results["models"][model] = row
         print(json.dumps({model: row}, indent=2), flush=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")

@@ -20,13 +20,13 @@ combos = st.tuples(st.sampled_from([4, 8]), st.sampled_from([-1, 32, 64, 128]), 
 
 @settings(max_examples=80, deadline=None)
 @given(combo=combos, k_groups=st.integers(1, 5), k_extra=st.sampled_from([0, 8, 16, 40]), n8=st.integers(1, 6),
-       seed=st.integers(0, 2**31 - 1))
-def test_unpack_dequantize_matches_truth(combo, k_groups, k_extra, n8, seed):
+       seed=st.integers(0, 2**31 - 1), scale_dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
+def test_unpack_dequantize_matches_truth(combo, k_groups, k_extra, n8, seed, scale_dtype):
     bits, group_size, sym, act_order, v1 = combo
     K = k_groups * (group_size if group_size > 0 else 64) + k_extra  # k_extra > 0: partial last group
     N = 8 * n8
     gen = torch.Generator().manual_seed(seed)
-    v = random_gptq_codes(K, N, bits, group_size, sym, act_order, generator=gen)
+    v = random_gptq_codes(K, N, bits, group_size, sym, act_order, scale_dtype, generator=gen)
     q = QuantConfig(bits, group_size, sym, act_order, "gptq" if v1 else "gptq_v2")
     layer = unpack_layer(_validate_layer("m", pack_gptq(v, bits, v1), q))
     # With a single group every input order groups the same, so act-order needs no gather.

@@ -1,0 +1,93 @@
+"""Pieces every target shares: GPTQ groups -> kernel groups, activation gather/pad, and the
+exact int8 path (no upstream kernel on any device takes int8 with groups and zeros).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import SourceError
+from ..prepack import UnpackedLayer
+
+
+def round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def kernel_group_size(group_size: int, in_features: int, allowed: tuple[int, ...]) -> int | None:
+    """The allowed kernel group dividing the GPTQ group that pads K least (then the largest).
+    A single group over all of K (group_size -1) has one scale, so any kernel group fits."""
+    fits = [c for c in allowed if group_size % c == 0 or group_size >= in_features]
+    return min(fits, key=lambda c: (round_up(in_features, c), -c), default=None)
+
+
+def regroup(layer: UnpackedLayer, allowed: tuple[int, ...], target: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """GPTQ groups -> uniform kernel groups of size c over K padded to Kp, exactly.
+
+    Kernels need one group size that divides K; GPTQ has a partial last group whenever
+    group_size does not divide K (SmolLM2: K=576, group 128). Each GPTQ group's scale and zero
+    are repeated over the g/c kernel groups it spans; padded inputs read zero activations.
+    Returns (c, Kp, scales [Kp/c, N] float32, zeros [Kp/c, N] uint8).
+    """
+    K, gs = layer.in_features, layer.group_size
+    c = kernel_group_size(gs, K, allowed)
+    if c is None:
+        raise SourceError(f"tensor {layer.name}.scales: group_size {gs} does not fit the {target} int4 kernel (groups of {'/'.join(map(str, allowed))})")
+    Kp = round_up(K, c)
+    gptq_group = torch.arange(Kp // c) * c // gs
+    return c, Kp, layer.scales.float()[gptq_group], layer.zeros[gptq_group]
+
+
+def gather_and_pad(x: torch.Tensor, perm: torch.Tensor | None, padded_in: int) -> torch.Tensor:
+    """Activations into the kernel's K order: act-order gather, then zero-pad K."""
+    if perm is not None:
+        x = x.index_select(-1, perm)
+    if padded_in != x.shape[-1]:
+        x = F.pad(x, (0, padded_in - x.shape[-1]))
+    return x
+
+
+def int8_tensors(layer: UnpackedLayer, act_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {"qweight": layer.codes, "scales": layer.scales.to(act_dtype), "qzeros": layer.zeros}
+
+
+class DequantInt8Linear(nn.Module):
+    """Exact GPTQ int8 with groups and zeros: dequantize, then a dense matmul (any device)."""
+
+    def __init__(self, meta: dict, act_dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = meta["in_features"], meta["out_features"]
+        self.group_size = meta["group_size"]
+        self.act_dtype = act_dtype
+        dev = torch.device("meta")
+        n_groups = -(-self.in_features // self.group_size)
+        self.register_buffer("qweight", torch.empty(self.in_features, self.out_features, dtype=torch.uint8, device=dev))
+        self.register_buffer("scales", torch.empty(n_groups, self.out_features, dtype=act_dtype, device=dev))
+        self.register_buffer("qzeros", torch.empty(n_groups, self.out_features, dtype=torch.uint8, device=dev))
+        self.register_buffer("perm", torch.empty(self.in_features, dtype=torch.int32, device=dev) if meta["act_order"] else None)
+        self.register_buffer("bias", torch.empty(self.out_features, dtype=act_dtype, device=dev) if meta["bias"] else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = gather_and_pad(x.to(self.act_dtype), self.perm, self.in_features)
+        gs, k = self.group_size, self.in_features
+        # (code - zero) is an integer in [-255, 255]: exact in bf16/fp16, so only the scale rounds.
+        centered = self.qweight.to(self.act_dtype) - self.qzeros.to(self.act_dtype).repeat_interleave(gs, 0)[:k]
+        y = x @ (centered * self.scales.repeat_interleave(gs, 0)[:k])
+        return y + self.bias if self.bias is not None else y
+
+
+def optional_tensors(layer: UnpackedLayer, act_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """perm (when act-order is not the identity) and bias (when present)."""
+    t = {}
+    if layer.perm is not None:
+        t["perm"] = layer.perm.to(torch.int32)
+    if layer.bias is not None:
+        t["bias"] = layer.bias.to(act_dtype)
+    return t
+
+
+def base_meta(layer: UnpackedLayer) -> dict:
+    return {"bits": layer.bits, "in_features": layer.in_features, "out_features": layer.out_features,
+            "group_size": layer.group_size, "act_order": layer.perm is not None, "bias": layer.bias is not None}

@@ -1,0 +1,92 @@
+"""xpu target (Intel Arc A770 / B580), through upstream torch ops only (no IPEX).
+
+int4: `aten._weight_int4pack_mm_with_scales_and_zeros` (torch >= 2.8, XPU only). It takes the
+weight as int32 [N, K/8] with element k at bits 4*(k%8), which is GPTQ's `qweight.T` once K is in
+act-order, plus scales [K/c, N] and int8 zeros [K/c, N] (v2 values), w = (q - zero) * scale.
+Nothing needs an XPU to pack, so xpu artifacts build on any machine. Off an XPU (tests, `verify`
+on a CPU-only machine) the module runs `xpu_emulator`, written from the kernel's source.
+
+int8: the exact dequantize + matmul path shared with the other targets.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..prepack import UnpackedLayer
+from . import xpu_emulator
+from .common import DequantInt8Linear, base_meta, gather_and_pad, int8_tensors, optional_tensors, regroup
+
+KERNEL = "aten._weight_int4pack_mm_with_scales_and_zeros"
+# Any multiple of 32 is accepted (Blas.cpp); these are the ones GPTQ group sizes divide into.
+KERNEL_GROUP_SIZES = (256, 128, 64, 32)
+
+
+def pack_int4_nk(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [K, N] -> int32 [N, K/8], element k at bits 4*(k%8) (little-endian bytes)."""
+    nk = codes.T.contiguous()
+    return (nk[:, 0::2] | (nk[:, 1::2] << 4)).contiguous().view(torch.int32)
+
+
+class XpuInt4Linear(nn.Module):
+    def __init__(self, meta: dict, act_dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = meta["in_features"], meta["out_features"]
+        self.padded_in, self.kernel_group_size = meta["padded_in"], meta["kernel_group_size"]
+        self.act_dtype = act_dtype
+        dev = torch.device("meta")
+        n_groups = self.padded_in // self.kernel_group_size
+        self.register_buffer("qweight", torch.empty(self.out_features, self.padded_in // 8, dtype=torch.int32, device=dev))
+        self.register_buffer("scales", torch.empty(n_groups, self.out_features, dtype=act_dtype, device=dev))
+        self.register_buffer("qzeros", torch.empty(n_groups, self.out_features, dtype=torch.int8, device=dev))
+        self.register_buffer("perm", torch.empty(self.in_features, dtype=torch.int32, device=dev) if meta["act_order"] else None)
+        self.register_buffer("bias", torch.empty(self.out_features, dtype=act_dtype, device=dev) if meta["bias"] else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x = gather_and_pad(x.reshape(-1, self.in_features).to(self.act_dtype), self.perm, self.padded_in).contiguous()
+        mm = torch.ops.aten._weight_int4pack_mm_with_scales_and_zeros if x.device.type == "xpu" else \
+            xpu_emulator.weight_int4pack_mm_with_scales_and_zeros
+        y = mm(x, self.qweight, self.kernel_group_size, self.scales, self.qzeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+
+class XpuTarget:
+    name = "xpu"
+    device = "xpu"
+    default_act_dtype = torch.float16
+    layout_version = 1
+
+    def compat_key(self) -> dict:
+        return {"torch": torch.__version__.split("+")[0]}
+
+    def runtime_problem(self) -> str | None:
+        if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8):
+            return f"torch {torch.__version__} has no XPU int4 kernel (needs torch >= 2.8)"
+        if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+            return "no XPU device here (torch.xpu.is_available() is False)"
+        return None
+
+    def kernel(self, bits: int) -> str:
+        return KERNEL if bits == 4 else "dequant-int8-matmul"
+
+    def pack(self, layer: UnpackedLayer, act_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
+        meta, tensors = base_meta(layer), optional_tensors(layer, act_dtype)
+        if layer.bits == 8:
+            return tensors | int8_tensors(layer, act_dtype), meta
+        c, Kp, scales, zeros = regroup(layer, KERNEL_GROUP_SIZES, self.name)
+        codes = layer.codes
+        if Kp != layer.in_features:
+            codes = torch.nn.functional.pad(codes, (0, 0, 0, Kp - layer.in_features), value=8)
+        tensors.update(qweight=pack_int4_nk(codes), scales=scales.to(act_dtype), qzeros=zeros.to(torch.int8))
+        meta.update(kernel_group_size=c, padded_in=Kp)
+        return tensors, meta
+
+    def make_module(self, meta: dict, act_dtype: torch.dtype) -> nn.Module:
+        return (XpuInt4Linear if meta["bits"] == 4 else DequantInt8Linear)(meta, act_dtype)
+
+
+TARGET = XpuTarget()
