@@ -93,7 +93,8 @@ def cmd_verify(args) -> int:
 
     report = verify_artifact(Path(args.dir))
     lines = [f"{args.dir}: {report['files']} files, sha256 ok"]
-    lines += [f"  {r['layer']}: rel err {r['rel_err']:.2e} (tol {r['tol']:.0e}) ok" for r in report["numeric"]]
+    how = " (CPU emulator of the XPU kernel; no XPU here)" if report.get("emulated") else ""
+    lines += [f"  {r['layer']}: rel err {r['rel_err']:.2e} (tol {r['tol']:.0e}) ok{how}" for r in report["numeric"]]
     if report["skipped"]:
         lines.append(f"  {report['skipped']}")
     _print_json_or(args, report, "\n".join(lines))

@@ -47,15 +47,16 @@ def rebuild_command(manifest: dict) -> str:
     return f"quantprep prepack {source} --target {manifest['target']['name']} --out <dir>"
 
 
-def check_compat(path: Path, manifest: dict, target) -> None:
-    """Refuse an artifact whose layout this machine's kernels would read differently."""
+def check_compat(path: Path, manifest: dict, target, emulate: bool = False) -> None:
+    """Refuse an artifact whose layout this machine's kernels would read differently, or whose
+    device is missing (unless `emulate` and the target has a CPU emulator)."""
     here = target.compat_key()
     for key, built in manifest["compat"].items():
         if here.get(key) != built:
             raise ArtifactMismatch(f"{path}: built for {key}={built}, this machine has {key}={here.get(key)}; "
                                    f"build a matching artifact here: {rebuild_command(manifest)}")
     problem = target.runtime_problem()
-    if problem:
+    if problem and not (emulate and getattr(target, "cpu_emulator", False)):
         raise ArtifactMismatch(f"{path}: {problem}; build one for this machine: {rebuild_command(manifest)}")
 
 
@@ -70,8 +71,10 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
          verify: bool = False):
     """Load an artifact as a transformers `PreTrainedModel` in eval mode.
 
-    device: defaults to the target's device. dtype: activation dtype (defaults to the one the
-    artifact was packed for). verify: also check every file's sha256 (sizes are always checked).
+    device: defaults to the target's device; `device="cpu"` for an xpu artifact runs it through
+    the CPU emulator of the XPU kernel (slow; for checking, not serving). dtype: activation dtype
+    (defaults to the one the artifact was packed for). verify: also check every file's sha256
+    (sizes are always checked).
     Raises ArtifactMismatch for an artifact built for another machine, ArtifactError if corrupt.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -82,7 +85,8 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
         target = get_target(manifest["target"]["name"])
     except Exception:
         raise ArtifactMismatch(f"{path}: target {manifest['target'].get('name')!r} is not supported by this quantprep") from None
-    check_compat(path, manifest, target)
+    emulate = device is not None and torch.device(device).type == "cpu" and target.device != "cpu"
+    check_compat(path, manifest, target, emulate)
     check_files(path, manifest, full_hash=verify)
 
     packed_dtype = _dtype(manifest["target"]["act_dtype"])

@@ -81,12 +81,14 @@ def verify_artifact(path: Path) -> dict:
     check_files(path, manifest, full_hash=True)
     report = {"path": str(path), "files": len(manifest["files"]), "hashes": "ok", "numeric": [], "skipped": None}
     target = get_target(manifest["target"]["name"])
+    emulate = target.runtime_problem() is not None and getattr(target, "cpu_emulator", False)
     try:
-        check_compat(path, manifest, target)
+        check_compat(path, manifest, target, emulate)
     except ArtifactMismatch as e:
         report["skipped"] = f"numeric check skipped: {e}"
         return report
-    report["numeric"] = run_probes(path, manifest, target)
+    report["numeric"] = run_probes(path, manifest, target, "cpu" if emulate else None)
+    report["emulated"] = emulate
     bad = [r for r in report["numeric"] if not r["ok"]]
     if bad:
         r = bad[0]

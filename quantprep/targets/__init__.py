@@ -11,7 +11,7 @@ import importlib
 
 from ..errors import RecipeError
 
-TARGET_NAMES = ("cpu",)
+TARGET_NAMES = ("cpu", "xpu")
 
 
 def get_target(name: str):

@@ -6,13 +6,10 @@ compatibility key). The kernel computes w = (q - 8) * scale + zero per group, so
 w = (q - z) * s becomes zero = (8 - z) * s. Kernel limits (torch 2.14): group size in
 {32, 64, 128, 256}, K divisible by it, N divisible by 16.
 
-GPTQ groups are often not kernel-friendly: group_size -1 (one group over K) or a partial last group
-(SmolLM2: K=576, group 128). We pick the largest kernel group size c that divides the GPTQ group
-size, repeat each GPTQ group's scale over its g/c kernel groups (exact), and zero-pad K only when
-c does not divide K. Padded inputs read zero activations, so they contribute nothing.
+GPTQ groups are mapped to kernel groups by `common.regroup` (exact, see there).
 
 int8: no upstream CPU kernel takes groups and zeros (`_weight_int8pack_mm` is per-channel
-symmetric), so the exact path keeps int8 codes and dequantizes per forward.
+symmetric), so the exact path keeps int8 codes and dequantizes per forward (`common`).
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..prepack import UnpackedLayer
+from .common import DequantInt8Linear, base_meta, gather_and_pad, int8_tensors, optional_tensors, regroup, round_up
 
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 N_ALIGN = 16
@@ -57,17 +55,6 @@ def _torch_base_version() -> str:
     return torch.__version__.split("+")[0]
 
 
-def kernel_group_size(group_size: int, in_features: int) -> int | None:
-    """The kernel group dividing the GPTQ group that pads K least (then the largest).
-    A single group over all of K (group_size -1) has one scale, so any kernel group fits."""
-    fits = [c for c in KERNEL_GROUP_SIZES if group_size % c == 0 or group_size >= in_features]
-    return min(fits, key=lambda c: (_round_up(in_features, c), -c), default=None)
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
 class CpuInt4Linear(nn.Module):
     def __init__(self, meta: dict, act_dtype: torch.dtype):
         super().__init__()
@@ -84,11 +71,7 @@ class CpuInt4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x = x.reshape(-1, self.in_features).to(self.act_dtype)
-        if self.perm is not None:
-            x = x.index_select(1, self.perm)
-        if self.padded_in != self.in_features:
-            x = F.pad(x, (0, self.padded_in - self.in_features))
+        x = gather_and_pad(x.reshape(-1, self.in_features).to(self.act_dtype), self.perm, self.padded_in)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
         if self.padded_out != self.out_features:
             y = y[:, : self.out_features]
@@ -98,32 +81,6 @@ class CpuInt4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, kernel_group={self.kernel_group_size}, act_order={self.perm is not None}"
-
-
-class CpuInt8Linear(nn.Module):
-    def __init__(self, meta: dict, act_dtype: torch.dtype):
-        super().__init__()
-        self.in_features, self.out_features = meta["in_features"], meta["out_features"]
-        self.group_size = meta["group_size"]
-        self.act_dtype = act_dtype
-        dev = torch.device("meta")
-        n_groups = -(-self.in_features // self.group_size)
-        self.register_buffer("qweight", torch.empty(self.in_features, self.out_features, dtype=torch.uint8, device=dev))
-        self.register_buffer("scales", torch.empty(n_groups, self.out_features, dtype=act_dtype, device=dev))
-        self.register_buffer("qzeros", torch.empty(n_groups, self.out_features, dtype=torch.uint8, device=dev))
-        self.register_buffer("perm", torch.empty(self.in_features, dtype=torch.int32, device=dev) if meta["act_order"] else None)
-        self.register_buffer("bias", torch.empty(self.out_features, dtype=act_dtype, device=dev) if meta["bias"] else None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.act_dtype)
-        if self.perm is not None:
-            x = x.index_select(-1, self.perm)
-        gs, k = self.group_size, self.in_features
-        # (code - zero) is an integer in [-255, 255]: exact in bf16/fp16, so only the scale rounds.
-        centered = self.qweight.to(self.act_dtype) - self.qzeros.to(self.act_dtype).repeat_interleave(gs, 0)[:k]
-        w = centered * self.scales.repeat_interleave(gs, 0)[:k]
-        y = x @ w
-        return y + self.bias if self.bias is not None else y
 
 
 class CpuTarget:
@@ -142,39 +99,23 @@ class CpuTarget:
         return "aten._weight_int4pack_mm_for_cpu" if bits == 4 else "dequant-int8-matmul"
 
     def pack(self, layer: UnpackedLayer, act_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
-        from ..errors import SourceError
-
-        K, N, gs = layer.in_features, layer.out_features, layer.group_size
-        meta = {"bits": layer.bits, "in_features": K, "out_features": N, "group_size": gs,
-                "act_order": layer.perm is not None, "bias": layer.bias is not None}
-        tensors: dict[str, torch.Tensor] = {}
-        if layer.perm is not None:
-            tensors["perm"] = layer.perm.to(torch.int32)
-        if layer.bias is not None:
-            tensors["bias"] = layer.bias.to(act_dtype)
+        meta, tensors = base_meta(layer), optional_tensors(layer, act_dtype)
         if layer.bits == 8:
-            tensors.update(qweight=layer.codes, scales=layer.scales.to(act_dtype), qzeros=layer.zeros)
-            return tensors, meta
-
-        c = kernel_group_size(gs, K)
-        if c is None:
-            raise SourceError(f"tensor {layer.name}.scales: group_size {gs} is not a multiple of 32; the cpu int4 kernel needs groups of 32/64/128/256")
-        Kp, Np = _round_up(K, c), _round_up(N, N_ALIGN)
+            return tensors | int8_tensors(layer, act_dtype), meta
+        K, N = layer.in_features, layer.out_features
+        c, Kp, s, z = regroup(layer, KERNEL_GROUP_SIZES, self.name)
+        Np = round_up(N, N_ALIGN)
         codes = layer.codes
         if (Kp, Np) != (K, N):
             codes = F.pad(codes, (0, Np - N, 0, Kp - K), value=8)  # [Kp, Np]
-        group_of_kernel_group = torch.arange(Kp // c) * c // gs
-        s = layer.scales.float()[group_of_kernel_group]  # [Kp/c, N]
-        z = layer.zeros.float()[group_of_kernel_group]
-        sz = F.pad(torch.stack([s, (8 - z) * s], dim=-1), (0, 0, 0, Np - N))  # [Kp/c, Np, 2]
+        sz = F.pad(torch.stack([s, (8 - z.float()) * s], dim=-1), (0, 0, 0, Np - N))  # [Kp/c, Np, 2]
         tensors["qweight"] = pack_int4(codes, torch.backends.cpu.get_cpu_capability())
         tensors["scales_and_zeros"] = sz.to(act_dtype)
         meta.update(kernel_group_size=c, padded_in=Kp, padded_out=Np)
         return tensors, meta
 
     def make_module(self, meta: dict, act_dtype: torch.dtype) -> nn.Module:
-        cls = CpuInt4Linear if meta["bits"] == 4 else CpuInt8Linear
-        return cls(meta, act_dtype)
+        return (CpuInt4Linear if meta["bits"] == 4 else DequantInt8Linear)(meta, act_dtype)
 
 
 TARGET = CpuTarget()

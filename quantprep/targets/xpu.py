@@ -59,6 +59,7 @@ class XpuTarget:
     device = "xpu"
     default_act_dtype = torch.float16
     layout_version = 1
+    cpu_emulator = True  # xpu_emulator runs the int4 kernel's semantics on CPU
 
     def compat_key(self) -> dict:
         return {"torch": torch.__version__.split("+")[0]}
