@@ -11,7 +11,7 @@ import importlib
 
 from ..errors import RecipeError
 
-TARGET_NAMES = ("cpu", "xpu")
+TARGET_NAMES = ("cpu", "xpu", "cuda")
 
 
 def get_target(name: str):

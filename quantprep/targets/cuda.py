@@ -1,0 +1,161 @@
+"""cuda target (NVIDIA, tensor cores), through upstream torch ops.
+
+int4, decode (M <= DECODE_MAX_M): tinygemm, `aten._weight_int4pack_mm` (bf16 activations only),
+w = (q - 8) * scale + zero per group, so GPTQ's zero becomes (8 - z) * s, as on cpu. Its weight
+layout is what `aten._convert_weight_to_int4pack` makes on the GPU; `pack_tinygemm` writes the
+same int32 words with tensor ops so artifacts build on machines without a GPU. Layout, from
+pytorch aten/src/ATen/native/cuda/int4mm.cu (`matrix_to_m16n8k16_Bint4_layout`): output
+[N/8, K/(16*ikt), 32, ikt/2] int32; lane t of n-tile nt reads row n = 8*nt + t//4; word j of
+k-super-tile ko holds 8 codes at k = ko*16*ikt + 32*j + 16*i1 + 8*i0 + 2*(t%4) + h, nibble
+4*(4*h + 2*i1 + i0). The device run (benchmarks/cuda_kernels.py) checks it equals the op.
+
+int4, prefill (M > DECODE_MAX_M): tinygemm was measured 16x slower than dense bf16 at M=512,
+so the weight is dequantized to bf16 (unpack by reshape/permute, one fused expression) and
+multiplied densely. Off a GPU the module uses this path too (tests, verify on CPU).
+
+int8: `aten._weight_int8pack_mm` where it is exact (one group per column and symmetric zero
+128: w = (q - 128) * s is an int8 times a per-channel scale); otherwise the shared exact
+dequantize + matmul path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..prepack import UnpackedLayer
+from .common import DequantInt8Linear, base_meta, gather_and_pad, optional_tensors, regroup, round_up
+
+KERNEL_GROUP_SIZES = (256, 128, 64, 32)
+N_ALIGN = 8
+DECODE_MAX_M = 16  # measured crossover on an H100 (BENCHMARKS.md)
+
+
+def inner_k_tiles(padded_in: int) -> int:
+    return next(t for t in (8, 4, 2) if padded_in % (16 * t) == 0)
+
+
+def pack_tinygemm(codes: torch.Tensor, ikt: int) -> torch.Tensor:
+    """uint8 codes [K, N] (K % (16*ikt) == 0, N % 8 == 0) -> tinygemm's int32 [N/8, K/(16*ikt), 32, ikt/2]."""
+    K, N = codes.shape
+    # codes[n, k] with n = (nt, a) and k = (ko, j, i1, i0, b, h); lane t = 4a + b; nibble s = 4h + 2i1 + i0.
+    c = codes.T.reshape(N // 8, 8, K // (16 * ikt), ikt // 2, 2, 2, 4, 2)
+    c = c.permute(0, 2, 1, 6, 3, 7, 4, 5).reshape(N // 8, K // (16 * ikt), 32, ikt // 2, 8).to(torch.int64)
+    words = (c << (4 * torch.arange(8, device=codes.device))).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_tinygemm(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_tinygemm`: int32 [N/8, K/(16*ikt), 32, ikt/2] -> uint8 codes [N, K]."""
+    nt, ko, _, half = packed.shape
+    nib = (packed.unsqueeze(-1) >> (4 * torch.arange(8, device=packed.device, dtype=torch.int32))) & 0xF
+    nib = nib.reshape(nt, ko, 8, 4, half, 2, 2, 2)  # (nt, ko, a, b, j, h, i1, i0)
+    return nib.permute(0, 2, 1, 4, 6, 7, 3, 5).reshape(nt * 8, ko * half * 32).to(torch.uint8)
+
+
+class CudaInt4Linear(nn.Module):
+    def __init__(self, meta: dict, act_dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = meta["in_features"], meta["out_features"]
+        self.padded_in, self.padded_out = meta["padded_in"], meta["padded_out"]
+        self.kernel_group_size, ikt = meta["kernel_group_size"], meta["inner_k_tiles"]
+        self.act_dtype = act_dtype
+        dev = torch.device("meta")
+        shape = (self.padded_out // 8, self.padded_in // (16 * ikt), 32, ikt // 2)
+        self.register_buffer("qweight", torch.empty(shape, dtype=torch.int32, device=dev))
+        n_groups = self.padded_in // self.kernel_group_size
+        self.register_buffer("scales_and_zeros", torch.empty(n_groups, self.padded_out, 2, dtype=act_dtype, device=dev))
+        self.register_buffer("perm", torch.empty(self.in_features, dtype=torch.int32, device=dev) if meta["act_order"] else None)
+        self.register_buffer("bias", torch.empty(self.out_features, dtype=act_dtype, device=dev) if meta["bias"] else None)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """bf16 [N, K]: w = (q - 8) * scale + zero, as tinygemm computes it."""
+        q = unpack_tinygemm(self.qweight).to(self.act_dtype)
+        sz = self.scales_and_zeros.repeat_interleave(self.kernel_group_size, 0).transpose(0, 1)  # [N, K, 2]
+        return (q - 8) * sz[..., 0] + sz[..., 1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x = gather_and_pad(x.reshape(-1, self.in_features).to(self.act_dtype), self.perm, self.padded_in).contiguous()
+        if x.is_cuda and x.shape[0] <= DECODE_MAX_M:
+            y = torch.ops.aten._weight_int4pack_mm(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
+        else:
+            y = F.linear(x, self.dequantized_weight())
+        y = y[:, : self.out_features]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+
+class CudaInt8PerChannelLinear(nn.Module):
+    """`_weight_int8pack_mm`: int8 weight [N, K] times a per-output-channel scale, exact for
+    GPTQ int8 with one group per column and the symmetric zero 128."""
+
+    def __init__(self, meta: dict, act_dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = meta["in_features"], meta["out_features"]
+        self.act_dtype = act_dtype
+        dev = torch.device("meta")
+        self.register_buffer("qweight", torch.empty(self.out_features, self.in_features, dtype=torch.int8, device=dev))
+        self.register_buffer("scales", torch.empty(self.out_features, dtype=act_dtype, device=dev))
+        self.register_buffer("perm", torch.empty(self.in_features, dtype=torch.int32, device=dev) if meta["act_order"] else None)
+        self.register_buffer("bias", torch.empty(self.out_features, dtype=act_dtype, device=dev) if meta["bias"] else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x = gather_and_pad(x.reshape(-1, self.in_features).to(self.act_dtype), self.perm, self.in_features).contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+
+class CudaTarget:
+    name = "cuda"
+    device = "cuda"
+    default_act_dtype = torch.bfloat16
+    layout_version = 1
+
+    def compat_key(self) -> dict:
+        return {"torch": torch.__version__.split("+")[0]}
+
+    def runtime_problem(self) -> str | None:
+        return None if torch.cuda.is_available() else "no CUDA device here (torch.cuda.is_available() is False)"
+
+    def kernel(self, bits: int) -> str:
+        return "aten._weight_int4pack_mm+dequant-bf16-matmul" if bits == 4 else "aten._weight_int8pack_mm|dequant-int8-matmul"
+
+    def pack(self, layer: UnpackedLayer, act_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
+        if act_dtype != torch.bfloat16:
+            from ..errors import RecipeError
+
+            raise RecipeError(f"the cuda target needs bfloat16 activations (tinygemm is bf16-only), got {act_dtype}")
+        meta, tensors = base_meta(layer), optional_tensors(layer, act_dtype)
+        K, N = layer.in_features, layer.out_features
+        if layer.bits == 8:
+            per_channel = layer.zeros.shape[0] == 1 and bool((layer.zeros == 128).all())
+            meta["int8_kernel"] = "per_channel" if per_channel else "dequant"
+            if per_channel:
+                tensors.update(qweight=(layer.codes.T.to(torch.int16) - 128).to(torch.int8).contiguous(),
+                               scales=layer.scales[0].to(act_dtype))
+            else:
+                tensors.update(qweight=layer.codes, scales=layer.scales.to(act_dtype), qzeros=layer.zeros)
+            return tensors, meta
+        c, Kp, s, z = regroup(layer, KERNEL_GROUP_SIZES, self.name)  # Kp is a multiple of c >= 32
+        ikt, Np = inner_k_tiles(Kp), round_up(N, N_ALIGN)
+        codes = layer.codes
+        if (Kp, Np) != (K, N):
+            codes = F.pad(codes, (0, Np - N, 0, Kp - K), value=8)
+        sz = F.pad(torch.stack([s, (8 - z.float()) * s], dim=-1), (0, 0, 0, Np - N))
+        tensors.update(qweight=pack_tinygemm(codes, ikt), scales_and_zeros=sz.to(act_dtype))
+        meta.update(kernel_group_size=c, padded_in=Kp, padded_out=Np, inner_k_tiles=ikt)
+        return tensors, meta
+
+    def make_module(self, meta: dict, act_dtype: torch.dtype) -> nn.Module:
+        if meta["bits"] == 4:
+            return CudaInt4Linear(meta, act_dtype)
+        return (CudaInt8PerChannelLinear if meta["int8_kernel"] == "per_channel" else DequantInt8Linear)(meta, act_dtype)
+
+
+TARGET = CudaTarget()

@@ -1,0 +1,72 @@
+"""cuda target on CPU: the tinygemm layout (against a line-by-line translation of the CUDA
+packing kernel) and the dequantize path vs the dense reference. The real kernels run on the GPU
+machine (benchmarks/cuda_kernels.py): `_convert_weight_to_int4pack` equality and parity there.
+
+Tolerance: bf16 activations, rel < 2e-2 (as cpu bf16; measured ~3e-3).
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from quantprep.prepack import unpack_layer
+from quantprep.source import QuantConfig, _validate_layer
+from quantprep.synthetic import random_gptq_tensors
+from quantprep.targets import get_target
+from quantprep.targets.cuda import CudaInt8PerChannelLinear, pack_tinygemm, unpack_tinygemm
+
+CUDA = get_target("cuda")
+
+
+def reference_tinygemm_pack(codes_nk: torch.Tensor, ikt: int) -> torch.Tensor:
+    """pytorch aten/src/ATen/native/cuda/int4mm.cu, matrix_to_m16n8k16_Bint4_layout, as loops.
+    `inp` is the op's uint8 [n][k/2] input: byte = code[2b] << 4 | code[2b+1]."""
+    n, k = codes_nk.shape
+    inp = (codes_nk[:, 0::2] << 4) | codes_nk[:, 1::2]
+    out = torch.zeros(n // 8, k // (16 * ikt), 32, ikt // 2, dtype=torch.int64)
+    for n_tile, k_outer, t in itertools.product(range(n // 8), range(k // (16 * ikt)), range(32)):
+        for inner in range(0, ikt, 2):
+            n0 = n_tile * 8 + t // 4
+            k_base0 = (k_outer * ikt + inner) * 16 // 2
+            k_base1 = k_base0 + 16 // 2
+            ks = [k_base0 + t % 4, k_base0 + t % 4 + 4, k_base1 + t % 4, k_base1 + t % 4 + 4]
+            v = [int(inp[n0, kk]) for kk in ks]
+            pack = ((v[3] & 0xF) << 28) | ((v[2] & 0xF) << 24) | ((v[1] & 0xF) << 20) | ((v[0] & 0xF) << 16) | \
+                ((v[3] & 0xF0) << 8) | ((v[2] & 0xF0) << 4) | (v[1] & 0xF0) | ((v[0] & 0xF0) >> 4)
+            out[n_tile, k_outer, t, inner // 2] = pack
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+
+@pytest.mark.parametrize("ikt", [2, 4, 8])
+def test_pack_follows_the_cuda_kernel(ikt):
+    codes = torch.randint(0, 16, (256, 24), dtype=torch.uint8)  # [K, N]
+    packed = pack_tinygemm(codes, ikt)
+    assert torch.equal(packed, reference_tinygemm_pack(codes.T.contiguous(), ikt))
+    assert torch.equal(unpack_tinygemm(packed), codes.T)
+
+
+@pytest.mark.parametrize("bits,group_size,sym,act_order,v1", list(itertools.product([4, 8], [-1, 32, 128], [True, False], [True, False], [True, False])))
+def test_prepacked_linear_matches_dense_on_cpu(bits, group_size, sym, act_order, v1):
+    K, N = 576, 200
+    gen = torch.Generator().manual_seed(hash((bits, group_size, sym, act_order, v1)) % 2**31)
+    raw = random_gptq_tensors(K, N, bits, group_size, sym, act_order, v1, bias=True, generator=gen)
+    layer = unpack_layer(_validate_layer("m", raw, QuantConfig(bits, group_size, sym, act_order, "gptq" if v1 else "gptq_v2")))
+    tensors, meta = CUDA.pack(layer, torch.bfloat16)
+    module = CUDA.make_module(meta, torch.bfloat16)
+    module.load_state_dict(tensors, assign=True)
+    assert isinstance(module, CudaInt8PerChannelLinear) == (bits == 8 and group_size == -1 and sym)
+    x = torch.randn(4, 64, K)
+    ref = x @ layer.dequantize() + layer.bias.float()
+    with torch.no_grad():
+        y = module(x.bfloat16()).float()
+    rel = ((y - ref).norm() / ref.norm()).item()
+    assert rel < 2e-2, f"rel err {rel:.2e}"
+
+
+def test_cuda_target_needs_bf16():
+    from quantprep.errors import RecipeError
+
+    layer = unpack_layer(_validate_layer("m", random_gptq_tensors(128, 64, 4, 32, True, False, True), QuantConfig(4, 32, True, False, "gptq")))
+    with pytest.raises(RecipeError, match="bfloat16"):
+        CUDA.pack(layer, torch.float16)
