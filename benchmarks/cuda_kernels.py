@@ -1,0 +1,181 @@
+"""cuda target on a real GPU (run on the device machine): layout check, parity, kernel timings,
+whole-model decode and load-to-first-token.
+
+1. `pack_tinygemm` (tensor ops, runs anywhere) == `aten._convert_weight_to_int4pack` on the GPU.
+2. Parity of the cuda target's modules vs the dense float32 reference, M=1 (tinygemm) and M=64
+   (dequantize path), int4/int8 x act-order x sym.
+3. Per-linear timings on Qwen2.5-1.5B shapes for M = 1, 16, 128, 512: tinygemm, the dequantize
+   path, dense bf16 (`triton.testing.do_bench`, median ms).
+4. Whole model (Qwen2.5-1.5B shapes, random GPTQ codes): decode tokens/s and a 512-token
+   prefill vs a dense bf16 model of the same shapes; load-to-first-token in fresh processes.
+
+    PYTHONPATH=. python3 benchmarks/cuda_kernels.py --out results-cuda.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from quantprep.prepack import unpack_layer
+from quantprep.source import QuantConfig, _validate_layer
+from quantprep.synthetic import random_gptq_tensors
+from quantprep.targets import get_target
+from quantprep.targets.cuda import pack_tinygemm
+
+CUDA = get_target("cuda")
+QWEN = {"q_proj": (1536, 1536), "k_proj": (1536, 256), "v_proj": (1536, 256), "o_proj": (1536, 1536),
+        "gate_proj": (1536, 8960), "up_proj": (1536, 8960), "down_proj": (8960, 1536)}  # (K, N)
+QWEN_CFG = {"model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+            "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+            "tie_word_embeddings": True, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
+
+
+def module_for(K, N, bits, gs, sym, act, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    raw = random_gptq_tensors(K, N, bits, gs, sym, act, True, bias=False, generator=gen)
+    layer = unpack_layer(_validate_layer("m", raw, QuantConfig(bits, gs, sym, act, "gptq")))
+    tensors, meta = CUDA.pack(layer, torch.bfloat16)
+    m = CUDA.make_module(meta, torch.bfloat16)
+    m.load_state_dict({k: v.cuda() for k, v in tensors.items()}, assign=True)
+    return layer, m
+
+
+def layout_check() -> list[dict]:
+    rows = []
+    for (K, N), ikt in itertools.product([(1536, 1536), (1536, 256), (8960, 1536), (576, 200 + 8), (256, 24)], (2, 4, 8)):
+        if K % (16 * ikt):
+            continue
+        codes = torch.randint(0, 16, (K, N), dtype=torch.uint8)
+        nk = codes.T.contiguous()
+        op_in = ((nk[:, 0::2] << 4) | nk[:, 1::2]).cuda()
+        ref = torch.ops.aten._convert_weight_to_int4pack(op_in, ikt).cpu()
+        rows.append({"K": K, "N": N, "inner_k_tiles": ikt, "equal": bool(torch.equal(pack_tinygemm(codes, ikt), ref))})
+    return rows
+
+
+def parity() -> list[dict]:
+    rows = []
+    K, N = 1536, 512
+    for bits, gs, sym, act in itertools.product([4, 8], [128, -1], [True, False], [True, False]):
+        layer, m = module_for(K, N, bits, gs, sym, act)
+        w = layer.dequantize().cuda()
+        for M in (1, 64):
+            x = torch.randn(M, K, device="cuda")
+            ref = x @ w
+            y = m(x.bfloat16()).float()
+            rows.append({"bits": bits, "group_size": gs, "sym": sym, "act_order": act, "M": M, "module": type(m).__name__,
+                         "rel_err": ((y - ref).norm() / ref.norm()).item()})
+    return rows
+
+
+def timings() -> list[dict]:
+    from triton.testing import do_bench
+
+    from quantprep.targets import cuda as cuda_mod
+
+    rows = []
+    for name, (K, N) in QWEN.items():
+        _, m = module_for(K, N, 4, 128, True, True)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        for M in (1, 16, 128, 512):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            xp = x[:, m.perm.long()].contiguous()
+            t_tiny = do_bench(lambda: torch.ops.aten._weight_int4pack_mm(xp, m.qweight, m.kernel_group_size, m.scales_and_zeros))
+            t_deq = do_bench(lambda: F.linear(xp, m.dequantized_weight()))
+            t_mod = do_bench(lambda: m(x))
+            t_dense = do_bench(lambda: F.linear(x, w))
+            rows.append({"layer": name, "K": K, "N": N, "M": M, "tinygemm_ms": t_tiny, "dequant_ms": t_deq,
+                         "module_ms": t_mod, "dense_bf16_ms": t_dense, "decode_max_m": cuda_mod.DECODE_MAX_M})
+    return rows
+
+
+FIRST_TOKEN = """
+import time, sys, torch
+import quantprep
+m = quantprep.load(sys.argv[1])
+ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]], device="cuda")
+m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
+torch.cuda.synchronize()
+print(time.time())
+"""
+
+
+def whole_model(workdir: Path) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import quantprep
+    from quantprep.build import build_artifacts
+    from quantprep.synthetic import write_random_checkpoint
+
+    t0 = time.perf_counter()
+    gptq = write_random_checkpoint(workdir / "gptq", QWEN_CFG, bits=4, group_size=128, desc_act=True, sym=True)
+    t1 = time.perf_counter()
+    [built] = build_artifacts(gptq, {"path": str(gptq)}, ["cuda"], lambda t: workdir / "cuda", progress=False)
+    res = {"write_random_checkpoint_s": t1 - t0, "build": built}
+    starts = []
+    for _ in range(3):
+        start = time.time()
+        out = subprocess.run([sys.executable, "-c", FIRST_TOKEN, str(workdir / "cuda")], capture_output=True, text=True, check=True)
+        starts.append(float(out.stdout.strip().splitlines()[-1]) - start)
+    res["load_to_first_token_s"] = {"median": statistics.median(starts), "runs": starts}
+
+    q = quantprep.load(workdir / "cuda")
+    with torch.device("cuda"):
+        dense = AutoModelForCausalLM.from_config(AutoConfig.for_model(**QWEN_CFG), dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, 150000, (1, 16), device="cuda")
+    prompt = torch.randint(0, 150000, (1, 512), device="cuda")
+    for name, model in (("quantprep_int4", q), ("dense_bf16", dense)):
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=128, min_new_tokens=128, do_sample=False)
+            torch.cuda.synchronize()
+            res[f"{name}_decode_tok_s"] = 128 / (time.perf_counter() - t)
+            times = []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                model(input_ids=prompt)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            res[f"{name}_prefill512_ms"] = statistics.median(times) * 1e3
+    res["gpu_memory_quantprep_mib"] = sum(b.numel() * b.element_size() for b in q.state_dict().values()) / 2**20
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="results-cuda.json")
+    p.add_argument("--skip-model", action="store_true")
+    args = p.parse_args()
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    res["layout"] = layout_check()
+    print("layout equal:", all(r["equal"] for r in res["layout"]), flush=True)
+    res["parity"] = parity()
+    print("parity max rel err:", max(r["rel_err"] for r in res["parity"]), flush=True)
+    res["timings"] = timings()
+    for r in res["timings"]:
+        print(f"{r['layer']:9s} M={r['M']:3d} tinygemm {r['tinygemm_ms']*1e3:7.1f}us dequant {r['dequant_ms']*1e3:7.1f}us "
+              f"module {r['module_ms']*1e3:7.1f}us dense {r['dense_bf16_ms']*1e3:7.1f}us", flush=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    if not args.skip_model:
+        with tempfile.TemporaryDirectory() as d:
+            res["model"] = whole_model(Path(d))
+        print(json.dumps(res["model"], indent=2), flush=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
