@@ -70,7 +70,7 @@ def parity() -> list[dict]:
     for bits, gs, sym, act in itertools.product([4, 8], [128, -1], [True, False], [True, False]):
         layer, m = module_for(K, N, bits, gs, sym, act)
         w = layer.dequantize().cuda()
-        for M in (1, 64):
+        for M in (1, 64, 256):
             x = torch.randn(M, K, device="cuda")
             ref = x @ w
             y = m(x.bfloat16()).float()
@@ -93,9 +93,10 @@ def timings() -> list[dict]:
             xp = x[:, m.perm.long()].contiguous()
             t_tiny = do_bench(lambda: torch.ops.aten._weight_int4pack_mm(xp, m.qweight, m.kernel_group_size, m.scales_and_zeros))
             t_deq = do_bench(lambda: F.linear(xp, m.dequantized_weight()))
+            t_triton = do_bench(lambda: cuda_mod.tinygemm_layout_gemm(xp, m.qweight, m.kernel_group_size, m.scales_and_zeros))
             t_mod = do_bench(lambda: m(x))
             t_dense = do_bench(lambda: F.linear(x, w))
-            rows.append({"layer": name, "K": K, "N": N, "M": M, "tinygemm_ms": t_tiny, "dequant_ms": t_deq,
+            rows.append({"layer": name, "K": K, "N": N, "M": M, "tinygemm_ms": t_tiny, "dequant_ms": t_deq, "triton_ms": t_triton,
                          "module_ms": t_mod, "dense_bf16_ms": t_dense, "decode_max_m": cuda_mod.DECODE_MAX_M})
     return rows
 
@@ -167,7 +168,7 @@ def main() -> None:
     print("parity max rel err:", max(r["rel_err"] for r in res["parity"]), flush=True)
     res["timings"] = timings()
     for r in res["timings"]:
-        print(f"{r['layer']:9s} M={r['M']:3d} tinygemm {r['tinygemm_ms']*1e3:7.1f}us dequant {r['dequant_ms']*1e3:7.1f}us "
+        print(f"{r['layer']:9s} M={r['M']:3d} tinygemm {r['tinygemm_ms']*1e3:7.1f}us dequant {r['dequant_ms']*1e3:7.1f}us triton {r['triton_ms']*1e3:7.1f}us "
               f"module {r['module_ms']*1e3:7.1f}us dense {r['dense_bf16_ms']*1e3:7.1f}us", flush=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     if not args.skip_model:

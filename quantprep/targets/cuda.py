@@ -9,9 +9,10 @@ pytorch aten/src/ATen/native/cuda/int4mm.cu (`matrix_to_m16n8k16_Bint4_layout`):
 k-super-tile ko holds 8 codes at k = ko*16*ikt + 32*j + 16*i1 + 8*i0 + 2*(t%4) + h, nibble
 4*(4*h + 2*i1 + i0). The device run (benchmarks/cuda_kernels.py) checks it equals the op.
 
-int4, prefill (M > DECODE_MAX_M): tinygemm was measured 16x slower than dense bf16 at M=512,
-so the weight is dequantized to bf16 (unpack by reshape/permute, one fused expression) and
-multiplied densely. Off a GPU the module uses this path too (tests, verify on CPU).
+int4, prefill (M > DECODE_MAX_M): tinygemm was measured 16x slower than dense bf16 at M=512, so
+a Triton GEMM reads the same tinygemm-packed words, dequantizes each K-block in registers and
+multiplies on tensor cores (no second copy of the weight). Without Triton, and off a GPU (tests,
+verify on CPU), the weight is dequantized to bf16 with tensor ops and multiplied densely.
 
 int8: `aten._weight_int8pack_mm` where it is exact (one group per column and symmetric zero
 128: w = (q - 128) * s is an int8 times a per-channel scale); otherwise the shared exact
@@ -54,6 +55,55 @@ def unpack_tinygemm(packed: torch.Tensor) -> torch.Tensor:
     return nib.permute(0, 2, 1, 4, 6, 7, 3, 5).reshape(nt * 8, ko * half * 32).to(torch.uint8)
 
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the dequantize path runs instead
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _tinygemm_layout_gemm(a_ptr, w_ptr, sz_ptr, c_ptr, M, N, K, KO,
+                              GROUP: tl.constexpr, IKT: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """C[M, N] = A[M, K] @ W[N, K].T, W read from tinygemm's packed int32 words (see module doc)."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        nt, a = offs_n // 8, offs_n % 8
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(a_ptr + offs_m[:, None] * K + k[None, :], mask=offs_m[:, None] < M, other=0.0)
+            ko, kk = k // (16 * IKT), k % (16 * IKT)
+            j, r = kk // 32, kk % 32
+            i1, i0, b, h = r // 16, (r // 8) % 2, (r % 8) // 2, r % 2
+            word = ((nt[None, :] * KO + ko[:, None]) * 32 + (4 * a[None, :] + b[:, None])) * (IKT // 2) + j[:, None]
+            shift = 4 * (4 * h + 2 * i1 + i0)
+            q = (tl.load(w_ptr + word, mask=n_ok[None, :], other=0) >> shift[:, None]) & 0xF
+            g = k0 // GROUP
+            s = tl.load(sz_ptr + (g * N + offs_n) * 2, mask=n_ok, other=0.0).to(tl.float32)
+            z = tl.load(sz_ptr + (g * N + offs_n) * 2 + 1, mask=n_ok, other=0.0).to(tl.float32)
+            w = ((q.to(tl.float32) - 8.0) * s[None, :] + z[None, :]).to(tl.bfloat16)
+            acc += tl.dot(x, w)
+        tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(tl.bfloat16),
+                 mask=(offs_m[:, None] < M) & n_ok[None, :])
+
+
+def tinygemm_layout_gemm(x: torch.Tensor, qweight: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """Prefill GEMM on tinygemm's layout: bf16 x [M, K] (K padded) -> bf16 [M, N padded]."""
+    M, K = x.shape
+    N, KO, ikt = scales_and_zeros.shape[1], qweight.shape[1], qweight.shape[3] * 2
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    block_m, block_k = (64 if M <= 64 else 128), (64 if group_size % 64 == 0 else 32)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, 128))
+    _tinygemm_layout_gemm[grid](x, qweight, scales_and_zeros, out, M, N, K, KO, GROUP=group_size, IKT=ikt,
+                                BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=block_k, num_warps=8, num_stages=3)
+    return out
+
+
 class CudaInt4Linear(nn.Module):
     def __init__(self, meta: dict, act_dtype: torch.dtype):
         super().__init__()
@@ -80,9 +130,12 @@ class CudaInt4Linear(nn.Module):
         x = gather_and_pad(x.reshape(-1, self.in_features).to(self.act_dtype), self.perm, self.padded_in).contiguous()
         if x.is_cuda and x.shape[0] <= DECODE_MAX_M:
             y = torch.ops.aten._weight_int4pack_mm(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
+        elif x.is_cuda and triton is not None:
+            y = tinygemm_layout_gemm(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
         else:
             y = F.linear(x, self.dequantized_weight())
-        y = y[:, : self.out_features]
+        if self.padded_out != self.out_features:
+            y = y[:, : self.out_features]
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
