@@ -93,7 +93,7 @@ def timings() -> list[dict]:
             xp = x[:, m.perm.long()].contiguous()
             t_tiny = do_bench(lambda: torch.ops.aten._weight_int4pack_mm(xp, m.qweight, m.kernel_group_size, m.scales_and_zeros))
             t_deq = do_bench(lambda: F.linear(xp, m.dequantized_weight()))
-            t_triton = do_bench(lambda: cuda_mod.tinygemm_layout_gemm(xp, m.qweight, m.kernel_group_size, m.scales_and_zeros))
+            t_triton = do_bench(lambda: cuda_mod.int4_kn_gemm(xp, m.qweight_kn, m.kernel_group_size, m.scales_and_zeros))
             t_mod = do_bench(lambda: m(x))
             t_dense = do_bench(lambda: F.linear(x, w))
             rows.append({"layer": name, "K": K, "N": N, "M": M, "tinygemm_ms": t_tiny, "dequant_ms": t_deq, "triton_ms": t_triton,

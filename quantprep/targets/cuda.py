@@ -10,9 +10,10 @@ k-super-tile ko holds 8 codes at k = ko*16*ikt + 32*j + 16*i1 + 8*i0 + 2*(t%4) +
 4*(4*h + 2*i1 + i0). The device run (benchmarks/cuda_kernels.py) checks it equals the op.
 
 int4, prefill (M > DECODE_MAX_M): tinygemm was measured 16x slower than dense bf16 at M=512, so
-a Triton GEMM reads the same tinygemm-packed words, dequantizes each K-block in registers and
-multiplies on tensor cores (no second copy of the weight). Without Triton, and off a GPU (tests,
-verify on CPU), the weight is dequantized to bf16 with tensor ops and multiplied densely.
+a Triton GEMM dequantizes K-blocks in registers and multiplies on tensor cores. It reads a second
+copy of the codes in GPTQ's [K/8, N] words (`qweight_kn`, coalesced along N; reading tinygemm's
+tiles from Triton was 10-50x slower, measured): +0.5 byte per weight. Without Triton, and off a
+GPU (tests, verify on CPU), the weight is dequantized to bf16 with tensor ops instead.
 
 int8: `aten._weight_int8pack_mm` where it is exact (one group per column and symmetric zero
 128: w = (q - 128) * s is an int8 times a per-channel scale); otherwise the shared exact
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..gptq_format import pack_rows, unpack_rows
 from ..prepack import UnpackedLayer
 from .common import DequantInt8Linear, base_meta, gather_and_pad, optional_tensors, regroup, round_up
 
@@ -64,43 +66,38 @@ except ImportError:  # CPU-only installs: the dequantize path runs instead
 if triton is not None:
 
     @triton.jit
-    def _tinygemm_layout_gemm(a_ptr, w_ptr, sz_ptr, c_ptr, M, N, K, KO,
-                              GROUP: tl.constexpr, IKT: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """C[M, N] = A[M, K] @ W[N, K].T, W read from tinygemm's packed int32 words (see module doc)."""
+    def _int4_kn_gemm(a_ptr, w_ptr, sz_ptr, c_ptr, M, N, K, GROUP: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """C[M, N] = A[M, K] @ W, W[k, n] = (q - 8) * s + z with q at bits 4*(k%8) of words [K/8, N]."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        nt, a = offs_n // 8, offs_n % 8
+        offs_k = tl.arange(0, BLOCK_K)
+        shift = (offs_k % 8) * 4
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
+            k = k0 + offs_k
             x = tl.load(a_ptr + offs_m[:, None] * K + k[None, :], mask=offs_m[:, None] < M, other=0.0)
-            ko, kk = k // (16 * IKT), k % (16 * IKT)
-            j, r = kk // 32, kk % 32
-            i1, i0, b, h = r // 16, (r // 8) % 2, (r % 8) // 2, r % 2
-            word = ((nt[None, :] * KO + ko[:, None]) * 32 + (4 * a[None, :] + b[:, None])) * (IKT // 2) + j[:, None]
-            shift = 4 * (4 * h + 2 * i1 + i0)
-            q = (tl.load(w_ptr + word, mask=n_ok[None, :], other=0) >> shift[:, None]) & 0xF
+            words = tl.load(w_ptr + (k[:, None] // 8) * N + offs_n[None, :], mask=n_ok[None, :], other=0)
+            q = (words >> shift[:, None]) & 0xF
             g = k0 // GROUP
             s = tl.load(sz_ptr + (g * N + offs_n) * 2, mask=n_ok, other=0.0).to(tl.float32)
             z = tl.load(sz_ptr + (g * N + offs_n) * 2 + 1, mask=n_ok, other=0.0).to(tl.float32)
-            w = ((q.to(tl.float32) - 8.0) * s[None, :] + z[None, :]).to(tl.bfloat16)
-            acc += tl.dot(x, w)
+            acc += tl.dot(x, ((q.to(tl.float32) - 8.0) * s[None, :] + z[None, :]).to(tl.bfloat16))
         tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(tl.bfloat16),
                  mask=(offs_m[:, None] < M) & n_ok[None, :])
 
 
-def tinygemm_layout_gemm(x: torch.Tensor, qweight: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """Prefill GEMM on tinygemm's layout: bf16 x [M, K] (K padded) -> bf16 [M, N padded]."""
+def int4_kn_gemm(x: torch.Tensor, qweight_kn: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """Prefill GEMM: bf16 x [M, Kp] @ int4 weight in GPTQ's [Kp/8, Np] words -> bf16 [M, Np]."""
     M, K = x.shape
-    N, KO, ikt = scales_and_zeros.shape[1], qweight.shape[1], qweight.shape[3] * 2
+    N = qweight_kn.shape[1]
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     block_m, block_k = (64 if M <= 64 else 128), (64 if group_size % 64 == 0 else 32)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, 128))
-    _tinygemm_layout_gemm[grid](x, qweight, scales_and_zeros, out, M, N, K, KO, GROUP=group_size, IKT=ikt,
-                                BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=block_k, num_warps=8, num_stages=3)
+    _int4_kn_gemm[grid](x, qweight_kn, scales_and_zeros, out, M, N, K, GROUP=group_size,
+                        BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=block_k, num_warps=8, num_stages=3)
     return out
 
 
@@ -114,6 +111,7 @@ class CudaInt4Linear(nn.Module):
         dev = torch.device("meta")
         shape = (self.padded_out // 8, self.padded_in // (16 * ikt), 32, ikt // 2)
         self.register_buffer("qweight", torch.empty(shape, dtype=torch.int32, device=dev))
+        self.register_buffer("qweight_kn", torch.empty(self.padded_in // 8, self.padded_out, dtype=torch.int32, device=dev))
         n_groups = self.padded_in // self.kernel_group_size
         self.register_buffer("scales_and_zeros", torch.empty(n_groups, self.padded_out, 2, dtype=act_dtype, device=dev))
         self.register_buffer("perm", torch.empty(self.in_features, dtype=torch.int32, device=dev) if meta["act_order"] else None)
@@ -121,7 +119,7 @@ class CudaInt4Linear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """bf16 [N, K]: w = (q - 8) * scale + zero, as tinygemm computes it."""
-        q = unpack_tinygemm(self.qweight).to(self.act_dtype)
+        q = unpack_rows(self.qweight_kn, 4).T.to(self.act_dtype)
         sz = self.scales_and_zeros.repeat_interleave(self.kernel_group_size, 0).transpose(0, 1)  # [N, K, 2]
         return (q - 8) * sz[..., 0] + sz[..., 1]
 
@@ -131,7 +129,7 @@ class CudaInt4Linear(nn.Module):
         if x.is_cuda and x.shape[0] <= DECODE_MAX_M:
             y = torch.ops.aten._weight_int4pack_mm(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
         elif x.is_cuda and triton is not None:
-            y = tinygemm_layout_gemm(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
+            y = int4_kn_gemm(x, self.qweight_kn, self.kernel_group_size, self.scales_and_zeros)
         else:
             y = F.linear(x, self.dequantized_weight())
         if self.padded_out != self.out_features:
@@ -201,7 +199,7 @@ class CudaTarget:
         if (Kp, Np) != (K, N):
             codes = F.pad(codes, (0, Np - N, 0, Kp - K), value=8)
         sz = F.pad(torch.stack([s, (8 - z.float()) * s], dim=-1), (0, 0, 0, Np - N))
-        tensors.update(qweight=pack_tinygemm(codes, ikt), scales_and_zeros=sz.to(act_dtype))
+        tensors.update(qweight=pack_tinygemm(codes, ikt), qweight_kn=pack_rows(codes, 4), scales_and_zeros=sz.to(act_dtype))
         meta.update(kernel_group_size=c, padded_in=Kp, padded_out=Np, inner_k_tiles=ikt)
         return tensors, meta
 

@@ -10,6 +10,7 @@ import itertools
 import pytest
 import torch
 
+from quantprep.gptq_format import unpack_rows
 from quantprep.prepack import unpack_layer
 from quantprep.source import QuantConfig, _validate_layer
 from quantprep.synthetic import random_gptq_tensors
@@ -56,6 +57,8 @@ def test_prepacked_linear_matches_dense_on_cpu(bits, group_size, sym, act_order,
     module = CUDA.make_module(meta, torch.bfloat16)
     module.load_state_dict(tensors, assign=True)
     assert isinstance(module, CudaInt8PerChannelLinear) == (bits == 8 and group_size == -1 and sym)
+    if bits == 4:  # decode (tinygemm) and prefill (GPTQ words) copies hold the same codes
+        assert torch.equal(unpack_tinygemm(tensors["qweight"]), unpack_rows(tensors["qweight_kn"], 4).T)
     x = torch.randn(4, 64, K)
     ref = x @ layer.dequantize() + layer.bias.float()
     with torch.no_grad():
