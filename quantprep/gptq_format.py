@@ -27,7 +27,7 @@ def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
     b = packed.contiguous().view(torch.uint8).reshape(R, C, 4).permute(0, 2, 1)  # [R, 4, C] view
     if bits == 8:
         return b.reshape(R * 4, C)
-    out = torch.empty(R, 4, 2, C, dtype=torch.uint8)
+    out = torch.empty(R, 4, 2, C, dtype=torch.uint8, device=packed.device)
     torch.bitwise_and(b, 0xF, out=out[:, :, 0])
     torch.bitwise_right_shift(b, 4, out=out[:, :, 1])
     return out.view(R * 8, C)
