@@ -156,11 +156,45 @@ def whole_model(workdir: Path) -> dict:
     return res
 
 
+def sweep() -> list[dict]:
+    """Tile configs of the prefill Triton GEMM on the three distinct Qwen shapes, M = 128 and 512."""
+    from triton.testing import do_bench
+
+    from quantprep.targets import cuda as cuda_mod
+
+    rows = []
+    for K, N in ((1536, 1536), (1536, 8960), (8960, 1536)):
+        _, m = module_for(K, N, 4, 128, True, False)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        for M in (128, 512):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            dense = do_bench(lambda: F.linear(x, w))
+            for cfg in itertools.product((32, 64, 128), (32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+                try:
+                    t = do_bench(lambda: cuda_mod.int4_kn_gemm(x, m.qweight_kn, 128, m.scales_and_zeros, cfg))
+                except Exception as e:  # out of shared memory etc.
+                    t = float("inf")
+                    print("skip", cfg, type(e).__name__, flush=True)
+                rows.append({"K": K, "N": N, "M": M, "config": cfg, "ms": t, "dense_ms": dense})
+            best = min((r for r in rows if (r["K"], r["N"], r["M"]) == (K, N, M)), key=lambda r: r["ms"])
+            print(f"K={K} N={N} M={M}: best {best['config']} {best['ms']*1e3:.1f}us, dense {dense*1e3:.1f}us", flush=True)
+    totals = {}
+    for r in rows:
+        totals[r["config"]] = totals.get(r["config"], 0.0) + r["ms"]
+    cfg = min(totals, key=totals.get)
+    print("best overall config", cfg, flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="results-cuda.json")
     p.add_argument("--skip-model", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="only sweep the prefill GEMM's tile configs")
     args = p.parse_args()
+    if args.sweep:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "sweep": sweep()}, indent=2))
+        return
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     res["layout"] = layout_check()
     print("layout equal:", all(r["equal"] for r in res["layout"]), flush=True)

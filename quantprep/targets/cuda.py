@@ -32,7 +32,8 @@ from .common import DequantInt8Linear, base_meta, gather_and_pad, optional_tenso
 
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 N_ALIGN = 8
-DECODE_MAX_M = 16  # measured crossover on an H100 (BENCHMARKS.md)
+DECODE_MAX_M = 16  # tinygemm up to here: measured crossover on an H200 (BENCHMARKS.md)
+PREFILL_CONFIG = (64, 128, 64, 8, 3)  # Triton tiles, picked by benchmarks/cuda_kernels.py --sweep
 
 
 def inner_k_tiles(padded_in: int) -> int:
@@ -89,15 +90,18 @@ if triton is not None:
                  mask=(offs_m[:, None] < M) & n_ok[None, :])
 
 
-def int4_kn_gemm(x: torch.Tensor, qweight_kn: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """Prefill GEMM: bf16 x [M, Kp] @ int4 weight in GPTQ's [Kp/8, Np] words -> bf16 [M, Np]."""
+def int4_kn_gemm(x: torch.Tensor, qweight_kn: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor,
+                 config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """Prefill GEMM: bf16 x [M, Kp] @ int4 weight in GPTQ's [Kp/8, Np] words -> bf16 [M, Np].
+    config = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_K must divide group_size."""
     M, K = x.shape
     N = qweight_kn.shape[1]
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
-    block_m, block_k = (64 if M <= 64 else 128), (64 if group_size % 64 == 0 else 32)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, 128))
+    bm, bn, bk, warps, stages = config or PREFILL_CONFIG
+    bk = min(bk, group_size)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
     _int4_kn_gemm[grid](x, qweight_kn, scales_and_zeros, out, M, N, K, GROUP=group_size,
-                        BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=block_k, num_warps=8, num_stages=3)
+                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return out
 
 
