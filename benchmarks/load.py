@@ -149,7 +149,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--models", default="smollm2,qwen1.5b")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results-load.json"))
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "load-cpu.json"))
     args = p.parse_args()
     results = {"machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus", "date": time.strftime("%Y-%m-%d"),
                "python": platform.python_version(), "models": {}}

@@ -86,3 +86,27 @@ def test_build_with_source_loads_in_fresh_process(tiny_gptq4, tmp_path):
     assert (tmp_path / "cpu" / "manifest.json").is_file()
     bad = subprocess.run(exe + ["build", "smollm2-135m", "--target", "tpu"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown target" in bad.stderr
+
+
+def test_build_every_target_on_cpu_only_machine_and_verify_each(capsys, tmp_path):
+    """`build qwen2.5-1.5b --source GPTQ_DIR` makes xpu, cuda and cpu artifacts without a GPU; each
+    passes its own verify: cpu numerically, xpu through the emulator, cuda skipped with a message."""
+    from quantprep.synthetic import write_random_checkpoint
+
+    cfg = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}
+    gptq = write_random_checkpoint(tmp_path / "gptq", cfg, bits=4, group_size=128, desc_act=True, sym=True)
+    code, out, err = run(capsys, "build", "qwen2.5-1.5b", "--source", str(gptq), "--out", str(tmp_path / "art"), "--no-check", "--json")
+    assert code == 0, err
+    assert {r["target"] for r in json.loads(out)} == {"xpu", "cuda", "cpu"}
+    reports = {}
+    for target in ("xpu", "cuda", "cpu"):
+        code, out, err = run(capsys, "verify", str(tmp_path / "art" / target), "--json")
+        assert code == 0, err
+        reports[target] = json.loads(out)
+    assert all(r["ok"] for r in reports["cpu"]["numeric"]) and not reports["cpu"]["emulated"]
+    assert all(r["ok"] for r in reports["xpu"]["numeric"]) and reports["xpu"]["emulated"]
+    import torch
+
+    if not torch.cuda.is_available():
+        assert reports["cuda"]["numeric"] == [] and "no CUDA device" in reports["cuda"]["skipped"]
