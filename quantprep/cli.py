@@ -110,6 +110,30 @@ def cmd_list(args) -> int:
     return 0
 
 
+def cmd_selftest(args) -> int:
+    import torch
+
+    from .selftest import run_selftest
+
+    device = args.device
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else "cpu"
+    report = run_selftest(device)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        env = report["environment"]
+        print(f"selftest {device}: " + ", ".join(f"{k}={v}" for k, v in env.items() if k != "notes"))
+        for c in report["checks"]:
+            print(f"  {'PASS' if c['ok'] else 'FAIL'} int{c['bits']} group {c['group_size']} act_order={c['act_order']} "
+                  f"{c['kernel']} ({c['dtype']}): rel err {c['rel_err']:.2e} (tol {c['tol']:.0e})")
+        for t in report["timings"]:
+            print(f"  time int{t['bits']} {t['K']}x{t['N']} M={t['M']}: first call {t['first_ms']:.2f} ms, then {t['median_ms']:.3f} ms")
+        for note in env.get("notes", []):
+            print(f"  note: {note}")
+    return 0 if report["ok"] else 1
+
+
 def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     import torch
@@ -171,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     lp = sub.add_parser("list", help="list recipes")
     lp.add_argument("--json", action="store_true")
     lp.set_defaults(func=cmd_list)
+
+    st = sub.add_parser("selftest", help="check and time this machine's kernels against the dense reference")
+    st.add_argument("--device", choices=["cpu", "xpu", "cuda"], help="default: cuda, else xpu, else cpu")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_selftest)
 
     g = sub.add_parser("generate", help="load an artifact and generate a greedy completion")
     g.add_argument("dir")

@@ -1,0 +1,39 @@
+"""`quantprep selftest`: runs on cpu here (cuda on the GPU machine); its checks can fail; the xpu
+cache report reads the environment the way the Intel runtimes do."""
+
+import torch
+
+from quantprep.cli import main
+from quantprep.selftest import _module, check_case, xpu_cache_report
+from quantprep.targets import get_target
+
+
+def test_selftest_cpu_passes_and_times(capsys):
+    assert main(["selftest", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 8 and "FAIL" not in out
+    assert "M=1:" in out and "M=512:" in out and "cpu_capability=" in out
+
+
+def test_selftest_check_detects_a_broken_kernel():
+    layer, module, dtype = _module(get_target("cpu"), 512, 256, 4, 128, True, "cpu")
+    assert check_case(module, layer, dtype, "cpu")["ok"]
+    module.scales_and_zeros[..., 0] *= 1.1  # scales 10% off
+    assert not check_case(module, layer, dtype, "cpu")["ok"]
+
+
+def test_selftest_refuses_a_missing_device(capsys):
+    if torch.cuda.is_available():
+        return
+    assert main(["selftest", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no CUDA device" in err[0]
+
+
+def test_xpu_cache_report():
+    a770 = "Intel(R) Arc(TM) A770 Graphics"
+    notes = xpu_cache_report({}, ["pvc", "bmg"], a770)
+    assert "JIT-compiled on first use" in notes[0] and "cache on" in notes[1] and "SYCL program cache off" in notes[2]
+    notes = xpu_cache_report({"IGC_ShaderDumpEnable": "1", "SYCL_CACHE_PERSISTENT": "1"}, ["dg2-g10", "bmg"], a770)
+    assert "AOT kernels for the A770" in notes[0] and "DISABLED: IGC_ShaderDumpEnable" in notes[1] and "SYCL program cache on" in notes[2]
+    assert "AOT kernels for the B580" in xpu_cache_report({}, ["bmg-g21"], "Intel(R) Arc(TM) B580 Graphics")[0]
