@@ -69,23 +69,24 @@ if triton is not None:
     @triton.jit
     def _int4_kn_gemm(a_ptr, w_ptr, sz_ptr, c_ptr, M, N, K, GROUP: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """C[M, N] = A[M, K] @ W, W[k, n] = (q - 8) * s + z with q at bits 4*(k%8) of words [K/8, N]."""
+        """C[M, N] = A[M, K] @ W, W[k, n] = (q - 8) * s + z with q at bits 4*(k%8) of words [K/8, N].
+        Each word is loaded once and split into its 8 codes in registers; dequantized in bf16
+        (as tinygemm does), accumulated in float32 on tensor cores."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        offs_k = tl.arange(0, BLOCK_K)
-        shift = (offs_k % 8) * 4
+        offs_w = tl.arange(0, BLOCK_K // 8)
+        shifts = tl.arange(0, 8) * 4
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs_k
-            x = tl.load(a_ptr + offs_m[:, None] * K + k[None, :], mask=offs_m[:, None] < M, other=0.0)
-            words = tl.load(w_ptr + (k[:, None] // 8) * N + offs_n[None, :], mask=n_ok[None, :], other=0)
-            q = (words >> shift[:, None]) & 0xF
+            x = tl.load(a_ptr + offs_m[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=offs_m[:, None] < M, other=0.0)
+            words = tl.load(w_ptr + (k0 // 8 + offs_w)[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
+            q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
             g = k0 // GROUP
-            s = tl.load(sz_ptr + (g * N + offs_n) * 2, mask=n_ok, other=0.0).to(tl.float32)
-            z = tl.load(sz_ptr + (g * N + offs_n) * 2 + 1, mask=n_ok, other=0.0).to(tl.float32)
-            acc += tl.dot(x, ((q.to(tl.float32) - 8.0) * s[None, :] + z[None, :]).to(tl.bfloat16))
+            s = tl.load(sz_ptr + (g * N + offs_n) * 2, mask=n_ok, other=0.0)
+            z = tl.load(sz_ptr + (g * N + offs_n) * 2 + 1, mask=n_ok, other=0.0)
+            acc += tl.dot(x, (q.to(tl.bfloat16) - 8.0) * s[None, :] + z[None, :])
         tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(tl.bfloat16),
                  mask=(offs_m[:, None] < M) & n_ok[None, :])
 
