@@ -33,7 +33,7 @@ from .common import DequantInt8Linear, base_meta, gather_and_pad, optional_tenso
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 N_ALIGN = 8
 DECODE_MAX_M = 16  # tinygemm up to here: measured crossover on an H200 (BENCHMARKS.md)
-PREFILL_CONFIG = (128, 64, 64, 8, 3)  # Triton tiles, picked by benchmarks/cuda_kernels.py --sweep
+PREFILL_CONFIG = (64, 64, 128, 4, 3)  # Triton tiles, picked by benchmarks/cuda_kernels.py --sweep
 
 
 def inner_k_tiles(padded_in: int) -> int:
