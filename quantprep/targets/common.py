@@ -12,6 +12,10 @@ from ..errors import SourceError
 from ..prepack import UnpackedLayer
 
 
+def torch_base_version() -> str:
+    return torch.__version__.split("+")[0]
+
+
 def round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
@@ -53,29 +57,54 @@ def int8_tensors(layer: UnpackedLayer, act_dtype: torch.dtype) -> dict[str, torc
     return {"qweight": layer.codes, "scales": layer.scales.to(act_dtype), "qzeros": layer.zeros}
 
 
-class DequantInt8Linear(nn.Module):
-    """Exact GPTQ int8 with groups and zeros: dequantize, then a dense matmul (any device)."""
+class PackedLinear(nn.Module):
+    """A prepacked quantized Linear. Subclasses register their kernel's buffers and implement
+    `kernel(x)` on 2-D activations already in the kernel's K order (act-order gather, K padding)."""
 
     def __init__(self, meta: dict, act_dtype: torch.dtype):
         super().__init__()
         self.in_features, self.out_features = meta["in_features"], meta["out_features"]
-        self.group_size = meta["group_size"]
+        self.padded_in = meta.get("padded_in", self.in_features)
+        self.padded_out = meta.get("padded_out", self.out_features)
         self.act_dtype = act_dtype
+        dev = torch.device("meta")
+        self.register_buffer("perm", torch.empty(self.in_features, dtype=torch.int32, device=dev) if meta["act_order"] else None)
+        self.register_buffer("bias", torch.empty(self.out_features, dtype=act_dtype, device=dev) if meta["bias"] else None)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x = gather_and_pad(x.reshape(-1, self.in_features).to(self.act_dtype), self.perm, self.padded_in).contiguous()
+        y = self.kernel(x)
+        if self.padded_out != self.out_features:
+            y = y[:, : self.out_features]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, act_order={self.perm is not None}, dtype={self.act_dtype}"
+
+
+class DequantInt8Linear(PackedLinear):
+    """Exact GPTQ int8 with groups and zeros: dequantize, then a dense matmul (any device)."""
+
+    def __init__(self, meta: dict, act_dtype: torch.dtype):
+        super().__init__(meta, act_dtype)
+        self.group_size = meta["group_size"]
         dev = torch.device("meta")
         n_groups = -(-self.in_features // self.group_size)
         self.register_buffer("qweight", torch.empty(self.in_features, self.out_features, dtype=torch.uint8, device=dev))
         self.register_buffer("scales", torch.empty(n_groups, self.out_features, dtype=act_dtype, device=dev))
         self.register_buffer("qzeros", torch.empty(n_groups, self.out_features, dtype=torch.uint8, device=dev))
-        self.register_buffer("perm", torch.empty(self.in_features, dtype=torch.int32, device=dev) if meta["act_order"] else None)
-        self.register_buffer("bias", torch.empty(self.out_features, dtype=act_dtype, device=dev) if meta["bias"] else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_and_pad(x.to(self.act_dtype), self.perm, self.in_features)
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
         gs, k = self.group_size, self.in_features
         # (code - zero) is an integer in [-255, 255]: exact in bf16/fp16, so only the scale rounds.
         centered = self.qweight.to(self.act_dtype) - self.qzeros.to(self.act_dtype).repeat_interleave(gs, 0)[:k]
-        y = x @ (centered * self.scales.repeat_interleave(gs, 0)[:k])
-        return y + self.bias if self.bias is not None else y
+        return x @ (centered * self.scales.repeat_interleave(gs, 0)[:k])
 
 
 def optional_tensors(layer: UnpackedLayer, act_dtype: torch.dtype) -> dict[str, torch.Tensor]:

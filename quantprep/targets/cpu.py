@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..prepack import UnpackedLayer
-from .common import DequantInt8Linear, base_meta, gather_and_pad, int8_tensors, optional_tensors, regroup, round_up
+from .common import DequantInt8Linear, PackedLinear, base_meta, int8_tensors, optional_tensors, regroup, round_up, torch_base_version
 
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 N_ALIGN = 16
@@ -51,36 +51,17 @@ def pack_int4(codes: torch.Tensor, capability: str) -> torch.Tensor:
     return torch.cat(parts).reshape(N, K // 2)
 
 
-def _torch_base_version() -> str:
-    return torch.__version__.split("+")[0]
-
-
-class CpuInt4Linear(nn.Module):
+class CpuInt4Linear(PackedLinear):
     def __init__(self, meta: dict, act_dtype: torch.dtype):
-        super().__init__()
-        self.in_features, self.out_features = meta["in_features"], meta["out_features"]
-        self.padded_in, self.padded_out = meta["padded_in"], meta["padded_out"]
+        super().__init__(meta, act_dtype)
         self.kernel_group_size = meta["kernel_group_size"]
-        self.act_dtype = act_dtype
         dev = torch.device("meta")
         self.register_buffer("qweight", torch.empty(self.padded_out, self.padded_in // 2, dtype=torch.uint8, device=dev))
         n_groups = self.padded_in // self.kernel_group_size
         self.register_buffer("scales_and_zeros", torch.empty(n_groups, self.padded_out, 2, dtype=act_dtype, device=dev))
-        self.register_buffer("perm", torch.empty(self.in_features, dtype=torch.int32, device=dev) if meta["act_order"] else None)
-        self.register_buffer("bias", torch.empty(self.out_features, dtype=act_dtype, device=dev) if meta["bias"] else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x = gather_and_pad(x.reshape(-1, self.in_features).to(self.act_dtype), self.perm, self.padded_in)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
-        if self.padded_out != self.out_features:
-            y = y[:, : self.out_features]
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*lead, self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, kernel_group={self.kernel_group_size}, act_order={self.perm is not None}"
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
 
 
 class CpuTarget:
@@ -90,7 +71,7 @@ class CpuTarget:
     layout_version = 1
 
     def compat_key(self) -> dict:
-        return {"torch": _torch_base_version(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+        return {"torch": torch_base_version(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
     def runtime_problem(self) -> str | None:
         return None  # a CPU is always present

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..gptq_format import pack_rows, unpack_rows
 from ..prepack import UnpackedLayer
-from .common import DequantInt8Linear, base_meta, gather_and_pad, optional_tensors, regroup, round_up
+from .common import DequantInt8Linear, PackedLinear, base_meta, optional_tensors, regroup, round_up, torch_base_version
 
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 N_ALIGN = 8
@@ -106,21 +106,16 @@ def int4_kn_gemm(x: torch.Tensor, qweight_kn: torch.Tensor, group_size: int, sca
     return out
 
 
-class CudaInt4Linear(nn.Module):
+class CudaInt4Linear(PackedLinear):
     def __init__(self, meta: dict, act_dtype: torch.dtype):
-        super().__init__()
-        self.in_features, self.out_features = meta["in_features"], meta["out_features"]
-        self.padded_in, self.padded_out = meta["padded_in"], meta["padded_out"]
+        super().__init__(meta, act_dtype)
         self.kernel_group_size, ikt = meta["kernel_group_size"], meta["inner_k_tiles"]
-        self.act_dtype = act_dtype
         dev = torch.device("meta")
         shape = (self.padded_out // 8, self.padded_in // (16 * ikt), 32, ikt // 2)
         self.register_buffer("qweight", torch.empty(shape, dtype=torch.int32, device=dev))
         self.register_buffer("qweight_kn", torch.empty(self.padded_in // 8, self.padded_out, dtype=torch.int32, device=dev))
         n_groups = self.padded_in // self.kernel_group_size
         self.register_buffer("scales_and_zeros", torch.empty(n_groups, self.padded_out, 2, dtype=act_dtype, device=dev))
-        self.register_buffer("perm", torch.empty(self.in_features, dtype=torch.int32, device=dev) if meta["act_order"] else None)
-        self.register_buffer("bias", torch.empty(self.out_features, dtype=act_dtype, device=dev) if meta["bias"] else None)
 
     def dequantized_weight(self) -> torch.Tensor:
         """bf16 [N, K]: w = (q - 8) * scale + zero, as tinygemm computes it."""
@@ -128,43 +123,26 @@ class CudaInt4Linear(nn.Module):
         sz = self.scales_and_zeros.repeat_interleave(self.kernel_group_size, 0).transpose(0, 1)  # [N, K, 2]
         return (q - 8) * sz[..., 0] + sz[..., 1]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x = gather_and_pad(x.reshape(-1, self.in_features).to(self.act_dtype), self.perm, self.padded_in).contiguous()
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.shape[0] <= DECODE_MAX_M:
-            y = torch.ops.aten._weight_int4pack_mm(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
-        elif x.is_cuda and triton is not None:
-            y = int4_kn_gemm(x, self.qweight_kn, self.kernel_group_size, self.scales_and_zeros)
-        else:
-            y = F.linear(x, self.dequantized_weight())
-        if self.padded_out != self.out_features:
-            y = y[:, : self.out_features]
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*lead, self.out_features)
+            return torch.ops.aten._weight_int4pack_mm(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
+        if x.is_cuda and triton is not None:
+            return int4_kn_gemm(x, self.qweight_kn, self.kernel_group_size, self.scales_and_zeros)
+        return F.linear(x, self.dequantized_weight())
 
 
-class CudaInt8PerChannelLinear(nn.Module):
+class CudaInt8PerChannelLinear(PackedLinear):
     """`_weight_int8pack_mm`: int8 weight [N, K] times a per-output-channel scale, exact for
     GPTQ int8 with one group per column and the symmetric zero 128."""
 
     def __init__(self, meta: dict, act_dtype: torch.dtype):
-        super().__init__()
-        self.in_features, self.out_features = meta["in_features"], meta["out_features"]
-        self.act_dtype = act_dtype
+        super().__init__(meta, act_dtype)
         dev = torch.device("meta")
         self.register_buffer("qweight", torch.empty(self.out_features, self.in_features, dtype=torch.int8, device=dev))
         self.register_buffer("scales", torch.empty(self.out_features, dtype=act_dtype, device=dev))
-        self.register_buffer("perm", torch.empty(self.in_features, dtype=torch.int32, device=dev) if meta["act_order"] else None)
-        self.register_buffer("bias", torch.empty(self.out_features, dtype=act_dtype, device=dev) if meta["bias"] else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x = gather_and_pad(x.reshape(-1, self.in_features).to(self.act_dtype), self.perm, self.in_features).contiguous()
-        y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*lead, self.out_features)
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
 
 class CudaTarget:
@@ -174,7 +152,7 @@ class CudaTarget:
     layout_version = 1
 
     def compat_key(self) -> dict:
-        return {"torch": torch.__version__.split("+")[0]}
+        return {"torch": torch_base_version()}
 
     def runtime_problem(self) -> str | None:
         return None if torch.cuda.is_available() else "no CUDA device here (torch.cuda.is_available() is False)"

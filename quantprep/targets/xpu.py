@@ -16,7 +16,7 @@ from torch import nn
 
 from ..prepack import UnpackedLayer
 from . import xpu_emulator
-from .common import DequantInt8Linear, base_meta, gather_and_pad, int8_tensors, optional_tensors, regroup
+from .common import DequantInt8Linear, PackedLinear, base_meta, int8_tensors, optional_tensors, regroup, torch_base_version
 
 KERNEL = "aten._weight_int4pack_mm_with_scales_and_zeros"
 # Any multiple of 32 is accepted (Blas.cpp); these are the ones GPTQ group sizes divide into.
@@ -29,29 +29,20 @@ def pack_int4_nk(codes: torch.Tensor) -> torch.Tensor:
     return (nk[:, 0::2] | (nk[:, 1::2] << 4)).contiguous().view(torch.int32)
 
 
-class XpuInt4Linear(nn.Module):
+class XpuInt4Linear(PackedLinear):
     def __init__(self, meta: dict, act_dtype: torch.dtype):
-        super().__init__()
-        self.in_features, self.out_features = meta["in_features"], meta["out_features"]
-        self.padded_in, self.kernel_group_size = meta["padded_in"], meta["kernel_group_size"]
-        self.act_dtype = act_dtype
+        super().__init__(meta, act_dtype)
+        self.kernel_group_size = meta["kernel_group_size"]
         dev = torch.device("meta")
         n_groups = self.padded_in // self.kernel_group_size
         self.register_buffer("qweight", torch.empty(self.out_features, self.padded_in // 8, dtype=torch.int32, device=dev))
         self.register_buffer("scales", torch.empty(n_groups, self.out_features, dtype=act_dtype, device=dev))
         self.register_buffer("qzeros", torch.empty(n_groups, self.out_features, dtype=torch.int8, device=dev))
-        self.register_buffer("perm", torch.empty(self.in_features, dtype=torch.int32, device=dev) if meta["act_order"] else None)
-        self.register_buffer("bias", torch.empty(self.out_features, dtype=act_dtype, device=dev) if meta["bias"] else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x = gather_and_pad(x.reshape(-1, self.in_features).to(self.act_dtype), self.perm, self.padded_in).contiguous()
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
         mm = torch.ops.aten._weight_int4pack_mm_with_scales_and_zeros if x.device.type == "xpu" else \
             xpu_emulator.weight_int4pack_mm_with_scales_and_zeros
-        y = mm(x, self.qweight, self.kernel_group_size, self.scales, self.qzeros)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*lead, self.out_features)
+        return mm(x, self.qweight, self.kernel_group_size, self.scales, self.qzeros)
 
 
 class XpuTarget:
@@ -62,7 +53,7 @@ class XpuTarget:
     cpu_emulator = True  # xpu_emulator runs the int4 kernel's semantics on CPU
 
     def compat_key(self) -> dict:
-        return {"torch": torch.__version__.split("+")[0]}
+        return {"torch": torch_base_version()}
 
     def runtime_problem(self) -> str | None:
         if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8):

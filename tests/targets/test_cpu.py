@@ -9,9 +9,9 @@ import itertools
 
 import pytest
 import torch
+from conftest import prepacked_module
 
-from quantprep.prepack import unpack_layer
-from quantprep.source import QuantConfig, _validate_layer
+from quantprep.source import QuantConfig
 from quantprep.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
 
@@ -20,11 +20,7 @@ CPU = get_target("cpu")
 
 
 def _module_for(raw, q, dtype):
-    layer = unpack_layer(_validate_layer("m", raw, q))
-    tensors, meta = CPU.pack(layer, dtype)
-    module = CPU.make_module(meta, dtype)
-    module.load_state_dict(tensors, assign=True)
-    return layer, module, meta
+    return prepacked_module("cpu", raw, q, dtype)
 
 
 @pytest.mark.parametrize("bits,group_size,sym,act_order,v1", list(itertools.product([4, 8], [-1, 32, 64, 128], [True, False], [True, False], [True, False])))

@@ -10,12 +10,12 @@ import itertools
 
 import pytest
 import torch
+from conftest import prepacked_module
 
 import quantprep
 from quantprep.errors import ArtifactMismatch
 from quantprep.gptq_format import pack_rows
-from quantprep.prepack import unpack_layer
-from quantprep.source import QuantConfig, _validate_layer
+from quantprep.source import QuantConfig
 from quantprep.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
 from quantprep.targets.xpu import pack_int4_nk
@@ -26,11 +26,7 @@ XPU = get_target("xpu")
 
 
 def _module_for(raw, q, dtype):
-    layer = unpack_layer(_validate_layer("m", raw, q))
-    tensors, meta = XPU.pack(layer, dtype)
-    module = XPU.make_module(meta, dtype)
-    module.load_state_dict(tensors, assign=True)
-    return layer, module, meta
+    return prepacked_module("xpu", raw, q, dtype)
 
 
 @pytest.mark.parametrize("bits,group_size,sym,act_order,v1", list(itertools.product([4, 8], [-1, 32, 64, 128], [True, False], [True, False], [True, False])))
