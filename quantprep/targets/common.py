@@ -53,8 +53,18 @@ def gather_and_pad(x: torch.Tensor, perm: torch.Tensor | None, padded_in: int) -
     return x
 
 
-def int8_tensors(layer: UnpackedLayer, act_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {"qweight": layer.codes, "scales": layer.scales.to(act_dtype), "qzeros": layer.zeros}
+def pack_int8(layer: UnpackedLayer, act_dtype: torch.dtype, per_channel_kernel: bool) -> tuple[dict[str, torch.Tensor], str]:
+    """int8 tensors and the kernel that runs them. `aten._weight_int8pack_mm` (per-channel
+    symmetric) is exact when every column has one group and the symmetric zero 128: then
+    w = (q - 128) * s is an int8 times a per-column scale. Otherwise: the dequantize path."""
+    if per_channel_kernel and layer.zeros.shape[0] == 1 and bool((layer.zeros == 128).all()):
+        return {"qweight": (layer.codes.T.to(torch.int16) - 128).to(torch.int8).contiguous(),
+                "scales": layer.scales[0].to(act_dtype)}, "per_channel"
+    return {"qweight": layer.codes, "scales": layer.scales.to(act_dtype), "qzeros": layer.zeros}, "dequant"
+
+
+def make_int8_module(meta: dict, act_dtype: torch.dtype) -> nn.Module:
+    return (Int8PerChannelLinear if meta.get("int8_kernel") == "per_channel" else DequantInt8Linear)(meta, act_dtype)
 
 
 class PackedLinear(nn.Module):
@@ -105,6 +115,19 @@ class DequantInt8Linear(PackedLinear):
         # (code - zero) is an integer in [-255, 255]: exact in bf16/fp16, so only the scale rounds.
         centered = self.qweight.to(self.act_dtype) - self.qzeros.to(self.act_dtype).repeat_interleave(gs, 0)[:k]
         return x @ (centered * self.scales.repeat_interleave(gs, 0)[:k])
+
+
+class Int8PerChannelLinear(PackedLinear):
+    """`aten._weight_int8pack_mm` (cpu and cuda): int8 weight [N, K] times a per-output-channel scale."""
+
+    def __init__(self, meta: dict, act_dtype: torch.dtype):
+        super().__init__(meta, act_dtype)
+        dev = torch.device("meta")
+        self.register_buffer("qweight", torch.empty(self.out_features, self.in_features, dtype=torch.int8, device=dev))
+        self.register_buffer("scales", torch.empty(self.out_features, dtype=act_dtype, device=dev))
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
 
 def optional_tensors(layer: UnpackedLayer, act_dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -15,9 +15,7 @@ copy of the codes in GPTQ's [K/8, N] words (`qweight_kn`, coalesced along N; rea
 tiles from Triton was 10-50x slower, measured): +0.5 byte per weight. Without Triton, and off a
 GPU (tests, verify on CPU), the weight is dequantized to bf16 with tensor ops instead.
 
-int8: `aten._weight_int8pack_mm` where it is exact (one group per column and symmetric zero
-128: w = (q - 128) * s is an int8 times a per-channel scale); otherwise the shared exact
-dequantize + matmul path.
+int8: `aten._weight_int8pack_mm` where it is exact, otherwise dequantize (`common.pack_int8`).
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from torch import nn
 
 from ..gptq_format import pack_rows, unpack_rows
 from ..prepack import UnpackedLayer
-from .common import DequantInt8Linear, PackedLinear, base_meta, optional_tensors, regroup, round_up, torch_base_version
+from .common import PackedLinear, base_meta, make_int8_module, optional_tensors, pack_int8, regroup, round_up, torch_base_version
 
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 N_ALIGN = 8
@@ -131,20 +129,6 @@ class CudaInt4Linear(PackedLinear):
         return F.linear(x, self.dequantized_weight())
 
 
-class CudaInt8PerChannelLinear(PackedLinear):
-    """`_weight_int8pack_mm`: int8 weight [N, K] times a per-output-channel scale, exact for
-    GPTQ int8 with one group per column and the symmetric zero 128."""
-
-    def __init__(self, meta: dict, act_dtype: torch.dtype):
-        super().__init__(meta, act_dtype)
-        dev = torch.device("meta")
-        self.register_buffer("qweight", torch.empty(self.out_features, self.in_features, dtype=torch.int8, device=dev))
-        self.register_buffer("scales", torch.empty(self.out_features, dtype=act_dtype, device=dev))
-
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
-
-
 class CudaTarget:
     name = "cuda"
     device = "cuda"
@@ -168,14 +152,8 @@ class CudaTarget:
         meta, tensors = base_meta(layer), optional_tensors(layer, act_dtype)
         K, N = layer.in_features, layer.out_features
         if layer.bits == 8:
-            per_channel = layer.zeros.shape[0] == 1 and bool((layer.zeros == 128).all())
-            meta["int8_kernel"] = "per_channel" if per_channel else "dequant"
-            if per_channel:
-                tensors.update(qweight=(layer.codes.T.to(torch.int16) - 128).to(torch.int8).contiguous(),
-                               scales=layer.scales[0].to(act_dtype))
-            else:
-                tensors.update(qweight=layer.codes, scales=layer.scales.to(act_dtype), qzeros=layer.zeros)
-            return tensors, meta
+            int8, meta["int8_kernel"] = pack_int8(layer, act_dtype, per_channel_kernel=True)
+            return tensors | int8, meta
         c, Kp, s, z = regroup(layer, KERNEL_GROUP_SIZES, self.name)  # Kp is a multiple of c >= 32
         ikt, Np = inner_k_tiles(Kp), round_up(N, N_ALIGN)
         codes = layer.codes
@@ -187,9 +165,7 @@ class CudaTarget:
         return tensors, meta
 
     def make_module(self, meta: dict, act_dtype: torch.dtype) -> nn.Module:
-        if meta["bits"] == 4:
-            return CudaInt4Linear(meta, act_dtype)
-        return (CudaInt8PerChannelLinear if meta["int8_kernel"] == "per_channel" else DequantInt8Linear)(meta, act_dtype)
+        return CudaInt4Linear(meta, act_dtype) if meta["bits"] == 4 else make_int8_module(meta, act_dtype)
 
 
 TARGET = CudaTarget()

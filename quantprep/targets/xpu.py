@@ -16,7 +16,7 @@ from torch import nn
 
 from ..prepack import UnpackedLayer
 from . import xpu_emulator
-from .common import DequantInt8Linear, PackedLinear, base_meta, int8_tensors, optional_tensors, regroup, torch_base_version
+from .common import PackedLinear, base_meta, make_int8_module, optional_tensors, pack_int8, regroup, torch_base_version
 
 KERNEL = "aten._weight_int4pack_mm_with_scales_and_zeros"
 # Any multiple of 32 is accepted (Blas.cpp); these are the ones GPTQ group sizes divide into.
@@ -68,7 +68,8 @@ class XpuTarget:
     def pack(self, layer: UnpackedLayer, act_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
         meta, tensors = base_meta(layer), optional_tensors(layer, act_dtype)
         if layer.bits == 8:
-            return tensors | int8_tensors(layer, act_dtype), meta
+            int8, meta["int8_kernel"] = pack_int8(layer, act_dtype, per_channel_kernel=False)
+            return tensors | int8, meta
         c, Kp, scales, zeros = regroup(layer, KERNEL_GROUP_SIZES, self.name)
         codes = layer.codes
         if Kp != layer.in_features:
@@ -78,7 +79,7 @@ class XpuTarget:
         return tensors, meta
 
     def make_module(self, meta: dict, act_dtype: torch.dtype) -> nn.Module:
-        return (XpuInt4Linear if meta["bits"] == 4 else DequantInt8Linear)(meta, act_dtype)
+        return XpuInt4Linear(meta, act_dtype) if meta["bits"] == 4 else make_int8_module(meta, act_dtype)
 
 
 TARGET = XpuTarget()

@@ -14,6 +14,7 @@ from conftest import prepacked_module
 from quantprep.source import QuantConfig
 from quantprep.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
+from quantprep.targets.common import Int8PerChannelLinear
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 CPU = get_target("cpu")
@@ -32,6 +33,7 @@ def test_prepacked_linear_matches_dense(bits, group_size, sym, act_order, v1, dt
     raw = random_gptq_tensors(K, N, bits, group_size, sym, act_order, v1, bias=True, generator=gen)
     q = QuantConfig(bits, group_size, sym, act_order, "gptq" if v1 else "gptq_v2")
     layer, module, _ = _module_for(raw, q, dtype)
+    assert isinstance(module, Int8PerChannelLinear) == (bits == 8 and group_size == -1 and sym)
     x = torch.randn(4, 64, K)  # fresh inputs, batched 3-D as in a transformer
     ref = x @ layer.dequantize() + layer.bias.float()
     with torch.no_grad():
@@ -90,6 +92,7 @@ from quantprep.prepack import unpack_layer
 from quantprep.source import QuantConfig, _validate_layer
 from quantprep.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
+from quantprep.targets.common import Int8PerChannelLinear
 cap = torch.backends.cpu.get_cpu_capability()
 codes = torch.randint(0, 16, (576, 208), dtype=torch.uint8)
 assert torch.equal(pack_int4(codes, cap), torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.T.to(torch.int32).contiguous(), 1))

@@ -15,7 +15,8 @@ from quantprep.prepack import unpack_layer
 from quantprep.source import QuantConfig, _validate_layer
 from quantprep.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
-from quantprep.targets.cuda import CudaInt8PerChannelLinear, pack_tinygemm, unpack_tinygemm
+from quantprep.targets.common import Int8PerChannelLinear
+from quantprep.targets.cuda import pack_tinygemm, unpack_tinygemm
 
 CUDA = get_target("cuda")
 
@@ -56,7 +57,7 @@ def test_prepacked_linear_matches_dense_on_cpu(bits, group_size, sym, act_order,
     tensors, meta = CUDA.pack(layer, torch.bfloat16)
     module = CUDA.make_module(meta, torch.bfloat16)
     module.load_state_dict(tensors, assign=True)
-    assert isinstance(module, CudaInt8PerChannelLinear) == (bits == 8 and group_size == -1 and sym)
+    assert isinstance(module, Int8PerChannelLinear) == (bits == 8 and group_size == -1 and sym)
     if bits == 4:  # decode (tinygemm) and prefill (GPTQ words) copies hold the same codes
         assert torch.equal(unpack_tinygemm(tensors["qweight"]), unpack_rows(tensors["qweight_kn"], 4).T)
     x = torch.randn(4, 64, K)
