@@ -118,7 +118,11 @@ class DequantInt8Linear(PackedLinear):
 
 
 class Int8PerChannelLinear(PackedLinear):
-    """`aten._weight_int8pack_mm` (cpu and cuda): int8 weight [N, K] times a per-output-channel scale."""
+    """int8 weight [N, K] times a per-output-channel scale (cpu and cuda). Small M runs
+    `aten._weight_int8pack_mm`; large M dequantizes once per call and uses a dense matmul (on the
+    2-core CPU at 1536x8960: 0.5 vs 9.4 ms at M=1, 27 vs 12.6 ms at M=128; BENCHMARKS.md)."""
+
+    DEQUANT_MIN_M = 32
 
     def __init__(self, meta: dict, act_dtype: torch.dtype):
         super().__init__(meta, act_dtype)
@@ -127,6 +131,8 @@ class Int8PerChannelLinear(PackedLinear):
         self.register_buffer("scales", torch.empty(self.out_features, dtype=act_dtype, device=dev))
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= self.DEQUANT_MIN_M:
+            return F.linear(x, self.qweight.to(self.act_dtype) * self.scales[:, None])
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
 

@@ -9,7 +9,7 @@ w = (q - z) * s becomes zero = (8 - z) * s. Kernel limits (torch 2.14): group si
 GPTQ groups are mapped to kernel groups by `common.regroup` (exact, see there).
 
 int8: `_weight_int8pack_mm` is per-channel symmetric, so it runs only the GPTQ layers where that
-is exact (one group per column, zero 128; measured 10x faster than dequantizing at M=1); other
+is exact (one group per column, zero 128; 18x faster than dequantizing at M=1, measured); other
 layers keep int8 codes and dequantize per forward (`common.pack_int8`).
 """
 

@@ -113,3 +113,17 @@ print(cap)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == isa.upper()
+
+
+@pytest.mark.parametrize("M", [1, 8, 64])
+def test_int8_per_channel_both_paths(M):
+    """Symmetric int8 with one group per column runs `_weight_int8pack_mm` below M=32 and a
+    dequantized matmul above: both must equal the dense reference."""
+    gen = torch.Generator().manual_seed(M)
+    layer, module, meta = _module_for(random_gptq_tensors(576, 200, 8, -1, True, True, True, bias=True, generator=gen),
+                                      QuantConfig(8, -1, True, True, "gptq"), torch.bfloat16)
+    assert meta["int8_kernel"] == "per_channel" and isinstance(module, Int8PerChannelLinear)
+    x = torch.randn(M, 576)
+    ref = x @ layer.dequantize() + layer.bias.float()
+    rel = ((module(x.bfloat16()).float() - ref).norm() / ref.norm()).item()
+    assert rel < TOL[torch.bfloat16], rel
