@@ -58,7 +58,9 @@ def test_logits_match_dense_and_gptqmodel(case, tmp_path):
 def test_loaded_model_generates_like_gptqmodel(case, tmp_path):
     gptq_dir, _, art32 = case
     model = quantprep.load(art32)
-    ids = torch.randint(2, model.config.vocab_size, (1, 12))
+    # Seeded: a random tiny model has near-tied logits, and a fresh prompt could land on a tie
+    # that fp16 (GPTQModel) and fp32 (quantprep) break differently; logits are compared above.
+    ids = torch.randint(2, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
                          min_new_tokens=16)
     ref = gptqmodel_run(gptq_dir, ids, tmp_path, new_tokens=16)["greedy"]
