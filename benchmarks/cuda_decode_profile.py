@@ -27,7 +27,7 @@ def decode_profile(model, label: str) -> None:
             model.generate(**kw, max_new_tokens=16, min_new_tokens=16)
             torch.cuda.synchronize()
     print(f"==== {label}")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=40))
 
 
 def main() -> None:
@@ -35,6 +35,15 @@ def main() -> None:
         gptq = write_random_checkpoint(Path(d) / "gptq", QWEN_CFG, bits=4, group_size=128, desc_act=True, sym=True)
         build_artifacts(gptq, {"path": str(gptq)}, ["cuda"], lambda t: Path(d) / "cuda", progress=False)
         decode_profile(quantprep.load(Path(d) / "cuda"), "quantprep int4")
+        # A dense model from the artifact's own config.json: separates config effects from the int4 modules.
+        art_cfg = AutoConfig.from_pretrained(Path(d) / "cuda")
+        del art_cfg.quantization_config
+        with torch.device("cuda"):
+            dense_art = AutoModelForCausalLM.from_config(art_cfg, dtype=torch.bfloat16).eval()
+        print("artifact config attn:", art_cfg._attn_implementation, "dense config attn:",
+              AutoConfig.for_model(**QWEN_CFG)._attn_implementation)
+        decode_profile(dense_art, "dense bf16, artifact config")
+        del dense_art
     with torch.device("cuda"):
         dense = AutoModelForCausalLM.from_config(AutoConfig.for_model(**QWEN_CFG), dtype=torch.bfloat16).eval()
     decode_profile(dense, "dense bf16")
