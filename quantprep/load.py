@@ -42,9 +42,9 @@ def params_on_meta():
         nn.Module.register_parameter = original
 
 
-def rebuild_command(manifest: dict) -> str:
-    source = manifest["source"].get("path") or manifest["source"].get("id") or "<gptq-dir>"
-    return f"quantprep prepack {source} --target {manifest['target']['name']} --out <dir>"
+def rebuild_command(manifest: dict, target: str | None = None) -> str:
+    source = manifest["source"].get("gptq_path") or manifest["source"].get("path") or "<gptq-dir>"
+    return f"quantprep prepack {source} --target {target or manifest['target']['name']} --out <dir>"
 
 
 def check_compat(path: Path, manifest: dict, target, emulate: bool = False) -> None:
@@ -92,6 +92,9 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     packed_dtype = _dtype(manifest["target"]["act_dtype"])
     dtype = dtype or packed_dtype
     device = torch.device(device or target.device)
+    if device.type != target.device and not emulate:
+        raise ArtifactMismatch(f"{path}: packed for {target.device} kernels, cannot run on {device.type}; "
+                               f"build one for it: {rebuild_command(manifest, device.type)}")
 
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):

@@ -139,3 +139,8 @@ def test_rebuild_replaces_atomically(random_gptq, random_artifact):
     assert m["target"]["act_dtype"] == "float32" and m["created"] >= before
     verify_artifact(random_artifact)
     assert not list(random_artifact.parent.glob(f".{random_artifact.name}.*"))
+
+
+def test_loading_on_another_device_type_is_refused(random_artifact):
+    with pytest.raises(ArtifactMismatch, match="packed for cpu kernels, cannot run on cuda"):
+        quantprep.load(random_artifact, device="cuda")
