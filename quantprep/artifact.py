@@ -8,10 +8,13 @@ into place. A killed build leaves only a `.<name>.partial-*` sibling, which is n
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -86,11 +89,30 @@ def _pid_alive(pid: int) -> bool:
     return pid != os.getpid()
 
 
+@contextlib.contextmanager
+def publish_lock(out: Path):
+    """One writer per artifact path: a second build of the same path waits here (flock on a
+    sibling `.<name>.lock`, released by the OS if the holder dies)."""
+    with open(out.parent / f".{out.name}.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"quantprep: waiting for another build writing {out} to finish", file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def write_artifact(out: Path, tensors: dict[str, torch.Tensor], manifest: dict, side_files_from: Path | None,
                    side_files: list[str], probes: dict[str, torch.Tensor] | None = None, progress: bool = True) -> Path:
     """Write `tensors` + side files + manifest to `out`, atomically. `manifest` lacks shards/files/created."""
     out = Path(out).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
+    with publish_lock(out):
+        return _write_locked(out, tensors, manifest, side_files_from, side_files, probes, progress)
+
+
+def _write_locked(out: Path, tensors: dict[str, torch.Tensor], manifest: dict, side_files_from: Path | None,
+                  side_files: list[str], probes: dict[str, torch.Tensor] | None, progress: bool) -> Path:
     clean_stale_partials(out)
     need = sum(t.numel() * t.element_size() for t in tensors.values()) + (64 << 20)
     free = shutil.disk_usage(out.parent).free

@@ -20,6 +20,11 @@ def _rewrite_manifest(art, fn, fix_digest=True):
     write_json_durably(art / MANIFEST, m)
 
 
+def leftovers(art):
+    """Temporary siblings of an artifact (the `.lock` file is meant to stay)."""
+    return [p for p in art.parent.glob(f".{art.name}.*") if not p.name.endswith(".lock")]
+
+
 def _shard(art):
     return art / read_manifest(art)["shards"][0]
 
@@ -129,7 +134,7 @@ def test_failed_build_keeps_previous_artifact(random_gptq, random_artifact):
         build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: random_artifact, progress=False)
     assert read_manifest(random_artifact)["manifest_sha256"] == before
     verify_artifact(random_artifact)
-    assert not list(random_artifact.parent.glob(f".{random_artifact.name}.*"))
+    assert leftovers(random_artifact) == []
 
 
 def test_rebuild_replaces_atomically(random_gptq, random_artifact):
@@ -138,9 +143,33 @@ def test_rebuild_replaces_atomically(random_gptq, random_artifact):
     m = read_manifest(random_artifact)
     assert m["target"]["act_dtype"] == "float32" and m["created"] >= before
     verify_artifact(random_artifact)
-    assert not list(random_artifact.parent.glob(f".{random_artifact.name}.*"))
+    assert leftovers(random_artifact) == []
 
 
 def test_loading_on_another_device_type_is_refused(random_artifact):
     with pytest.raises(ArtifactMismatch, match="packed for cpu kernels, cannot run on cuda"):
         quantprep.load(random_artifact, device="cuda")
+
+
+def test_second_writer_waits_for_the_lock(random_gptq, tmp_path):
+    """Hold the publish lock; a concurrent `quantprep prepack` to the same path must wait, then
+    finish once it is released, leaving an artifact that verifies."""
+    import fcntl
+    import subprocess
+    import sys
+    import time
+
+    out, err = tmp_path / "art", tmp_path / "stderr.txt"
+    with open(tmp_path / ".art.lock", "a+") as lock, open(err, "w") as err_file:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        proc = subprocess.Popen([sys.executable, "-m", "quantprep", "prepack", str(random_gptq), "--target", "cpu",
+                                 "--out", str(out), "--json"], stdout=subprocess.DEVNULL, stderr=err_file)
+        deadline = time.time() + 120
+        while "waiting for another build" not in err.read_text() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        time.sleep(1)
+        assert proc.poll() is None and not out.exists(), err.read_text()  # blocked on the lock, nothing published
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        assert proc.wait(timeout=120) == 0, err.read_text()
+    verify_artifact(out)
+    assert leftovers(out) == []
