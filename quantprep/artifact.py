@@ -200,8 +200,17 @@ def read_manifest(path: Path) -> dict:
         if (not isinstance(name, str) or "/" in name or name.startswith(".") or not isinstance(entry, dict)
                 or not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str)):
             raise ArtifactError(f"{mpath}: bad entry for file {name!r}; the artifact is corrupt: rebuild it")
+    t = m["target"]
+    if not (isinstance(t.get("name"), str) and isinstance(t.get("act_dtype"), str) and isinstance(t.get("device"), str)):
+        raise ArtifactError(f"{mpath}: field 'target' needs string 'name', 'device' and 'act_dtype'; the artifact is corrupt: rebuild it")
+    for name, mod in m["modules"].items():
+        ok = isinstance(mod, dict) and mod.get("bits") in (4, 8) and all(
+            isinstance(mod.get(k), int) and not isinstance(mod.get(k), bool) and mod[k] > 0 for k in ("in_features", "out_features", "group_size")
+        ) and all(isinstance(mod.get(k), bool) for k in ("act_order", "bias"))
+        if not ok:
+            raise ArtifactError(f"{mpath}: module {name!r} has malformed metadata; the artifact is corrupt: rebuild it")
     for shard in m["shards"]:
-        if shard not in m["files"]:
+        if not isinstance(shard, str) or shard not in m["files"]:
             raise ArtifactError(f"{mpath}: shard {shard!r} has no entry in 'files'; the artifact is corrupt: rebuild it")
     return m
 

@@ -60,6 +60,14 @@ def check_compat(path: Path, manifest: dict, target, emulate: bool = False) -> N
         raise ArtifactMismatch(f"{path}: {problem}; build one for this machine: {rebuild_command(manifest)}")
 
 
+def make_module(path: Path, target, name: str, meta: dict, dtype: torch.dtype) -> nn.Module:
+    """The target's module for one manifest entry; malformed target-specific metadata -> ArtifactError."""
+    try:
+        return target.make_module(meta, dtype)
+    except (KeyError, TypeError, ValueError, RuntimeError, ZeroDivisionError) as e:
+        raise ArtifactError(f"{path}: module {name} has malformed {target.name} metadata ({type(e).__name__}: {e}); rebuild the artifact") from None
+
+
 def _dtype(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
@@ -114,7 +122,7 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
         if (getattr(old, "in_features", None), getattr(old, "out_features", None)) != (meta["in_features"], meta["out_features"]):
             raise ArtifactError(f"{path}: module {name} is {meta['in_features']}x{meta['out_features']} in the manifest but "
                                 f"{getattr(old, 'in_features', '?')}x{getattr(old, 'out_features', '?')} in config.json; the artifact is inconsistent: rebuild it")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, target.make_module(meta, dtype))
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, make_module(path, target, name, meta, dtype))
 
     state: dict[str, torch.Tensor] = {}
     for shard in manifest["shards"]:

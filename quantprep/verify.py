@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from .artifact import PROBES_FILE, check_files, read_manifest
 from .errors import ArtifactError
+from .load import make_module
 from .prepack import UnpackedLayer
 
 PROBE_ROWS = 4
@@ -52,7 +53,7 @@ def run_probes(path: Path, manifest: dict, target, device: str | None = None) ->
             meta = manifest["modules"].get(name)
             if meta is None:
                 raise ArtifactError(f"{path / PROBES_FILE}: probe {name} has no module in manifest.json; rebuild the artifact")
-            module = target.make_module(meta, dtype)
+            module = make_module(path, target, name, meta, dtype)
             state = {}
             for part in list(module.state_dict(keep_vars=True)):
                 key = f"{name}.{part}"
