@@ -9,12 +9,14 @@ into place. A killed build leaves only a `.<name>.partial-*` sibling, which is n
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import hashlib
 import json
 import os
 import shutil
 import sys
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -126,6 +128,7 @@ def _write_locked(out: Path, tensors: dict[str, torch.Tensor], manifest: dict, s
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
         for name, shard in tqdm(list(zip(names, shards, strict=True)), desc="write", unit="shard", disable=not progress):
             save_file(shard, str(tmp / name), metadata={"format": "pt"})
+            pause_point("write")
         if probes:
             save_file(probes, str(tmp / PROBES_FILE), metadata={"format": "pt"})
         for name in side_files:
@@ -160,13 +163,41 @@ def write_json_durably(path: Path, data: dict) -> None:
         os.fsync(f.fileno())
 
 
+def pause_point(stage: str) -> None:
+    """Fault-injection hook for the kill tests: QUANTPREP_PAUSE_AT=<stage> stops here, and the
+    test SIGKILLs the process. Stages: prepack, write, publish."""
+    if os.environ.get("QUANTPREP_PAUSE_AT") == stage:
+        print(f"quantprep: paused at {stage}", file=sys.stderr, flush=True)
+        time.sleep(3600)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two directories (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 def publish(tmp: Path, out: Path) -> None:
-    """Move a complete directory into place. A reader sees the old artifact or the new one, never a mix."""
+    """Move a complete directory into place. A reader sees the old artifact or the new one, never a mix.
+
+    Replacing an artifact swaps the two directories in one atomic step where the kernel and the
+    filesystem support it, so the path never lacks an artifact; elsewhere the old one is renamed
+    aside first (a kill between the two renames is repaired by the next build)."""
+    if out.exists() and _exchange(tmp, out):
+        _fsync(out.parent)
+        pause_point("publish")
+        shutil.rmtree(tmp, ignore_errors=True)  # now holds the old artifact
+        return
     old = out.parent / f".{out.name}.old"
     if out.exists():
         os.rename(out, old)
     os.rename(tmp, out)
     _fsync(out.parent)
+    pause_point("publish")
     shutil.rmtree(old, ignore_errors=True)
 
 

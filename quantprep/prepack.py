@@ -63,6 +63,7 @@ def unpack_layer(layer: GPTQLayer) -> UnpackedLayer:
 def prepack_checkpoint(ckpt: GPTQCheckpoint, target, act_dtype: torch.dtype, progress: bool = True
                        ) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict[str, torch.Tensor]]:
     """Returns (tensors for the artifact, per-module metadata for the manifest, verify probes)."""
+    from .artifact import pause_point
     from .verify import make_probe, probe_layer_names
 
     tensors: dict[str, torch.Tensor] = {}
@@ -73,6 +74,7 @@ def prepack_checkpoint(ckpt: GPTQCheckpoint, target, act_dtype: torch.dtype, pro
         unpacked = unpack_layer(layer)
         if name in probe_names:
             probes.update(make_probe(unpacked))
+            pause_point("prepack")
         packed, meta = target.pack(unpacked, act_dtype)
         for part, t in packed.items():
             tensors[f"{name}.{part}"] = t.contiguous()

@@ -39,6 +39,10 @@ def find_gguf(package: str, gguf_file: str | None) -> Path:
 
 
 def _atomic_dir(out: Path) -> Path:
+    from .artifact import clean_stale_partials
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_partials(out)  # left by killed runs
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -1,0 +1,100 @@
+"""Killed builds (issue 5, item 3): SIGKILL `quantprep prepack` at each stage of a rebuild over a
+published artifact. Afterwards the path holds a complete artifact that verifies (the old one,
+or the new one once the atomic swap happened), nothing half-written loads, and a rerun cleans
+the leftovers and succeeds. `QUANTPREP_PAUSE_AT` stops the process at a stage so the kill lands
+there deterministically."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import quantprep
+from quantprep.artifact import read_manifest
+from quantprep.verify import verify_artifact
+
+
+def _prepack(gptq, out, *extra, env=None, stderr=None):
+    cmd = [sys.executable, "-m", "quantprep", "prepack", str(gptq), "--target", "cpu", "--out", str(out), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, env=env)
+
+
+def _leftovers(out):
+    return sorted(p.name for p in out.parent.glob(f".{out.name}.*") if not p.name.endswith(".lock"))
+
+
+@pytest.mark.parametrize("stage", ["prepack", "write", "publish"])
+def test_sigkill_during_rebuild(random_gptq, tmp_path, stage):
+    out = tmp_path / "art"
+    assert _prepack(random_gptq, out).wait(timeout=120) == 0
+    before = read_manifest(out)
+
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as err_file:
+        proc = _prepack(random_gptq, out, "--act-dtype", "float32", env=dict(os.environ, QUANTPREP_PAUSE_AT=stage), stderr=err_file)
+        deadline = time.time() + 120
+        while f"paused at {stage}" not in err.read_text() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, err.read_text()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    after = read_manifest(out)  # a complete artifact is at the path, old or new
+    if stage == "publish":
+        assert after["target"]["act_dtype"] == "float32"  # killed after the atomic swap: the new one
+    else:
+        assert after == before  # killed before publishing: the old one, untouched
+    verify_artifact(out)
+    quantprep.load(out)
+    # Killed while prepacking, nothing is on disk yet; later, a temporary sibling is left behind.
+    assert bool(_leftovers(out)) == (stage != "prepack"), _leftovers(out)
+
+    assert _prepack(random_gptq, out, "--act-dtype", "float32").wait(timeout=120) == 0  # rerun
+    assert _leftovers(out) == []
+    assert read_manifest(out)["target"]["act_dtype"] == "float32"
+    verify_artifact(out)
+
+
+def test_sigkill_first_build_leaves_nothing_loadable(random_gptq, tmp_path):
+    out = tmp_path / "art"
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as err_file:
+        proc = _prepack(random_gptq, out, env=dict(os.environ, QUANTPREP_PAUSE_AT="write"), stderr=err_file)
+        deadline = time.time() + 120
+        while "paused at write" not in err.read_text() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not out.exists()
+    with pytest.raises(quantprep.ArtifactError):
+        quantprep.load(out)
+    assert _prepack(random_gptq, out).wait(timeout=120) == 0
+    assert _leftovers(out) == []
+    verify_artifact(out)
+
+
+def test_sigkill_during_quantize(tiny_float, tmp_path):
+    """Kill `quantprep build` while gptqmodel quantizes: no artifact and no cached checkpoint
+    appear, and a rerun cleans the partial directory and builds an artifact that verifies."""
+    recipe = tmp_path / "tiny.toml"
+    recipe.write_text(f'[source]\npath = "{tiny_float}"\n[quantize]\nbits = 4\ngroup_size = 128\nsamples = 4\n')
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    env = dict(os.environ, QUANTPREP_CACHE=str(cache))
+    cmd = [sys.executable, "-m", "quantprep", "build", str(recipe), "--out", str(out), "--no-check"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    deadline = time.time() + 180
+    while not list(cache.glob("gptq/.*partial*")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(3)  # inside gptqmodel's quantization
+    assert proc.poll() is None
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()
+    assert [p for p in (cache / "gptq").iterdir() if not p.name.startswith(".")] == []  # no half checkpoint is cached
+
+    assert subprocess.run(cmd, capture_output=True, env=env).returncode == 0
+    assert not list(cache.glob("gptq/.*partial*"))
+    verify_artifact(out / "cpu")
