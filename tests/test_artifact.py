@@ -173,3 +173,19 @@ def test_second_writer_waits_for_the_lock(random_gptq, tmp_path):
         assert proc.wait(timeout=120) == 0, err.read_text()
     verify_artifact(out)
     assert leftovers(out) == []
+
+
+def test_not_enough_disk_space_is_refused_before_writing(random_gptq, tmp_path, monkeypatch):
+    """The free-space check runs before anything is written (the disk itself cannot be filled
+    safely in a test, so `shutil.disk_usage` reports 1 MiB free)."""
+    import shutil
+    from collections import namedtuple
+
+    from quantprep.errors import QuantprepError
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 30, (1 << 30) - (1 << 20), 1 << 20))
+    out = tmp_path / "art"
+    with pytest.raises(QuantprepError, match=r"GiB free, the artifact needs .* GiB"):
+        build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: out, progress=False)
+    assert not out.exists() and leftovers(out) == []
