@@ -165,7 +165,7 @@ def write_json_durably(path: Path, data: dict) -> None:
 
 def pause_point(stage: str) -> None:
     """Fault-injection hook for the kill tests: QUANTPREP_PAUSE_AT=<stage> stops here, and the
-    test SIGKILLs the process. Stages: prepack, write, publish."""
+    test SIGKILLs the process. Stages: quantize, prepack, write, publish."""
     if os.environ.get("QUANTPREP_PAUSE_AT") == stage:
         print(f"quantprep: paused at {stage}", file=sys.stderr, flush=True)
         time.sleep(3600)

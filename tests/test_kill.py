@@ -77,21 +77,25 @@ def test_sigkill_first_build_leaves_nothing_loadable(random_gptq, tmp_path):
 
 
 def test_sigkill_during_quantize(tiny_float, tmp_path):
-    """Kill `quantprep build` while gptqmodel quantizes: no artifact and no cached checkpoint
-    appear, and a rerun cleans the partial directory and builds an artifact that verifies."""
+    """Kill `quantprep build` in the quantize stage, after gptqmodel saved the checkpoint but
+    before it was published to the cache: no artifact and no cached checkpoint appear, and a
+    rerun cleans the partial directory and builds an artifact that verifies."""
     recipe = tmp_path / "tiny.toml"
     recipe.write_text(f'[source]\npath = "{tiny_float}"\n[quantize]\nbits = 4\ngroup_size = 128\nsamples = 4\n')
     cache, out = tmp_path / "cache", tmp_path / "out"
     env = dict(os.environ, QUANTPREP_CACHE=str(cache))
     cmd = [sys.executable, "-m", "quantprep", "build", str(recipe), "--out", str(out), "--no-check"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
-    deadline = time.time() + 180
-    while not list(cache.glob("gptq/.*partial*")) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    time.sleep(3)  # inside gptqmodel's quantization
-    assert proc.poll() is None
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as err_file:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True,
+                                env=dict(env, QUANTPREP_PAUSE_AT="quantize"))
+        deadline = time.time() + 300
+        while "paused at quantize" not in err.read_text() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None, err.read_text()[-2000:]
+        assert list(cache.glob("gptq/.*partial*"))  # the quantized checkpoint, saved but not published
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     assert not out.exists()
     assert [p for p in (cache / "gptq").iterdir() if not p.name.startswith(".")] == []  # no half checkpoint is cached
 
