@@ -82,12 +82,16 @@ class GPTQCheckpoint:
     side_files: list[str] = field(default_factory=list)
 
 
+MAX_JSON_BYTES = 64 << 20  # config and index files are kilobytes; refuse anything absurd before parsing
+
+
 def _read_json(path: Path) -> dict:
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise SourceError(f"{path}: larger than {MAX_JSON_BYTES >> 20} MiB; not a model config or index file")
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise SourceError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); fix or re-export the file") from None
+        data = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SourceError(f"{path}: not valid JSON ({e}); fix or re-export the file") from None
     if not isinstance(data, dict):
         raise SourceError(f"{path}: expected a JSON object")
     return data

@@ -128,3 +128,22 @@ def test_truncated_safetensors(ckpt_dir):
     p.write_bytes(p.read_bytes()[:1000])
     with pytest.raises(SourceError, match="model.safetensors"):
         read_checkpoint(ckpt_dir)
+
+
+def test_no_pickle_anywhere():
+    """Issue 5: quantprep never unpickles (no torch.load / pickle in the package)."""
+    from pathlib import Path
+
+    import quantprep
+
+    for py in Path(quantprep.__file__).parent.rglob("*.py"):
+        code = py.read_text()
+        assert "torch.load(" not in code and "import pickle" not in code, py
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe not utf8", b"[1, 2]", b'{"bits": '])
+def test_bad_json_files_are_one_line_errors(ckpt_dir, content):
+    (ckpt_dir / "quantize_config.json").write_bytes(content)
+    with pytest.raises(SourceError, match="quantize_config.json") as e:
+        read_checkpoint(ckpt_dir)
+    assert "\n" not in str(e.value)
