@@ -15,6 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
+from .artifact import clean_stale_partials, pause_point, publish
 from .errors import SourceError
 
 CALIBRATION_FILE = Path(__file__).with_name("calibration.txt")
@@ -39,19 +40,12 @@ def find_gguf(package: str, gguf_file: str | None) -> Path:
 
 
 def _atomic_dir(out: Path) -> Path:
-    from .artifact import clean_stale_partials
-
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_partials(out)  # left by killed runs
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    shutil.rmtree(out, ignore_errors=True)
-    os.rename(tmp, out)
 
 
 def export_gguf(gguf: Path, out: Path) -> Path:
@@ -75,7 +69,7 @@ def export_gguf(gguf: Path, out: Path) -> Path:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         model.generation_config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        _publish(tmp, out)
+        publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -89,8 +83,6 @@ def quantize_gptq(float_dir: Path, out: Path, bits: int, group_size: int, desc_a
         return out
     # gptqmodel refuses a 1-worker pool on 2-core machines ("Virtual pool ... only has 1").
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, os.cpu_count() or 2)))
-    from .artifact import pause_point
-
     try:
         from gptqmodel import GPTQModel, QuantizeConfig
     except ImportError:
@@ -102,7 +94,7 @@ def quantize_gptq(float_dir: Path, out: Path, bits: int, group_size: int, desc_a
         model.quantize(texts, batch_size=1)
         model.save(str(tmp))
         pause_point("quantize")  # kill tests: a complete but unpublished checkpoint must not be used
-        _publish(tmp, out)
+        publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -34,6 +34,16 @@ def artifact(tmp_path_factory):
     return root / "art"
 
 
+def _with_manifest(artifact, tmp_path_factory, manifest: dict):
+    """A copy of `artifact` (files symlinked) whose manifest.json is `manifest`."""
+    d = tmp_path_factory.mktemp("m")
+    for f in artifact.iterdir():
+        if f.name != MANIFEST:
+            (d / f.name).symlink_to(f)
+    (d / MANIFEST).write_text(json.dumps(manifest))
+    return d
+
+
 def _read(art):
     try:
         m = read_manifest(art)
@@ -70,12 +80,7 @@ def test_manifest_field_edits(artifact, tmp_path_factory, path, value, resign):
         node[0] = value
     if resign:
         m["manifest_sha256"] = manifest_digest(m)
-    d = tmp_path_factory.mktemp("m")
-    for f in artifact.iterdir():
-        if f.name != MANIFEST:
-            (d / f.name).symlink_to(f)
-    (d / MANIFEST).write_text(json.dumps(m))
-    _read(d)
+    _read(_with_manifest(artifact, tmp_path_factory, m))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
@@ -111,12 +116,7 @@ def test_load_with_edited_module_metadata(artifact, tmp_path_factory, module_key
     first = sorted(m["modules"])[0]
     m["modules"][first][module_key] = value
     m["manifest_sha256"] = manifest_digest(m)
-    d = tmp_path_factory.mktemp("l")
-    for f in artifact.iterdir():
-        if f.name != MANIFEST:
-            (d / f.name).symlink_to(f)
-    (d / MANIFEST).write_text(json.dumps(m))
     try:
-        quantprep.load(d)
+        quantprep.load(_with_manifest(artifact, tmp_path_factory, m))
     except ArtifactError as e:
         assert "\n" not in str(e)
