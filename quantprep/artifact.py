@@ -35,6 +35,7 @@ SHARD_BYTES = 2 << 30
 PROBES_FILE = "probes.safetensors"  # see verify.py
 TOP_KEYS = {"manifest_sha256", "format", "format_version", "quantprep_version", "created", "source", "quant", "target", "compat",
             "modules", "shards", "files"}
+OPTIONAL_KEYS = {"serving", "kcache"}  # serving: shapes to warm (from the recipe); kcache: written by `warm`
 
 
 def sha256_file(path: Path) -> str:
@@ -149,6 +150,39 @@ def _write_locked(out: Path, tensors: dict[str, torch.Tensor], manifest: dict, s
     return out
 
 
+def republish(out: Path, add_from: Path, add_as: str, add_files: list[str], manifest_update: dict) -> None:
+    """Publish `out` again with `add_from/<file>` copied to `add_as/<file>` (replacing any previous
+    `add_as/`) and `manifest_update` merged into the manifest. The other files are hard links (no
+    copy; files are never modified in place), so the swap is as atomic as a first build's."""
+    with publish_lock(out):
+        clean_stale_partials(out)
+        manifest = read_manifest(out)
+        check_files(out, manifest, full_hash=False)
+        tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            for name in manifest["files"]:
+                try:
+                    os.link(out / name, tmp / name)
+                except OSError:  # a filesystem without hard links
+                    shutil.copyfile(out / name, tmp / name)
+            for rel in add_files:
+                dest = tmp / add_as / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(add_from / rel, dest)
+                _fsync(dest)
+            manifest = {k: v for k, v in manifest.items() if k != "manifest_sha256"} | manifest_update
+            manifest["manifest_sha256"] = manifest_digest(manifest)
+            write_json_durably(tmp / MANIFEST, manifest)
+            _fsync(tmp)
+            pause_point("warm")
+            publish(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
 def manifest_digest(manifest: dict) -> str:
     """sha256 of the manifest's canonical JSON without this field: any edited field is caught."""
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
@@ -165,7 +199,7 @@ def write_json_durably(path: Path, data: dict) -> None:
 
 def pause_point(stage: str) -> None:
     """Fault-injection hook for the kill tests: QUANTPREP_PAUSE_AT=<stage> stops here, and the
-    test SIGKILLs the process. Stages: quantize, prepack, write, publish."""
+    test SIGKILLs the process. Stages: quantize, prepack, write, publish, warm."""
     if os.environ.get("QUANTPREP_PAUSE_AT") == stage:
         print(f"quantprep: paused at {stage}", file=sys.stderr, flush=True)
         time.sleep(3600)
@@ -243,13 +277,37 @@ def read_manifest(path: Path) -> dict:
     for shard in m["shards"]:
         if not isinstance(shard, str) or shard not in m["files"]:
             raise ArtifactError(f"{mpath}: shard {shard!r} has no entry in 'files'; the artifact is corrupt: rebuild it")
+    unknown = m.keys() - TOP_KEYS - OPTIONAL_KEYS
+    if unknown:
+        raise ArtifactError(f"{mpath}: unknown field(s) {', '.join(sorted(unknown))}; written by a newer quantprep? upgrade or rebuild")
+    if "serving" in m and not _valid_serving(m["serving"]):
+        raise ArtifactError(f"{mpath}: field 'serving' is malformed; the artifact is corrupt: rebuild it")
+    if "kcache" in m and not _valid_kcache(m["kcache"]):
+        raise ArtifactError(f"{mpath}: field 'kcache' is malformed; the artifact is corrupt: rebuild it or re-run `quantprep warm`")
     return m
+
+
+def _is_shape_list(x) -> bool:
+    return isinstance(x, list) and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in x)
+
+
+def _valid_serving(s) -> bool:
+    return isinstance(s, dict) and _is_shape_list(s.get("shapes")) and isinstance(s.get("compile"), bool)
+
+
+def _valid_kcache(k) -> bool:
+    if not (isinstance(k, dict) and isinstance(k.get("key"), dict) and _is_shape_list(k.get("shapes"))
+            and isinstance(k.get("compile"), bool) and isinstance(k.get("files"), dict)):
+        return False
+    return all(isinstance(rel, str) and rel and not rel.startswith("/") and ".." not in rel.split("/")
+               and isinstance(f, dict) and isinstance(f.get("size"), int) and isinstance(f.get("sha256"), str)
+               for rel, f in k["files"].items())
 
 
 def check_files(path: Path, manifest: dict, full_hash: bool) -> None:
     """Sizes always (cheap, catches truncation); sha256 of every file when `full_hash`."""
     path = Path(path)
-    listed = set(manifest["files"]) | {MANIFEST}
+    listed = set(manifest["files"]) | {MANIFEST} | ({"kcache"} if "kcache" in manifest else set())  # kcache/: warm.py
     for p in path.iterdir():
         if p.name not in listed:
             raise ArtifactError(f"{p}: unknown file in the artifact (not in manifest.json); remove it or rebuild")

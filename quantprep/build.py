@@ -19,6 +19,7 @@ from .prepack import prepack_checkpoint
 from .recipes import Recipe
 from .source import GPTQCheckpoint, is_gptq_dir, read_checkpoint, resolve_hub_model
 from .targets import get_target
+from .warm import DEFAULT_SHAPES, warm
 
 DEFAULT_OUT = Path("artifacts")
 
@@ -88,7 +89,8 @@ def _from_dir(recipe: Recipe, path: Path, identity: dict) -> tuple[Path, dict]:
     return _quantize(recipe, path, source_id), dict(identity, quantized_by="gptqmodel")
 
 
-def build_manifest(ckpt: GPTQCheckpoint, target, act_dtype: torch.dtype, modules: dict, identity: dict) -> dict:
+def build_manifest(ckpt: GPTQCheckpoint, target, act_dtype: torch.dtype, modules: dict, identity: dict,
+                   serving: dict | None = None) -> dict:
     bits = sorted({m["bits"] for m in modules.values()})
     return {
         "format": FORMAT,
@@ -100,12 +102,15 @@ def build_manifest(ckpt: GPTQCheckpoint, target, act_dtype: torch.dtype, modules
                    "layout_version": target.layout_version, "act_dtype": str(act_dtype).removeprefix("torch.")},
         "compat": target.compat_key(),
         "modules": modules,
+        "serving": serving or {"shapes": DEFAULT_SHAPES, "compile": False},
     }
 
 
 def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for, act_dtype: str | None = None,
-                    progress: bool = True) -> list[dict]:
-    """Read the checkpoint once, then prepack + write one artifact per target. `out_for(target)` -> dir."""
+                    progress: bool = True, serving: dict | None = None, warm_here: bool = False) -> list[dict]:
+    """Read the checkpoint once, then prepack + write one artifact per target. `out_for(target)` -> dir.
+    serving: the shapes (and compile flag) `warm` will run; warm_here: warm each artifact whose
+    device is present on this machine."""
     resolved = [get_target(t) for t in targets]  # unknown target names fail before any work
     ckpt = read_checkpoint(gptq_dir)
     results = []
@@ -114,10 +119,14 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
         dt = getattr(torch, act_dtype) if act_dtype else target.default_act_dtype
         tensors, modules, probes = prepack_checkpoint(ckpt, target, dt, progress=progress)
         t1 = time.perf_counter()
-        out = write_artifact(out_for(target.name), tensors, build_manifest(ckpt, target, dt, modules, identity),
+        out = write_artifact(out_for(target.name), tensors, build_manifest(ckpt, target, dt, modules, identity, serving),
                              ckpt.path, ckpt.side_files, probes, progress=progress)
         t2 = time.perf_counter()
-        size = sum(p.stat().st_size for p in out.iterdir())
-        results.append({"target": target.name, "path": str(out), "bytes": size, "layers": len(modules),
-                        "prepack_s": round(t1 - t0, 3), "write_s": round(t2 - t1, 3)})
+        result = {"target": target.name, "path": str(out), "layers": len(modules),
+                  "prepack_s": round(t1 - t0, 3), "write_s": round(t2 - t1, 3)}
+        if warm_here and target.runtime_problem() is None:
+            report = warm(out, progress=progress)
+            result["warm"] = {k: report[k] for k in ("shapes", "files", "bytes", "s")}
+        result["bytes"] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+        results.append(result)
     return results

@@ -28,15 +28,45 @@ def cmd_build(args) -> int:
         get_target(t)  # unknown names fail before quantizing
     gptq_dir, identity = resolve_source(recipe, args.source)
     out_root = Path(args.out) if args.out else DEFAULT_OUT / recipe.name
+    serving = {"shapes": recipe.warm_shapes, "compile": recipe.warm_compile}
     results = build_artifacts(gptq_dir, identity, targets, lambda t: out_root / t, recipe.act_dtype,
-                              progress=not args.json)
+                              progress=not args.json, serving=serving, warm_here=args.warm and recipe.warm_enabled)
     if args.check:
         for r in results:
             if get_target(r["target"]).runtime_problem() is None:
                 r["check"] = _fresh_process_generate(Path(r["path"]), recipe.prompt, recipe.max_new_tokens, quiet=args.json)
     _print_json_or(args, results, "\n".join(f"wrote {r['path']} ({r['bytes'] / 2**20:.1f} MiB, {r['layers']} layers, "
-                                            f"prepack {r['prepack_s']:.2f} s)" for r in results))
+                                            f"prepack {r['prepack_s']:.2f} s{_warm_text(r.get('warm'))})" for r in results))
     return 0
+
+
+def _warm_text(w: dict | None) -> str:
+    return f", warmed {w['shapes']} in {w['s']:.1f} s: kcache {w['files']} files {w['bytes'] / 2**20:.1f} MiB" if w else ""
+
+
+def cmd_warm(args) -> int:
+    from .warm import warm
+
+    shapes = [int(s) for s in args.shapes.split(",")] if args.shapes else None
+    r = warm(Path(args.dir), device=args.device, shapes=shapes, compile=args.compile, progress=not args.json)
+    _print_json_or(args, r, f"warmed {r['path']} on {r['key']['device']}: prefill {r['shapes']}, {r['compiled_regions']} compiled "
+                            f"regions, {r['s']:.1f} s; kcache {r['files']} files, {r['bytes'] / 2**20:.1f} MiB")
+    return 0
+
+
+def cmd_exec(args) -> int:
+    import os
+
+    from .warm import exec_env
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        raise QuantprepError("nothing to run: quantprep exec DIR -- CMD [ARGS...]")
+    env = exec_env(args.dir)
+    try:
+        os.execvpe(cmd[0], cmd, env)
+    except OSError as e:
+        raise QuantprepError(f"{cmd[0]}: cannot run ({e.strerror})") from None
 
 
 def _fresh_process_generate(path: Path, prompt: str, max_new_tokens: int, quiet: bool) -> dict:
@@ -92,7 +122,8 @@ def cmd_verify(args) -> int:
     from .verify import verify_artifact
 
     report = verify_artifact(Path(args.dir))
-    lines = [f"{args.dir}: {report['files']} files, sha256 ok"]
+    kc = f" + {report['kcache_files']} kcache files" if "kcache_files" in report else ""
+    lines = [f"{args.dir}: {report['files']} files{kc}, sha256 ok"]
     how = " (CPU emulator of the XPU kernel; no XPU here)" if report.get("emulated") else ""
     lines += [f"  {r['layer']}: rel err {r['rel_err']:.2e} (tol {r['tol']:.0e}) ok{how}" for r in report["numeric"]]
     if report["skipped"]:
@@ -174,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", help="output root; artifacts go to OUT/<target> (default artifacts/<recipe>)")
     b.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="load each artifact runnable here in a fresh process and generate (default: on)")
+    b.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
+                   help="warm each artifact whose device is present (see `warm`; default: on)")
     b.add_argument("--json", action="store_true", help="print a JSON summary")
     b.set_defaults(func=cmd_build)
 
@@ -191,6 +224,20 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("dir")
         s.add_argument("--json", action="store_true")
         s.set_defaults(func=func)
+
+    w = sub.add_parser("warm", help="run the serving shapes and ship the kernel caches in DIR/kcache/")
+    w.add_argument("dir")
+    w.add_argument("--device", help="default: the artifact's target device")
+    w.add_argument("--shapes", help="comma-separated prefill lengths (default: the manifest's, else 1,16,128,512)")
+    w.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile and ship its cache (default: the recipe's choice recorded in the manifest)")
+    w.add_argument("--json", action="store_true")
+    w.set_defaults(func=cmd_warm)
+
+    x = sub.add_parser("exec", help="run CMD with the artifact's kernel caches active: quantprep exec DIR -- CMD...")
+    x.add_argument("dir")
+    x.add_argument("cmd", nargs=argparse.REMAINDER)
+    x.set_defaults(func=cmd_exec)
 
     lp = sub.add_parser("list", help="list recipes")
     lp.add_argument("--json", action="store_true")

@@ -19,6 +19,7 @@ from torch import nn
 from .artifact import check_files, read_manifest
 from .errors import ArtifactError, ArtifactMismatch
 from .targets import get_target
+from .warm import DEFAULT_SHAPES, activate, compile_regions, run_shapes, usable_shapes
 
 
 @contextlib.contextmanager
@@ -76,13 +77,17 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def load(path: str | os.PathLike, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-         verify: bool = False):
+         verify: bool = False, compile: bool = False, warmup: bool = False, kcache: bool = True):
     """Load an artifact as a transformers `PreTrainedModel` in eval mode.
 
     device: defaults to the target's device; `device="cpu"` for an xpu artifact runs it through
     the CPU emulator of the XPU kernel (slow; for checking, not serving). dtype: activation dtype
     (defaults to the one the artifact was packed for). verify: also check every file's sha256
-    (sizes are always checked).
+    (sizes are always checked). compile: torch.compile the decoder layers' MLPs (warm.compile_regions),
+    restoring the artifact's compile cache first (see warm.py). warmup: run the warmed serving
+    shapes once in this process (per-process state such as oneDNN primitives on XPU).
+    kcache: use the artifact's kernel cache when it matches this machine (a foreign or corrupt
+    one is ignored with a warning). `model.quantprep_kcache` says what happened.
     Raises ArtifactMismatch for an artifact built for another machine, ArtifactError if corrupt.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -96,6 +101,8 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     emulate = device is not None and torch.device(device).type == "cpu" and target.device != "cpu"
     check_compat(path, manifest, target, emulate)
     check_files(path, manifest, full_hash=verify)
+    device_type = torch.device(device or target.device).type
+    kcache_status = activate(path, manifest, device_type, compile) if kcache else {"status": "off"}
 
     packed_dtype = _dtype(manifest["target"]["act_dtype"])
     dtype = dtype or packed_dtype
@@ -149,4 +156,10 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()
+    if compile:
+        compile_regions(model)
+    if warmup:
+        shapes = manifest.get("kcache", manifest.get("serving", {})).get("shapes", DEFAULT_SHAPES)
+        run_shapes(model, usable_shapes(model, shapes))
+    model.quantprep_kcache = kcache_status
     return model

@@ -1,7 +1,8 @@
 """Named recipes: `pipelines/<name>.toml`. Unknown keys are rejected, never ignored.
 
 A recipe says where the model comes from, how to quantize it when it is not already GPTQ, which
-targets to build by default, and the prompt `build` uses for its fresh-process check.
+targets to build by default, the prompt `build` uses for its fresh-process check, and the serving
+shapes `warm` runs (and whether it torch.compiles).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ SCHEMA: dict[str, dict[str, type | tuple]] = {
     "quantize": {"bits": int, "group_size": int, "desc_act": bool, "sym": bool, "calibration": str,
                  "samples": int, "seed": int},
     "build": {"targets": list, "act_dtype": str, "prompt": str, "max_new_tokens": int},
+    "warm": {"shapes": list, "compile": bool, "enabled": bool},
 }
 
 
@@ -40,6 +42,9 @@ class Recipe:
     act_dtype: str | None = None
     prompt: str = "What is the capital of France?"
     max_new_tokens: int = 16
+    warm_shapes: list[int] = field(default_factory=lambda: [1, 16, 128, 512])
+    warm_compile: bool = False
+    warm_enabled: bool = True  # build warms each artifact whose device is present
     path: Path | None = None
 
 
@@ -65,7 +70,7 @@ def parse_recipe(path: Path) -> Recipe:
     except OSError as e:
         raise RecipeError(f"{where}: cannot read ({e.strerror})") from None
     _check_table(where, data, "")
-    for section in ("source", "quantize", "build"):
+    for section in ("source", "quantize", "build", "warm"):
         if section in data:
             if not isinstance(data[section], dict):
                 raise RecipeError(f"{where}: [{section}] must be a table")
@@ -74,15 +79,17 @@ def parse_recipe(path: Path) -> Recipe:
     kinds = [k for k in ("gguf_package", "hub", "path") if k in src]
     if len(kinds) != 1:
         raise RecipeError(f"{where}: [source] needs exactly one of gguf_package, hub, path (got {kinds or 'none'})")
-    q, b = data.get("quantize", {}), data.get("build", {})
+    q, b, w = data.get("quantize", {}), data.get("build", {}), data.get("warm", {})
     r = Recipe(name=data.get("name", path.stem), description=data.get("description", ""), source=src,
-               path=path, **q, **{k: v for k, v in b.items()})
+               path=path, **q, **b, **{f"warm_{k}": v for k, v in w.items()})
     if r.bits not in SUPPORTED_BITS:
         raise RecipeError(f"{where}: quantize.bits must be one of {SUPPORTED_BITS}, got {r.bits}")
     if r.group_size not in (-1, 32, 64, 128):
         raise RecipeError(f"{where}: quantize.group_size must be -1, 32, 64 or 128, got {r.group_size}")
     if r.act_dtype not in (None, "bfloat16", "float16", "float32"):
         raise RecipeError(f"{where}: build.act_dtype must be bfloat16, float16 or float32, got {r.act_dtype!r}")
+    if not r.warm_shapes or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in r.warm_shapes):
+        raise RecipeError(f"{where}: warm.shapes must be a non-empty list of positive prefill lengths")
     if not all(isinstance(t, str) for t in r.targets) or not r.targets:
         raise RecipeError(f"{where}: build.targets must be a non-empty list of target names")
     return r

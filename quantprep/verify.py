@@ -81,6 +81,13 @@ def verify_artifact(path: Path) -> dict:
     manifest = read_manifest(path)
     check_files(path, manifest, full_hash=True)
     report = {"path": str(path), "files": len(manifest["files"]), "hashes": "ok", "numeric": [], "skipped": None}
+    if "kcache" in manifest:
+        from .warm import kcache_problem
+
+        problem = kcache_problem(path, manifest)
+        if problem:  # load ignores such a cache (it is only speed); verify reports the damage
+            raise ArtifactError(f"{problem}; re-run `quantprep warm {path}`")
+        report["kcache_files"] = len(manifest["kcache"]["files"])
     target = get_target(manifest["target"]["name"])
     emulate = target.runtime_problem() is not None and getattr(target, "cpu_emulator", False)
     try:

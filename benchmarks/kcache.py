@@ -1,0 +1,104 @@
+"""Time to first token with torch.compile: no cache vs the artifact's warmed kcache vs eager (issue 4).
+
+Each run is a new Python process; times run from spawn (time.time() in the parent) to the first
+generated token in the child, plus the next 32 greedy tokens' rate. Side by side, interleaved
+rounds, medians of --runs:
+  (a) compile=True, no cache: kcache not used, and Inductor's cache dir is empty and private
+  (b) compile=True with the artifact's kcache (warmed by `quantprep warm --compile`); the runtime
+      copy of kcache/ goes to an empty private dir each run, so the copy is paid every time
+  (c) eager: compile=False
+Each child also reports Inductor's FX-graph cache hits/misses, so (b) shows it used the cache.
+
+    python benchmarks/kcache.py ARTIFACT [--runs 3] [--out benchmarks/results/kcache-cpu.json]
+The artifact must have been warmed with --compile on this machine (the script says if not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+CHILD = """
+import json, sys, time
+import torch
+import quantprep
+from transformers import AutoTokenizer
+from torch._dynamo.utils import counters
+path, mode = sys.argv[1], sys.argv[2]
+model = quantprep.load(path, compile=mode != "eager", kcache=mode == "kcache")
+tok = AutoTokenizer.from_pretrained(path)
+enc = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                              add_generation_prompt=True, return_tensors="pt", return_dict=True).to(model.device)
+with torch.inference_mode():
+    out = model.generate(**enc, max_new_tokens=1, do_sample=False)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    first = time.time()
+    t = time.perf_counter()
+    out = model.generate(**enc, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    rate = 32 / (time.perf_counter() - t)
+print(json.dumps({"first": first, "tok_s": rate, "kcache": model.quantprep_kcache,
+                  "fx_hit": counters["inductor"]["fxgraph_cache_hit"], "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
+                  "text": tok.decode(out[0, enc["input_ids"].shape[1]:])}))
+"""
+
+MODES = {"a_compile_no_cache": "nocache", "b_compile_kcache": "kcache", "c_eager": "eager"}
+
+
+def run_once(path: Path, mode: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", QUANTPREP_KCACHE_DIR=f"{tmp}/kcache")
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, "-c", CHILD, str(path), mode], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{mode} failed: {proc.stderr.strip().splitlines()[-1:]}")
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r["ttft_s"] = r.pop("first") - t0
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("artifact", type=Path)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    manifest = json.loads((args.artifact / "manifest.json").read_text())
+    if not manifest.get("kcache", {}).get("compile"):
+        sys.exit(f"{args.artifact}: not warmed with torch.compile; run `quantprep warm {args.artifact} --compile` first")
+    runs: dict[str, list[dict]] = {name: [] for name in MODES}
+    for i in range(args.runs):
+        for name, mode in MODES.items():
+            r = run_once(args.artifact, mode)
+            runs[name].append(r)
+            print(f"round {i + 1} {name}: first token {r['ttft_s']:.2f} s, {r['tok_s']:.1f} tok/s, "
+                  f"fx-graph hits {r['fx_hit']} misses {r['fx_miss']}, kcache {r['kcache']['status']}", flush=True)
+    summary = {name: {"ttft_s_median": statistics.median(r["ttft_s"] for r in rs),
+                      "tok_s_median": statistics.median(r["tok_s"] for r in rs),
+                      "fx_hit": rs[-1]["fx_hit"], "fx_miss": rs[-1]["fx_miss"]} for name, rs in runs.items()}
+    b, c = summary["b_compile_kcache"]["ttft_s_median"], summary["c_eager"]["ttft_s_median"]
+    a = summary["a_compile_no_cache"]["ttft_s_median"]
+    result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.platform(),
+              "cpus": os.cpu_count(), "artifact": str(args.artifact), "target": manifest["target"]["name"],
+              "kcache_key": manifest["kcache"]["key"], "runs": args.runs, "summary": summary,
+              "b_over_c": b / c, "a_over_b": a / b, "raw": runs,
+              "same_text": len({r["text"] for rs in runs.values() for r in rs}) == 1}
+    print(json.dumps({k: v for k, v in result.items() if k != "raw"}, indent=2))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
