@@ -160,6 +160,6 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
         compile_regions(model)
     if warmup:
         shapes = manifest.get("kcache", manifest.get("serving", {})).get("shapes", DEFAULT_SHAPES)
-        run_shapes(model, usable_shapes(model, shapes))
+        model.quantprep_warmup = run_shapes(model, usable_shapes(model, shapes))
     model.quantprep_kcache = kcache_status
     return model

@@ -39,6 +39,9 @@ def test_unknown_recipe(capsys):
     ("[source]\npath = '/x'\n[build]\ntargets = ['tpu']\n", "unknown target 'tpu'"),
     ("[source]\npath = '/does/not/exist'\n", "does not exist"),
     ("surprise = 1\n[source]\npath = '/x'\n", "unknown key 'surprise'"),
+    ("[source]\npath = '/x'\n[warm]\nshape = [1]\n", "unknown key [warm] 'shape'"),
+    ("[source]\npath = '/x'\n[warm]\nshapes = [0, 16]\n", "warm.shapes"),
+    ("[source]\npath = '/x'\n[warm]\ncompile = 'yes'\n", "warm.compile must be a bool"),
 ])
 def test_bad_recipes(capsys, tmp_path, text, needle):
     recipe = tmp_path / "r.toml"
