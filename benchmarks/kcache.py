@@ -28,29 +28,34 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 CHILD = """
-import json, sys, time
+import json, os, sys, time
 import torch
 import quantprep
 from transformers import AutoTokenizer
 from torch._dynamo.utils import counters
 path, mode = sys.argv[1], sys.argv[2]
 model = quantprep.load(path, compile=mode != "eager", kcache=mode == "kcache")
-tok = AutoTokenizer.from_pretrained(path)
-enc = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                              add_generation_prompt=True, return_tensors="pt", return_dict=True).to(model.device)
+if os.path.exists(os.path.join(path, "tokenizer_config.json")):
+    tok = AutoTokenizer.from_pretrained(path)
+    enc = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True).to(model.device)
+else:  # a random-code checkpoint has no tokenizer: a fixed 32-token prompt
+    tok = None
+    ids = (torch.arange(32) * 7919 % model.config.vocab_size).view(1, 32).to(model.device)
+    enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 with torch.inference_mode():
-    out = model.generate(**enc, max_new_tokens=1, do_sample=False)
+    out = model.generate(**enc, max_new_tokens=1, do_sample=False, pad_token_id=0)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     first = time.time()
     t = time.perf_counter()
-    out = model.generate(**enc, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    out = model.generate(**enc, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     rate = 32 / (time.perf_counter() - t)
 print(json.dumps({"first": first, "tok_s": rate, "kcache": model.quantprep_kcache,
                   "fx_hit": counters["inductor"]["fxgraph_cache_hit"], "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
-                  "text": tok.decode(out[0, enc["input_ids"].shape[1]:])}))
+                  "text": tok.decode(out[0, enc["input_ids"].shape[1]:]) if tok else out[0].tolist()}))
 """
 
 MODES = {"a_compile_no_cache": "nocache", "b_compile_kcache": "kcache", "c_eager": "eager"}
@@ -93,7 +98,7 @@ def main() -> None:
               "cpus": os.cpu_count(), "artifact": str(args.artifact), "target": manifest["target"]["name"],
               "kcache_key": manifest["kcache"]["key"], "runs": args.runs, "summary": summary,
               "b_over_c": b / c, "a_over_b": a / b, "raw": runs,
-              "same_text": len({r["text"] for rs in runs.values() for r in rs}) == 1}
+              "same_text": len({str(r["text"]) for rs in runs.values() for r in rs}) == 1}
     print(json.dumps({k: v for k, v in result.items() if k != "raw"}, indent=2))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -107,17 +107,18 @@ def build_manifest(ckpt: GPTQCheckpoint, target, act_dtype: torch.dtype, modules
 
 
 def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for, act_dtype: str | None = None,
-                    progress: bool = True, serving: dict | None = None, warm_here: bool = False) -> list[dict]:
+                    progress: bool = True, serving: dict | None = None, warm_here: bool = False,
+                    fuse: bool = True) -> list[dict]:
     """Read the checkpoint once, then prepack + write one artifact per target. `out_for(target)` -> dir.
     serving: the shapes (and compile flag) `warm` will run; warm_here: warm each artifact whose
-    device is present on this machine."""
+    device is present on this machine; fuse: prepack q/k/v and gate/up as one matmul where exact."""
     resolved = [get_target(t) for t in targets]  # unknown target names fail before any work
     ckpt = read_checkpoint(gptq_dir)
     results = []
     for target in resolved:
         t0 = time.perf_counter()
         dt = getattr(torch, act_dtype) if act_dtype else target.default_act_dtype
-        tensors, modules, probes = prepack_checkpoint(ckpt, target, dt, progress=progress)
+        tensors, modules, probes = prepack_checkpoint(ckpt, target, dt, progress=progress, fuse=fuse)
         t1 = time.perf_counter()
         out = write_artifact(out_for(target.name), tensors, build_manifest(ckpt, target, dt, modules, identity, serving),
                              ckpt.path, ckpt.side_files, probes, progress=progress)

@@ -30,7 +30,8 @@ def cmd_build(args) -> int:
     out_root = Path(args.out) if args.out else DEFAULT_OUT / recipe.name
     serving = {"shapes": recipe.warm_shapes, "compile": recipe.warm_compile}
     results = build_artifacts(gptq_dir, identity, targets, lambda t: out_root / t, recipe.act_dtype,
-                              progress=not args.json, serving=serving, warm_here=args.warm and recipe.warm_enabled)
+                              progress=not args.json, serving=serving, warm_here=args.warm and recipe.warm_enabled,
+                              fuse=args.fuse)
     if args.check:
         for r in results:
             if get_target(r["target"]).runtime_problem() is None:
@@ -93,7 +94,7 @@ def cmd_prepack(args) -> int:
     if not is_gptq_dir(src):
         raise QuantprepError(f"{src}: not a GPTQ checkpoint (no quantize_config.json or quantization_config); use `quantprep build RECIPE --source {src}` to quantize a float model")
     results = build_artifacts(src, {"path": str(src.absolute())}, [args.target], lambda t: Path(args.out),
-                              args.act_dtype, progress=not args.json)
+                              args.act_dtype, progress=not args.json, fuse=args.fuse)
     r = results[0]
     _print_json_or(args, r, f"wrote {r['path']} ({r['bytes'] / 2**20:.1f} MiB, {r['layers']} layers, prepack {r['prepack_s']:.2f} s)")
     return 0
@@ -207,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="load each artifact runnable here in a fresh process and generate (default: on)")
     b.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
                    help="warm each artifact whose device is present (see `warm`; default: on)")
+    b.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
+                   help="prepack q/k/v and gate/up as one matmul where their act-order matches (default: on)")
     b.add_argument("--json", action="store_true", help="print a JSON summary")
     b.set_defaults(func=cmd_build)
 
@@ -215,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--target", required=True)
     pp.add_argument("--out", required=True)
     pp.add_argument("--act-dtype", choices=["bfloat16", "float16", "float32"], help="default: the target's")
+    pp.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
+                    help="prepack q/k/v and gate/up as one matmul where their act-order matches (default: on)")
     pp.add_argument("--json", action="store_true")
     pp.set_defaults(func=cmd_prepack)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 from .artifact import check_files, read_manifest
 from .errors import ArtifactError, ArtifactMismatch
+from .fused import install as install_fused
 from .targets import get_target
 from .warm import DEFAULT_SHAPES, activate, compile_regions, run_shapes, usable_shapes
 
@@ -69,6 +71,16 @@ def make_module(path: Path, target, name: str, meta: dict, dtype: torch.dtype) -
         raise ArtifactError(f"{path}: module {name} has malformed {target.name} metadata ({type(e).__name__}: {e}); rebuild the artifact") from None
 
 
+def _check_replaces(path: Path, config, name: str, in_features: int, out_features: int, model) -> None:
+    try:
+        old = model.get_submodule(name)
+    except AttributeError:
+        raise ArtifactError(f"{path}: module {name} in manifest.json does not exist in the {config.model_type} model") from None
+    if (getattr(old, "in_features", None), getattr(old, "out_features", None)) != (in_features, out_features):
+        raise ArtifactError(f"{path}: module {name} is {in_features}x{out_features} in the manifest but "
+                            f"{getattr(old, 'in_features', '?')}x{getattr(old, 'out_features', '?')} in config.json; the artifact is inconsistent: rebuild it")
+
+
 def _dtype(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
@@ -102,6 +114,8 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     check_compat(path, manifest, target, emulate)
     check_files(path, manifest, full_hash=verify)
     device_type = torch.device(device or target.device).type
+    if not emulate and hasattr(target, "load_warning") and (note := target.load_warning()):
+        warnings.warn(f"{path}: {note}", stacklevel=2)
     kcache_status = activate(path, manifest, device_type, compile) if kcache else {"status": "off"}
 
     packed_dtype = _dtype(manifest["target"]["act_dtype"])
@@ -122,14 +136,18 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
 
     for name, meta in modules.items():
         parent_name, _, child = name.rpartition(".")
-        try:
-            old = model.get_submodule(name)
-        except AttributeError:
-            raise ArtifactError(f"{path}: module {name} in manifest.json does not exist in the {config.model_type} model") from None
-        if (getattr(old, "in_features", None), getattr(old, "out_features", None)) != (meta["in_features"], meta["out_features"]):
-            raise ArtifactError(f"{path}: module {name} is {meta['in_features']}x{meta['out_features']} in the manifest but "
-                                f"{getattr(old, 'in_features', '?')}x{getattr(old, 'out_features', '?')} in config.json; the artifact is inconsistent: rebuild it")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, make_module(path, target, name, meta, dtype))
+        parent = model.get_submodule(parent_name) if parent_name else model
+        fused = meta.get("fused")
+        members, sizes = (fused["members"], fused["sizes"]) if fused else ([child], [meta["out_features"]])
+        for member, size in zip(members, sizes, strict=True):
+            _check_replaces(path, config, f"{parent_name}.{member}" if parent_name else member, meta["in_features"], size, model)
+        if fused and sum(sizes) != meta["out_features"]:
+            raise ArtifactError(f"{path}: fused module {name}: sizes {sizes} do not add up to {meta['out_features']}; rebuild the artifact")
+        module = make_module(path, target, name, meta, dtype)
+        if fused:
+            install_fused(parent, child, module, members, sizes)
+        else:
+            setattr(parent, child, module)
 
     state: dict[str, torch.Tensor] = {}
     for shard in manifest["shards"]:

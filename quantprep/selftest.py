@@ -16,10 +16,9 @@ from .prepack import unpack_layer
 from .source import QuantConfig, _validate_layer
 from .synthetic import random_gptq_tensors
 from .targets import get_target
+from .targets.xpu import XPU_ARCH_NAMES, arch_warning
 from .verify import REL_TOL
 
-# AOT targets in torch.xpu.get_arch_list() that cover each card (else kernels JIT-compile on first use).
-XPU_ARCH_NAMES = {"A770": ("dg2", "acm-g10", "ats-m150", "dg2-g10"), "B580": ("bmg", "bmg-g21")}
 CASES = [(bits, gs, act) for bits in (4, 8) for gs in (128, -1) for act in (True, False)]
 
 
@@ -74,10 +73,8 @@ def xpu_cache_report(env: dict[str, str], arch_list: list[str], device_name: str
     card = next((c for c in XPU_ARCH_NAMES if c in device_name), None)
     if card is None:
         notes.append(f"device {device_name!r} is not an A770 or B580; arch coverage not checked")
-    elif not any(a in arch_list for a in XPU_ARCH_NAMES[card]):
-        notes.append(f"torch.xpu.get_arch_list() = {arch_list} has no AOT build for the {card} "
-                     f"({'/'.join(XPU_ARCH_NAMES[card])}): every kernel is JIT-compiled on first use (minutes). "
-                     f"Install a torch XPU wheel built for it, and keep the driver cache on so it happens once")
+    elif warning := arch_warning(device_name, arch_list):
+        notes.append(warning)
     else:
         notes.append(f"torch has AOT kernels for the {card} ({', '.join(a for a in arch_list if a in XPU_ARCH_NAMES[card])})")
     igc = sorted(k for k in env if k.startswith("IGC_"))

@@ -55,10 +55,15 @@ def random_gptq_tensors(K: int, N: int, bits: int, group_size: int, sym: bool, a
 
 
 def write_random_checkpoint(out: Path, model_config: dict, bits: int = 4, group_size: int = 128,
-                            desc_act: bool = True, sym: bool = True, seed: int = 0, lm_head: bool = False) -> Path:
+                            desc_act: bool = True, sym: bool = True, seed: int = 0, lm_head: bool = False,
+                            shared_g_idx: bool = True) -> Path:
     """A GPTQ checkpoint dir for a Llama/Qwen2-style config, with random codes (v1 format).
-    lm_head=True quantizes lm_head too (GPTQModel's `lm_head=True`), untying it from the embedding."""
+    lm_head=True quantizes lm_head too (GPTQModel's `lm_head=True`), untying it from the embedding.
+    shared_g_idx: q/k/v (and gate/up) get one g_idx, as in GPTQModel's checkpoints (they are
+    quantized from the same input's Hessian); False gives each its own."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .prepack import FUSIONS
 
     g = torch.Generator().manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,10 +72,15 @@ def write_random_checkpoint(out: Path, model_config: dict, bits: int = 4, group_
         skeleton = AutoModelForCausalLM.from_config(cfg)
     tensors: dict[str, torch.Tensor] = {}
     quantized = {n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear) and (lm_head or n != "lm_head")}
+    shared: dict[tuple[str, str], torch.Tensor] = {}
     for name in sorted(quantized):
         mod = skeleton.get_submodule(name)
         layer = random_gptq_tensors(mod.in_features, mod.out_features, bits, group_size, sym, desc_act,
                                     v1=True, bias=mod.bias is not None, generator=g)
+        parent, _, child = name.rpartition(".")
+        group = next((fused for members, fused in FUSIONS.items() if child in members), None)
+        if shared_g_idx and group:
+            layer["g_idx"] = shared.setdefault((parent, group), layer["g_idx"]).clone()
         tensors.update({f"{name}.{k}": v for k, v in layer.items()})
     for name, p in skeleton.named_parameters():
         if name.rsplit(".", 1)[0] in quantized:

@@ -35,7 +35,7 @@ def test_artifact_layout_and_manifest(random_artifact):
     assert m["compat"] == {"torch": torch.__version__.split("+")[0], "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     assert set(m["files"]) == {p.name for p in random_artifact.iterdir()} - {MANIFEST}
     assert {"config.json", "probes.safetensors", *m["shards"]} <= set(m["files"])
-    assert len(m["modules"]) == 7 and m["source"]["sha256"]
+    assert len(m["modules"]) == 4 and m["source"]["sha256"]  # q/k/v and gate/up fused: 7 Linears, 4 modules
     assert not list(random_artifact.parent.glob(".*partial*"))
 
 
@@ -120,10 +120,10 @@ def test_wrong_tensor_dtype_refused(random_artifact):
 
     shard = _shard(random_artifact)
     t = load_file(shard)
-    t["model.layers.0.self_attn.q_proj.qweight"] = t["model.layers.0.self_attn.q_proj.qweight"].to(torch.int32)
+    t["model.layers.0.self_attn.o_proj.qweight"] = t["model.layers.0.self_attn.o_proj.qweight"].to(torch.int32)
     save_file(t, str(shard), metadata={"format": "pt"})
     _rewrite_manifest(random_artifact, lambda m: m["files"][shard.name].update(sha256=sha256_file(shard), size=shard.stat().st_size))
-    with pytest.raises(ArtifactError, match="q_proj.qweight is torch.int32"):
+    with pytest.raises(ArtifactError, match="o_proj.qweight is torch.int32"):
         quantprep.load(random_artifact)
 
 

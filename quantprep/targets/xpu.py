@@ -55,6 +55,12 @@ class XpuTarget:
     def compat_key(self) -> dict:
         return {"torch": torch_base_version()}
 
+    def load_warning(self) -> str | None:
+        """Checked at every load on a real XPU: a card torch has no AOT kernels for works, but
+        JIT-compiles every kernel on first use (minutes)."""
+        name = torch.xpu.get_device_properties().name
+        return arch_warning(name, torch.xpu.get_arch_list())
+
     def runtime_problem(self) -> str | None:
         if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8):
             return f"torch {torch.__version__} has no XPU int4 kernel (needs torch >= 2.8)"
@@ -83,3 +89,16 @@ class XpuTarget:
 
 
 TARGET = XpuTarget()
+
+
+# AOT targets in torch.xpu.get_arch_list() that cover each card (else kernels JIT-compile on first use).
+XPU_ARCH_NAMES = {"A770": ("dg2", "acm-g10", "ats-m150", "dg2-g10"), "B580": ("bmg", "bmg-g21")}
+
+
+def arch_warning(device_name: str, arch_list: list[str]) -> str | None:
+    card = next((c for c in XPU_ARCH_NAMES if c in device_name), None)
+    if card is None or any(a in arch_list for a in XPU_ARCH_NAMES[card]):
+        return None
+    return (f"torch.xpu.get_arch_list() = {arch_list} has no AOT build for the {card} "
+            f"({'/'.join(XPU_ARCH_NAMES[card])}): every kernel is JIT-compiled on first use (minutes). "
+            f"Install a torch XPU wheel built for it, and keep the driver cache on so it happens once")

@@ -95,3 +95,13 @@ def test_whole_model_through_emulator_and_refused_without_xpu(tmp_path):
     assert rel_err(got, ref) < 1e-5 and top1(got, ref) >= 0.99
     report = verify_artifact(tmp_path / "xpu")
     assert report["emulated"] and all(r["ok"] for r in report["numeric"])
+
+
+def test_load_warns_when_torch_has_no_aot_kernels_for_the_card():
+    from quantprep.targets.xpu import arch_warning
+
+    a770, b580 = "Intel(R) Arc(TM) A770 Graphics", "Intel(R) Arc(TM) B580 Graphics"
+    assert "no AOT build for the A770" in arch_warning(a770, ["bmg", "pvc"])
+    assert arch_warning(a770, ["dg2-g10", "bmg"]) is None
+    assert "no AOT build for the B580" in arch_warning(b580, ["dg2"])
+    assert arch_warning("Intel(R) Data Center GPU Max 1100", []) is None  # not a card we know the arch names of

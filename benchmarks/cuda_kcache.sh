@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Issue 4 on the GPU machine: build a Qwen2.5-1.5B-shaped cuda artifact (random GPTQ codes), warm
+# it with torch.compile, then time (a) compile without cache, (b) with kcache, (c) eager.
+#   PYTHONPATH=. bash benchmarks/cuda_kcache.sh OUT_DIR
+set -euo pipefail
+out=${1:-/tmp/kcache-cuda}
+work=$(mktemp -d)
+python3 - "$work" <<'PY'
+import sys
+from pathlib import Path
+from benchmarks.cuda_kernels import QWEN_CFG
+from quantprep.build import build_artifacts
+from quantprep.synthetic import write_random_checkpoint
+work = Path(sys.argv[1])
+gptq = write_random_checkpoint(work / "gptq", QWEN_CFG, bits=4, group_size=128, desc_act=True, sym=True)
+build_artifacts(gptq, {"path": str(gptq)}, ["cuda"], lambda t: work / "cuda", progress=False,
+                serving={"shapes": [1, 16, 128, 512], "compile": True})
+PY
+python3 -m quantprep warm "$work/cuda" --json > "$out/warm-cuda.json"
+python3 benchmarks/kcache.py "$work/cuda" --runs 3 --out "$out/kcache-cuda.json"
