@@ -7,7 +7,8 @@ whole-model decode and load-to-first-token.
 3. Per-linear timings on Qwen2.5-1.5B shapes for M = 1, 16, 128, 512: tinygemm, the dequantize
    path, dense bf16 (`triton.testing.do_bench`, median ms).
 4. Whole model (Qwen2.5-1.5B shapes, random GPTQ codes): decode tokens/s and a 512-token
-   prefill vs a dense bf16 model of the same shapes; load-to-first-token in fresh processes.
+   prefill, fused q/k/v + gate/up (the default) and unfused, vs a dense bf16 model of the same
+   shapes; load-to-first-token in fresh processes.
 
     PYTHONPATH=. python3 benchmarks/cuda_kernels.py --out results-cuda.json
 """
@@ -123,6 +124,7 @@ def whole_model(workdir: Path) -> dict:
     gptq = write_random_checkpoint(workdir / "gptq", QWEN_CFG, bits=4, group_size=128, desc_act=True, sym=True)
     t1 = time.perf_counter()
     [built] = build_artifacts(gptq, {"path": str(gptq)}, ["cuda"], lambda t: workdir / "cuda", progress=False)
+    build_artifacts(gptq, {"path": str(gptq)}, ["cuda"], lambda t: workdir / "cuda-unfused", progress=False, fuse=False)
     res = {"write_random_checkpoint_s": t1 - t0, "build": built}
     starts = []
     for _ in range(3):
@@ -132,28 +134,40 @@ def whole_model(workdir: Path) -> dict:
     res["load_to_first_token_s"] = {"median": statistics.median(starts), "runs": starts}
 
     q = quantprep.load(workdir / "cuda")
+    q_unfused = quantprep.load(workdir / "cuda-unfused")
     with torch.device("cuda"):
         dense = AutoModelForCausalLM.from_config(AutoConfig.for_model(**QWEN_CFG), dtype=torch.bfloat16).eval()
     ids = torch.randint(0, 150000, (1, 16), device="cuda")
     prompt = torch.randint(0, 150000, (1, 512), device="cuda")
-    for name, model in (("quantprep_int4", q), ("dense_bf16", dense)):
-        with torch.no_grad():
+    with torch.no_grad():
+        a, b = q(input_ids=prompt[:, :64]).logits.float(), q_unfused(input_ids=prompt[:, :64]).logits.float()
+    res["fused_vs_unfused_logits"] = {"rel_err": ((a - b).norm() / b.norm()).item(),
+                                      "top1_agree": (a.argmax(-1) == b.argmax(-1)).float().mean().item()}
+    models = (("quantprep_int4", q), ("quantprep_int4_unfused", q_unfused), ("dense_bf16", dense))
+    with torch.no_grad():
+        for _, model in models:
             # Warm-up over the full length: cuDNN attention builds a plan per new KV length, and the
             # plan cache is per process, so the model timed first would otherwise pay for both.
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=128, min_new_tokens=128, do_sample=False)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=128, min_new_tokens=128, do_sample=False)
-            torch.cuda.synchronize()
-            res[f"{name}_decode_tok_s"] = 128 / (time.perf_counter() - t)
-            times = []
-            for _ in range(5):
+            model(input_ids=prompt)
+        decode, prefill = {n: [] for n, _ in models}, {n: [] for n, _ in models}
+        for _ in range(3):  # interleaved rounds, so drift on the machine hits every model alike
+            for name, model in models:
                 torch.cuda.synchronize()
                 t = time.perf_counter()
-                model(input_ids=prompt)
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=128, min_new_tokens=128, do_sample=False)
                 torch.cuda.synchronize()
-                times.append(time.perf_counter() - t)
-            res[f"{name}_prefill512_ms"] = statistics.median(times) * 1e3
+                decode[name].append(128 / (time.perf_counter() - t))
+                for _ in range(5):
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    model(input_ids=prompt)
+                    torch.cuda.synchronize()
+                    prefill[name].append((time.perf_counter() - t) * 1e3)
+    for name, _ in models:
+        res[f"{name}_decode_tok_s"] = statistics.median(decode[name])
+        res[f"{name}_decode_tok_s_runs"] = decode[name]
+        res[f"{name}_prefill512_ms"] = statistics.median(prefill[name])
     res["gpu_memory_quantprep_mib"] = sum(b.numel() * b.element_size() for b in q.state_dict().values()) / 2**20
     return res
 

@@ -82,7 +82,7 @@ def main() -> None:
                 got = fused(x)
                 assert torch.equal(ref, got) or ((ref - got).float().norm() / ref.float().norm()).item() < 1e-2
                 t_sep = timeit(lambda: [m(x) for m in separate], device, args.reps)
-                t_fused = timeit(lambda: fused(x).split(splits, -1), device, args.reps)
+                t_fused = timeit(lambda: [o.contiguous() for o in fused(x).split(splits, -1)], device, args.reps)
             rows.append({"group": group, "M": M, "separate_us": round(t_sep, 1), "fused_us": round(t_fused, 1),
                          "speedup": round(t_sep / t_fused, 2)})
             print(rows[-1], flush=True)

@@ -25,7 +25,9 @@ class FusedGroup:
         x = kwargs.get("hidden_states", args[0] if args else kwargs.get("x"))
         if isinstance(x, torch.Tensor):
             self.input = x
-            self.outputs = list(self.fused(x).split(self.sizes, -1))
+            # Contiguous, like any Linear's output: attention kernels pick slower paths for
+            # strided q/k/v (measured on an H200), and some model code calls .view() on them.
+            self.outputs = [o.contiguous() for o in self.fused(x).split(self.sizes, -1)]
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if x is self.input and self.outputs[index] is not None:
@@ -33,7 +35,7 @@ class FusedGroup:
             if all(o is None for o in self.outputs):
                 self.input = None  # every member took its slice: hold no activations between calls
             return y
-        return self.fused(x).split(self.sizes, -1)[index]
+        return self.fused(x).split(self.sizes, -1)[index].contiguous()
 
 
 class FusedMember(nn.Module):
