@@ -2,6 +2,7 @@
 separate modules, on the Qwen2.5-1.5B shapes, per target kernel, side by side in one process.
 
     python benchmarks/fusion.py --target cpu [--out benchmarks/results/fusion-cpu.json]
+    python benchmarks/fusion.py --target cpu --whole-model GPTQ_DIR   (fused vs unfused artifact of a real checkpoint)
     PYTHONPATH=. python3 benchmarks/fusion.py --target cuda   (on the GPU machine)
 Medians of --reps timed calls (after warm-up); CUDA times are events around the same calls.
 """
@@ -61,12 +62,55 @@ def timeit(fn, device, reps):
     return statistics.median(ts) * 1e6
 
 
+def whole_model(gptq: Path, target_name: str, rounds: int = 3) -> dict:
+    """Decode (32 tokens) and prefill (128 tokens) of the fused and the unfused artifact of one
+    checkpoint, interleaved rounds in one process, medians."""
+    import tempfile
+
+    import quantprep
+    from quantprep.build import build_artifacts
+
+    res: dict = {"checkpoint": str(gptq)}
+    with tempfile.TemporaryDirectory() as d:
+        models = {}
+        for fuse in (True, False):
+            out = Path(d) / f"fuse-{fuse}"
+            build_artifacts(gptq, {"path": str(gptq)}, [target_name], lambda t, out=out: out, progress=False, fuse=fuse)
+            models["fused" if fuse else "unfused"] = quantprep.load(out)
+        device = next(iter(models.values())).device
+        ids = torch.randint(0, 1000, (1, 8), device=device)
+        prompt = torch.randint(0, 1000, (1, 128), device=device)
+        times = {n: {"decode_tok_s": [], "prefill128_ms": []} for n in models}
+        with torch.inference_mode():
+            for model in models.values():
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+            for _ in range(rounds):
+                for name, model in models.items():
+                    t = time.perf_counter()
+                    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+                    times[name]["decode_tok_s"].append(32 / (time.perf_counter() - t))
+                    t = time.perf_counter()
+                    model(input_ids=prompt)
+                    times[name]["prefill128_ms"].append((time.perf_counter() - t) * 1e3)
+    for name, t in times.items():
+        res[name] = {k: round(statistics.median(v), 2) for k, v in t.items()} | {"runs": t}
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="cpu")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--whole-model", type=Path, help="a GPTQ checkpoint dir: time fused vs unfused artifacts of it")
     args = ap.parse_args()
+    if args.whole_model:
+        res = whole_model(args.whole_model, args.target)
+        print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "runs"} if isinstance(v, dict) else v for k, v in res.items()}))
+        if args.out:
+            args.out.write_text(json.dumps(res | {"date": datetime.now(UTC).isoformat(timespec="seconds"),
+                                                  "machine": platform.platform()}, indent=2) + "\n")
+        return
     target = get_target(args.target)
     device, dtype = target.device, torch.bfloat16
     rows = []

@@ -1,9 +1,10 @@
 """Fused projections at load: one prepacked matmul serves several Linears of the same input.
 
 The model code (transformers) still calls q_proj, k_proj and v_proj (or gate_proj and up_proj)
-one by one. A forward pre-hook on their parent runs the fused module once on the parent's input
-and each member returns its slice. A member called with any other tensor (some model that
-transforms the input first) computes the fused matmul itself and slices it: slower, never wrong.
+one by one, with the same tensor. The first member call runs the fused module and keeps the other
+slices; a member called with that same tensor object takes its slice. Any other call (another
+input, a slice already taken) runs the fused matmul again: slower, never wrong. No hooks and no
+state across frames, so torch.compile traces an MLP with its fused gate/up as one graph.
 """
 
 from __future__ import annotations
@@ -13,29 +14,24 @@ from torch import nn
 
 
 class FusedGroup:
-    """Holds the fused module (not as a registered submodule of the members: its tensors are
-    registered once, on the parent) and the outputs of the latest parent call."""
+    """Holds the fused module (not registered on the members: its tensors are registered once,
+    on the parent) and the slices of the latest input not yet taken."""
 
     def __init__(self, fused: nn.Module, sizes: list[int]):
         self.fused, self.sizes = fused, sizes
         self.input: torch.Tensor | None = None
-        self.outputs: list[torch.Tensor | None] = []
-
-    def pre_hook(self, parent: nn.Module, args: tuple, kwargs: dict) -> None:
-        x = kwargs.get("hidden_states", args[0] if args else kwargs.get("x"))
-        if isinstance(x, torch.Tensor):
-            self.input = x
-            # Contiguous, like any Linear's output: attention kernels pick slower paths for
-            # strided q/k/v (measured on an H200), and some model code calls .view() on them.
-            self.outputs = [o.contiguous() for o in self.fused(x).split(self.sizes, -1)]
+        self.outputs: list[torch.Tensor | None] = [None] * len(sizes)
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        if x is self.input and self.outputs[index] is not None:
-            y, self.outputs[index] = self.outputs[index], None
-            if all(o is None for o in self.outputs):
-                self.input = None  # every member took its slice: hold no activations between calls
-            return y
-        return self.fused(x).split(self.sizes, -1)[index].contiguous()
+        if x is not self.input or self.outputs[index] is None:
+            # Contiguous, like any Linear's output: attention kernels take slower paths for strided
+            # q/k/v (measured on an H200), and model code may .view() them.
+            self.input = x
+            self.outputs = [o.contiguous() for o in self.fused(x).split(self.sizes, -1)]
+        y, self.outputs[index] = self.outputs[index], None
+        if all(o is None for o in self.outputs):
+            self.input = None  # every slice taken: hold no activations between calls
+        return y
 
 
 class FusedMember(nn.Module):
@@ -58,4 +54,3 @@ def install(parent: nn.Module, fused_name: str, fused: nn.Module, members: list[
     parent.add_module(fused_name, fused)
     for i, member in enumerate(members):
         setattr(parent, member, FusedMember(group, i, fused.in_features))
-    parent.register_forward_pre_hook(group.pre_hook, with_kwargs=True)

@@ -81,7 +81,7 @@ def test_member_fallback_and_no_held_activations(tmp_path):
 
 
 def test_fused_model_compiles(tmp_path, monkeypatch):
-    """The MLP regions torch.compile runs through the pre-hook; outputs match eager."""
+    """torch.compile traces the MLP with its fused gate/up; outputs match eager."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     art = _artifact(tmp_path, "art", "bfloat16")
     ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
