@@ -52,17 +52,46 @@ def pack_int4(codes: torch.Tensor, capability: str) -> torch.Tensor:
     return torch.cat(parts).reshape(N, K // 2)
 
 
+def unpack_int4(packed: torch.Tensor, K: int, N: int, block: int) -> torch.Tensor:
+    """Inverse of pack_int4 for a FAST_PACK_BLOCK_N layout: packed uint8 [N, K/2] -> codes [K, N]."""
+    n_full = N // block * block
+    flat = packed.view(-1)
+    c = flat[: n_full * K // 2].view(n_full // block, K, block // 2)
+    parts = [torch.stack([c & 15, c >> 4], dim=2).permute(1, 0, 2, 3).reshape(K, n_full)]
+    if n_full < N:  # the last, partial block pairs adjacent rows
+        t = flat[n_full * K // 2:].view(K, (N - n_full) // 2)
+        parts.append(torch.stack([t & 15, t >> 4], dim=-1).reshape(K, N - n_full))
+    return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+
+
 class CpuInt4Linear(PackedLinear):
+    """Up to DEQUANT_MIN_M rows the int4 kernel; from there dequantizing the packed weight and a
+    dense bf16 matmul, since the kernel's time grows linearly with M. Measured on the 2-core
+    AVX512 VM (benchmarks/cpu_prefill.py, Qwen2.5-1.5B and SmolLM2 shapes): kernel/dequant =
+    0.56-1.41 at M=256 (a loss on the large MLP shapes) and 1.3-2.4 at M=512."""
+
+    DEQUANT_MIN_M = 512
+
     def __init__(self, meta: dict, act_dtype: torch.dtype):
         super().__init__(meta, act_dtype)
         self.kernel_group_size = meta["kernel_group_size"]
+        self.pack_block_n = meta.get("pack_block_n")  # None: a layout we cannot unpack (DEFAULT ISA)
         dev = torch.device("meta")
         self.register_buffer("qweight", torch.empty(self.padded_out, self.padded_in // 2, dtype=torch.uint8, device=dev))
         n_groups = self.padded_in // self.kernel_group_size
         self.register_buffer("scales_and_zeros", torch.empty(n_groups, self.padded_out, 2, dtype=act_dtype, device=dev))
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pack_block_n and x.shape[0] >= self.DEQUANT_MIN_M:
+            return x @ self.dequantize()
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
+
+    def dequantize(self) -> torch.Tensor:
+        """The kernel's own arithmetic, w = (q - 8) * scale + zero, as a dense [K, N] weight."""
+        K, N, gs = self.padded_in, self.padded_out, self.kernel_group_size
+        q = unpack_int4(self.qweight, K, N, self.pack_block_n).view(K // gs, gs, N).to(self.act_dtype)
+        sz = self.scales_and_zeros
+        return ((q - 8) * sz[:, None, :, 0] + sz[:, None, :, 1]).view(K, N)
 
 
 class CpuTarget:
@@ -92,9 +121,10 @@ class CpuTarget:
         if (Kp, Np) != (K, N):
             codes = F.pad(codes, (0, Np - N, 0, Kp - K), value=8)  # [Kp, Np]
         sz = F.pad(torch.stack([s, (8 - z.float()) * s], dim=-1), (0, 0, 0, Np - N))  # [Kp/c, Np, 2]
-        tensors["qweight"] = pack_int4(codes, torch.backends.cpu.get_cpu_capability())
+        capability = torch.backends.cpu.get_cpu_capability()
+        tensors["qweight"] = pack_int4(codes, capability)
         tensors["scales_and_zeros"] = sz.to(act_dtype)
-        meta.update(kernel_group_size=c, padded_in=Kp, padded_out=Np)
+        meta.update(kernel_group_size=c, padded_in=Kp, padded_out=Np, pack_block_n=FAST_PACK_BLOCK_N.get(capability))
         return tensors, meta
 
     def make_module(self, meta: dict, act_dtype: torch.dtype) -> nn.Module:

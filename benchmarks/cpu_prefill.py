@@ -1,0 +1,93 @@
+"""cpu int4 at large M: the int4 kernel vs dequantize + dense bf16 matmul (CpuInt4Linear picks by M).
+
+Per module on Qwen2.5-1.5B and SmolLM2 shapes, both paths of the same module, medians of 7; then
+a whole-model prefill of the SmolLM2 artifact (artifacts/smollm2-135m/cpu, `make build`) with the
+switch at its default and with the kernel forced, interleaved rounds, one process.
+
+    python benchmarks/cpu_prefill.py [--out benchmarks/results/cpu-prefill.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from quantprep.prepack import unpack_layer
+from quantprep.source import QuantConfig, _validate_layer
+from quantprep.synthetic import random_gptq_tensors
+from quantprep.targets import get_target
+from quantprep.targets.cpu import CpuInt4Linear
+
+SHAPES = {"qwen gate/up": (1536, 8960), "qwen down": (8960, 1536), "qwen q/o": (1536, 1536),
+          "smollm2 gate/up": (576, 1536), "smollm2 down": (1536, 576)}
+ARTIFACT = Path(__file__).resolve().parent.parent / "artifacts" / "smollm2-135m" / "cpu"
+
+
+def median_ms(fn, reps=7):
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def per_module() -> list[dict]:
+    cpu, rows = get_target("cpu"), []
+    for name, (K, N) in SHAPES.items():
+        raw = random_gptq_tensors(K, N, 4, 128 if K % 128 == 0 else 64, True, True, True)
+        layer = unpack_layer(_validate_layer(name, raw, QuantConfig(4, 128 if K % 128 == 0 else 64, True, True, "gptq")))
+        tensors, meta = cpu.pack(layer, torch.bfloat16)
+        m = cpu.make_module(meta, torch.bfloat16)
+        m.load_state_dict(tensors, assign=True)
+        for M in (64, 128, 256, 512):
+            x = torch.randn(M, K).bfloat16()
+            with torch.inference_mode():
+                kernel = median_ms(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, m.qweight, m.kernel_group_size, m.scales_and_zeros))
+                dequant = median_ms(lambda: x @ m.dequantize())
+            rows.append({"shape": name, "K": K, "N": N, "M": M, "kernel_ms": round(kernel, 2), "dequant_ms": round(dequant, 2),
+                         "kernel_over_dequant": round(kernel / dequant, 2)})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def whole_model(rounds=3) -> dict:
+    import quantprep
+
+    model = quantprep.load(ARTIFACT)
+    ids = torch.randint(0, 1000, (1, 512))
+    times = {"switch_at_512": [], "kernel_only": []}
+    with torch.inference_mode():
+        model(ids)
+        for _ in range(rounds):
+            for name, threshold in (("switch_at_512", 512), ("kernel_only", 1 << 30)):
+                CpuInt4Linear.DEQUANT_MIN_M = threshold
+                t = time.perf_counter()
+                model(ids)
+                times[name].append((time.perf_counter() - t) * 1e3)
+    CpuInt4Linear.DEQUANT_MIN_M = 512
+    return {k: {"median_ms": round(statistics.median(v), 1), "runs": [round(x, 1) for x in v]} for k, v in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    res = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.platform(),
+           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "modules": per_module(),
+           "smollm2_prefill512": whole_model()}
+    print(json.dumps(res["smollm2_prefill512"]))
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
