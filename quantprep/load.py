@@ -114,17 +114,16 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     emulate = device is not None and torch.device(device).type == "cpu" and target.device != "cpu"
     check_compat(path, manifest, target, emulate)
     check_files(path, manifest, full_hash=verify)
-    device_type = torch.device(device or target.device).type
-    if not emulate and hasattr(target, "load_warning") and (note := target.load_warning()):
-        warnings.warn(f"{path}: {note}", stacklevel=2)
-    kcache_status = activate(path, manifest, device_type, compile) if kcache else {"status": "off"}
-
-    packed_dtype = _dtype(manifest["target"]["act_dtype"])
-    dtype = dtype or packed_dtype
     device = torch.device(device or target.device)
     if device.type != target.device and not emulate:
         raise ArtifactMismatch(f"{path}: packed for {target.device} kernels, cannot run on {device.type}; "
                                f"build one for it: {rebuild_command(manifest, device.type)}")
+    if not emulate and hasattr(target, "load_warning") and (note := target.load_warning()):
+        warnings.warn(f"{path}: {note}", stacklevel=2)
+    kcache_status = activate(path, manifest, device.type, compile) if kcache else {"status": "off"}
+
+    packed_dtype = _dtype(manifest["target"]["act_dtype"])
+    dtype = dtype or packed_dtype
 
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):

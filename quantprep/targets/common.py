@@ -53,6 +53,15 @@ def gather_and_pad(x: torch.Tensor, perm: torch.Tensor | None, padded_in: int) -
     return x
 
 
+def dequantize_folded_int4(codes: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """codes [K, N] and [K/group_size, N, 2] (scale, folded zero) -> w = (q - 8) * scale + zero,
+    [K, N] in the scales' dtype: the arithmetic of the cpu and cuda int4 kernels."""
+    K, N = codes.shape
+    sz = scales_and_zeros
+    q = codes.view(K // group_size, group_size, N).to(sz.dtype)
+    return ((q - 8) * sz[:, None, :, 0] + sz[:, None, :, 1]).view(K, N)
+
+
 def pack_int8(layer: UnpackedLayer, act_dtype: torch.dtype, per_channel_kernel: bool) -> tuple[dict[str, torch.Tensor], str]:
     """int8 tensors and the kernel that runs them. `aten._weight_int8pack_mm` (per-channel
     symmetric) is exact when every column has one group and the symmetric zero 128: then

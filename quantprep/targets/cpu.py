@@ -20,7 +20,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..prepack import UnpackedLayer
-from .common import PackedLinear, base_meta, make_int8_module, optional_tensors, pack_int8, regroup, round_up, torch_base_version
+from .common import (
+    PackedLinear,
+    base_meta,
+    dequantize_folded_int4,
+    make_int8_module,
+    optional_tensors,
+    pack_int8,
+    regroup,
+    round_up,
+    torch_base_version,
+)
 
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 N_ALIGN = 16
@@ -88,10 +98,8 @@ class CpuInt4Linear(PackedLinear):
 
     def dequantize(self) -> torch.Tensor:
         """The kernel's own arithmetic, w = (q - 8) * scale + zero, as a dense [K, N] weight."""
-        K, N, gs = self.padded_in, self.padded_out, self.kernel_group_size
-        q = unpack_int4(self.qweight, K, N, self.pack_block_n).view(K // gs, gs, N).to(self.act_dtype)
-        sz = self.scales_and_zeros
-        return ((q - 8) * sz[:, None, :, 0] + sz[:, None, :, 1]).view(K, N)
+        codes = unpack_int4(self.qweight, self.padded_in, self.padded_out, self.pack_block_n)
+        return dequantize_folded_int4(codes, self.scales_and_zeros, self.kernel_group_size)
 
 
 class CpuTarget:

@@ -26,7 +26,17 @@ from torch import nn
 
 from ..gptq_format import pack_rows, unpack_rows
 from ..prepack import UnpackedLayer
-from .common import PackedLinear, base_meta, make_int8_module, optional_tensors, pack_int8, regroup, round_up, torch_base_version
+from .common import (
+    PackedLinear,
+    base_meta,
+    dequantize_folded_int4,
+    make_int8_module,
+    optional_tensors,
+    pack_int8,
+    regroup,
+    round_up,
+    torch_base_version,
+)
 
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 N_ALIGN = 8
@@ -117,9 +127,7 @@ class CudaInt4Linear(PackedLinear):
 
     def dequantized_weight(self) -> torch.Tensor:
         """bf16 [N, K]: w = (q - 8) * scale + zero, as tinygemm computes it."""
-        q = unpack_rows(self.qweight_kn, 4).T.to(self.act_dtype)
-        sz = self.scales_and_zeros.repeat_interleave(self.kernel_group_size, 0).transpose(0, 1)  # [N, K, 2]
-        return (q - 8) * sz[..., 0] + sz[..., 1]
+        return dequantize_folded_int4(unpack_rows(self.qweight_kn, 4), self.scales_and_zeros, self.kernel_group_size).T
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.shape[0] <= DECODE_MAX_M:
