@@ -292,7 +292,16 @@ def _is_shape_list(x) -> bool:
 
 
 def _valid_serving(s) -> bool:
-    return isinstance(s, dict) and _is_shape_list(s.get("shapes")) and isinstance(s.get("compile"), bool)
+    return (isinstance(s, dict) and _is_shape_list(s.get("shapes")) and isinstance(s.get("compile"), bool)
+            and isinstance(s.get("aot", True), bool))
+
+
+def _valid_aot(entries, files: dict) -> bool:
+    """kcache.aot: [{file (listed in kcache.files), signature, tokens [lo, hi]}] (warm.py, aot.py)."""
+    return isinstance(entries, list) and all(
+        isinstance(e, dict) and e.get("file") in files and isinstance(e.get("signature"), str)
+        and _is_shape_list(e.get("tokens")) and len(e["tokens"]) == 2 and e["tokens"][0] <= e["tokens"][1]
+        for e in entries)
 
 
 def _valid_kcache(k) -> bool:
@@ -301,7 +310,7 @@ def _valid_kcache(k) -> bool:
         return False
     return all(isinstance(rel, str) and rel and not rel.startswith("/") and ".." not in rel.split("/")
                and isinstance(f, dict) and isinstance(f.get("size"), int) and isinstance(f.get("sha256"), str)
-               for rel, f in k["files"].items())
+               for rel, f in k["files"].items()) and _valid_aot(k.get("aot", []), k["files"])
 
 
 def check_files(path: Path, manifest: dict, full_hash: bool) -> None:

@@ -28,7 +28,7 @@ def cmd_build(args) -> int:
         get_target(t)  # unknown names fail before quantizing
     gptq_dir, identity = resolve_source(recipe, args.source)
     out_root = Path(args.out) if args.out else DEFAULT_OUT / recipe.name
-    serving = {"shapes": recipe.warm_shapes, "compile": recipe.warm_compile}
+    serving = {"shapes": recipe.warm_shapes, "compile": recipe.warm_compile, "aot": recipe.warm_aot}
     results = build_artifacts(gptq_dir, identity, targets, lambda t: out_root / t, recipe.act_dtype,
                               progress=not args.json, serving=serving, warm_here=args.warm and recipe.warm_enabled,
                               fuse=args.fuse)
@@ -49,9 +49,10 @@ def cmd_warm(args) -> int:
     from .warm import warm
 
     shapes = [int(s) for s in args.shapes.split(",")] if args.shapes else None
-    r = warm(Path(args.dir), device=args.device, shapes=shapes, compile=args.compile, progress=not args.json)
+    r = warm(Path(args.dir), device=args.device, shapes=shapes, compile=args.compile, aot=args.aot, progress=not args.json)
     _print_json_or(args, r, f"warmed {r['path']} on {r['key']['device']}: prefill {r['shapes']}, {r['compiled_regions']} compiled "
-                            f"regions, {r['s']:.1f} s; kcache {r['files']} files, {r['bytes'] / 2**20:.1f} MiB")
+                            f"regions, {len(r['aot'])} AOTInductor packages, {r['s']:.1f} s; kcache {r['files']} files, "
+                            f"{r['bytes'] / 2**20:.1f} MiB")
     return 0
 
 
@@ -236,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--shapes", help="comma-separated prefill lengths (default: the manifest's, else 1,16,128,512)")
     w.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile and ship its cache (default: the recipe's choice recorded in the manifest)")
+    w.add_argument("--aot", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --compile, also ship AOTInductor packages of the MLPs, which load without dynamo (default: on)")
     w.add_argument("--json", action="store_true")
     w.set_defaults(func=cmd_warm)
 

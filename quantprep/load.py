@@ -21,7 +21,7 @@ from .artifact import check_files, read_manifest
 from .errors import ArtifactError, ArtifactMismatch
 from .fused import install as install_fused
 from .targets import get_target
-from .warm import DEFAULT_SHAPES, activate, compile_regions, run_shapes, usable_shapes
+from .warm import DEFAULT_SHAPES, activate, compile_model, run_shapes, usable_shapes
 
 
 @contextlib.contextmanager
@@ -95,8 +95,9 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     device: defaults to the target's device; `device="cpu"` for an xpu artifact runs it through
     the CPU emulator of the XPU kernel (slow; for checking, not serving). dtype: activation dtype
     (defaults to the one the artifact was packed for). verify: also check every file's sha256
-    (sizes are always checked). compile: torch.compile the decoder layers' MLPs (warm.compile_regions),
-    restoring the artifact's compile cache first (see warm.py). warmup: run the warmed serving
+    (sizes are always checked). compile: run the decoder layers' MLPs compiled: from the kcache's
+    AOTInductor packages where they fit (aot.py; no dynamo), else torch.compile
+    (warm.compile_regions), restoring the artifact's compile cache first (see warm.py). warmup: run the warmed serving
     shapes once in this process (per-process state such as oneDNN primitives on XPU).
     kcache: use the artifact's kernel cache when it matches this machine (a foreign or corrupt
     one is ignored with a warning); using it sets TORCHINDUCTOR_CACHE_DIR (with compile) and,
@@ -175,7 +176,7 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()
     if compile:
-        compile_regions(model)
+        compile_model(model, manifest, kcache_status, dtype)
     if warmup:
         shapes = manifest.get("kcache", manifest.get("serving", {})).get("shapes", DEFAULT_SHAPES)
         model.quantprep_warmup = run_shapes(model, usable_shapes(model, shapes))

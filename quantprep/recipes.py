@@ -22,7 +22,7 @@ SCHEMA: dict[str, dict[str, type | tuple]] = {
     "quantize": {"bits": int, "group_size": int, "desc_act": bool, "sym": bool, "calibration": str,
                  "samples": int, "seed": int},
     "build": {"targets": list, "act_dtype": str, "prompt": str, "max_new_tokens": int},
-    "warm": {"shapes": list, "compile": bool, "enabled": bool},
+    "warm": {"shapes": list, "compile": bool, "aot": bool, "enabled": bool},
 }
 
 
@@ -44,6 +44,7 @@ class Recipe:
     max_new_tokens: int = 16
     warm_shapes: list[int] = field(default_factory=lambda: [1, 16, 128, 512])
     warm_compile: bool = False
+    warm_aot: bool = True  # with compile: also ship AOTInductor packages of the MLPs (aot.py)
     warm_enabled: bool = True  # build warms each artifact whose device is present
     path: Path | None = None
 

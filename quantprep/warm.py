@@ -101,10 +101,13 @@ def compile_regions(model) -> int:
     are identical across layers, so one trace per shape class serves them all. Compiling the
     attention projections too was measured (SmolLM2, CPU): 3x the graphs, +1.3 s to the first
     token with a warm cache, and slower decode (21 vs 27 tok/s), so they stay eager."""
+    from .aot import AotForward
+
     n = 0
     for layer in _decoder_layers(model):
-        if getattr(layer, "mlp", None) is not None:
-            layer.mlp.compile(dynamic=True)
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None and not isinstance(mlp.forward, AotForward):
+            mlp.compile(dynamic=True)
             n += 1
     return n
 
@@ -147,10 +150,23 @@ def _child_main() -> None:
 
     t0 = time.perf_counter()
     model = load(args["path"], device=args["device"], kcache=False)
+    aot_entries = []
+    if args["compile"] and args["aot"]:
+        # Before torch.compile touches the MLPs (export must trace them eagerly). AOTInductor's
+        # build directories go to a throwaway cache dir; only the packages are shipped.
+        from .aot import build_packages
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="quantprep-aot-")
+        try:
+            aot_entries = build_packages(model, Path(args["scratch"]), next(model.parameters()).dtype)
+        finally:
+            shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(args["scratch"]) / "inductor")
     regions = compile_regions(model) if args["compile"] else 0
     shapes = usable_shapes(model, args["shapes"])
     timings = run_shapes(model, shapes)
-    report = {"shapes": shapes, "timings": timings, "compiled_regions": regions, "s": round(time.perf_counter() - t0, 3)}
+    report = {"shapes": shapes, "timings": timings, "compiled_regions": regions, "aot": aot_entries,
+              "s": round(time.perf_counter() - t0, 3)}
     if args["compile"]:
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
@@ -175,8 +191,9 @@ def _collect(scratch: Path) -> dict[str, dict]:
 
 
 def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] | None = None,
-         compile: bool | None = None, progress: bool = True) -> dict:
+         compile: bool | None = None, aot: bool | None = None, progress: bool = True) -> dict:
     """Run the serving shapes in a fresh process and publish the artifact again with kcache/.
+    With compile, also build AOTInductor packages of the MLPs (aot.py) unless `aot` is False.
     Defaults come from the manifest's `serving` entry (written from the recipe at build)."""
     path = Path(path).absolute()
     manifest = read_manifest(path)
@@ -185,6 +202,7 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
     device = device or manifest["target"]["device"]
     shapes = list(shapes or serving.get("shapes", DEFAULT_SHAPES))
     compile = serving.get("compile", False) if compile is None else compile
+    aot = serving.get("aot", True) if aot is None else aot
     if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in shapes):
         raise QuantprepError(f"--shapes must be positive prefill lengths, got {shapes}")
     if device == "xpu" and (msg := igc_warning(dict(os.environ))):
@@ -193,11 +211,13 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
     with tempfile.TemporaryDirectory(prefix="quantprep-warm-") as tmp:
         scratch = Path(tmp)
         env = dict(os.environ, **cache_env(scratch))
-        arg = json.dumps({"path": str(path), "device": device, "shapes": shapes, "compile": compile, "scratch": str(scratch)})
+        arg = json.dumps({"path": str(path), "device": device, "shapes": shapes, "compile": compile, "aot": aot,
+                          "scratch": str(scratch)})
         cmd = [sys.executable, "-c", "from quantprep.warm import _child_main; _child_main()", arg]
         if progress:
             print(f"warm {path} on {device}: prefill {shapes} + {DECODE_STEPS} decode steps"
-                  f"{', torch.compile' if compile else ''} (fresh process)", file=sys.stderr, flush=True)
+                  f"{', torch.compile' if compile else ''}{' + AOTInductor packages' if compile and aot else ''} (fresh process)",
+                  file=sys.stderr, flush=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -206,7 +226,7 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
         key = cache_key(device)  # this process may touch the device: the child had its own caches
         files = _collect(scratch)
         entry = {"key": key, "shapes": report["shapes"], "compile": compile, "files": files,
-                 "megacache": report.get("megacache", {})}
+                 "megacache": report.get("megacache", {}), "aot": report["aot"]}
         republish(path, scratch, KCACHE, [*files], {"kcache": entry})
     return dict(report, path=str(path), files=len(files), bytes=sum(f["size"] for f in files.values()), key=key)
 
@@ -291,15 +311,24 @@ def activate(path: Path, manifest: dict, device_type: str, compile: bool) -> dic
     if mismatch:
         return _ignored(f"{path}: {mismatch}; ignoring it (re-run `quantprep warm {path}` on this machine)")
     root = materialize(path, manifest)
-    env = cache_env(root)
-    status = {"status": "used", "dir": str(root)}
     if compile:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = env["TORCHINDUCTOR_CACHE_DIR"]
-        blob = root / MEGACACHE
-        if blob.is_file():
-            info = torch.compiler.load_cache_artifacts(blob.read_bytes())
-            status["loaded"] = {kind: len(items) for kind, items in info.artifacts.items()} if info else {}
-    return status
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_env(root)["TORCHINDUCTOR_CACHE_DIR"]
+    return {"status": "used", "dir": str(root)}
+
+
+def compile_model(model, manifest: dict, status: dict, dtype: torch.dtype) -> None:
+    """load(compile=True): the kcache's AOTInductor packages where they fit (no dynamo at all),
+    torch.compile for the rest, with the mega-cache restored first. Updates `status`."""
+    from .aot import AotForward, install
+
+    root = Path(status["dir"]) if status.get("status") == "used" else None
+    status["aot"] = install(model, root, manifest["kcache"].get("aot", []), dtype) if root else 0
+    left = [layer.mlp for layer in _decoder_layers(model) if getattr(layer, "mlp", None) is not None
+            and not isinstance(layer.mlp.forward, AotForward)]
+    if root and left and (root / MEGACACHE).is_file():
+        info = torch.compiler.load_cache_artifacts((root / MEGACACHE).read_bytes())
+        status["loaded"] = {kind: len(items) for kind, items in info.artifacts.items()} if info else {}
+    status["compiled_regions"] = compile_regions(model)
 
 
 def _ignored(msg: str) -> dict:

@@ -1,3 +1,4 @@
+
 """Shared fixtures: tiny Qwen2 models quantized by the real gptqmodel (seconds, not minutes).
 
 The tiny model is chosen to hit the hard cases of real checkpoints: attention bias (q/k/v),
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -164,3 +166,13 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 def top1(a: torch.Tensor, ref: torch.Tensor) -> float:
     return (a.argmax(-1) == ref.argmax(-1)).float().mean().item()
+
+
+@pytest.fixture
+def copy_of(tmp_path):
+    """A writable copy of an artifact (module-scoped fixtures' artifacts are shared)."""
+    def make(art):
+        dest = tmp_path / "copy"
+        shutil.copytree(art, dest)
+        return dest
+    return make

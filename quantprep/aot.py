@@ -1,0 +1,136 @@
+"""AOTInductor packages of the decoder MLPs: compiled at warm, loaded at load without dynamo.
+
+torch.compile with every kernel in the cache still costs about 2.5 s per process on a CPU (the
+first compile call, the dynamo trace, Inductor hashing its sources for the cache key, loading the
+graph; BENCHMARKS.md). An AOTInductor package is the compiled graph as a shared library in a zip
+(no pickle); loading one takes ~0.15 s. The weights stay in the artifact: the MLP is exported as
+a function of (tokens x hidden, *its tensors), so one package serves every layer of the same
+shape, and a new package is not a second copy of the model.
+
+The kernels choose a code path by token count (cpu int4 dequantizes from 512 rows, cuda runs
+tinygemm up to 16), so export specializes: `export_ranges` exports from 1 token up, and each
+export's range constraint says where the next one starts. A token count outside every range
+(longer than the model's context) runs eagerly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+MAX_RANGES = 6  # more means export keeps specializing on exact sizes: give up (torch.compile is used)
+AOT_DIR = "aot"
+
+
+def _tensors(mlp: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+    named = [(n, t) for n, t in [*mlp.named_parameters(), *mlp.named_buffers()] if t is not None]
+    return [n for n, _ in named], [t for _, t in named]
+
+
+def signature(mlp: nn.Module, dtype: torch.dtype) -> str:
+    """What the traced graph depends on: module classes, their plain attributes, and each
+    tensor's name, shape, dtype and device. Layers with equal signatures share a package."""
+    parts = [str(dtype)]
+    for name, m in mlp.named_modules():
+        attrs = sorted((k, v) for k, v in vars(m).items() if isinstance(v, (bool, int, float, str, type(None))) and not k.startswith("_"))
+        parts.append(f"{name}:{type(m).__qualname__}:{attrs}")
+    names, tensors = _tensors(mlp)
+    parts += [f"{n}:{tuple(t.shape)}:{t.dtype}:{t.device.type}" for n, t in zip(names, tensors, strict=True)]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+class _AsFunction(nn.Module):
+    """The MLP as a function of (x [tokens, hidden], *tensors): the weights are inputs."""
+
+    def __init__(self, mlp: nn.Module, names: list[str]):
+        super().__init__()
+        self.mlp, self.names = mlp, names
+
+    def forward(self, x: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.mlp, dict(zip(self.names, tensors, strict=True)), (x,))
+
+
+def export_ranges(mlp: nn.Module, hidden: int, max_tokens: int) -> list[tuple[int, int, object]]:
+    """[(lo, hi, ExportedProgram)] covering 1..max_tokens tokens."""
+    from torch.export import Dim
+
+    names, tensors = _tensors(mlp)
+    device, dtype = tensors[0].device, next(t.dtype for t in tensors if t.is_floating_point())
+    fn, out, lo = _AsFunction(mlp, names), [], 1
+    while lo <= max_tokens:
+        if len(out) == MAX_RANGES:
+            raise RuntimeError(f"export specialized into more than {MAX_RANGES} token ranges")
+        x = torch.randn(lo, hidden, device=device, dtype=dtype)
+        dynamic = None if lo == 1 else ({0: Dim.AUTO}, (None,) * len(tensors))  # size 1 is always static
+        ep = torch.export.export(fn, (x, *tensors), dynamic_shapes=dynamic, strict=False)
+        size = next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name == "x").meta["val"].shape[0]
+        hi = size if isinstance(size, int) else ep.range_constraints[size.node.expr].upper
+        hi = max_tokens if not isinstance(hi, int) or hi > max_tokens else hi  # int_oo: unbounded
+        out.append((lo, hi, ep))
+        lo = hi + 1
+    return out
+
+
+def build_packages(model, out_dir: Path, dtype: torch.dtype) -> list[dict]:
+    """Export and AOT-compile every distinct decoder MLP; returns the manifest's `aot` list."""
+    from torch._inductor import aoti_compile_and_package
+
+    from .warm import _decoder_layers
+
+    max_tokens = getattr(model.config, "max_position_embeddings", None) or 8192
+    entries, done = [], set()
+    for layer in _decoder_layers(model):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None or (sig := signature(mlp, dtype)) in done:
+            continue
+        done.add(sig)
+        for lo, hi, ep in export_ranges(mlp, model.config.hidden_size, max_tokens):
+            rel = f"{AOT_DIR}/mlp-{sig}-{lo}-{hi}.pt2"
+            (out_dir / AOT_DIR).mkdir(parents=True, exist_ok=True)
+            aoti_compile_and_package(ep, package_path=str(out_dir / rel))
+            entries.append({"file": rel, "signature": sig, "tokens": [lo, hi]})
+    return entries
+
+
+class AotForward:
+    """Replaces an MLP's forward: picks the package by token count, the MLP's own tensors as inputs."""
+
+    def __init__(self, mlp: nn.Module, runners: list[tuple[int, int, object]]):
+        self.eager, self.runners = mlp.forward, runners
+        self.tensors = _tensors(mlp)[1]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).contiguous()  # the package was traced on contiguous input
+        tokens = flat.shape[0]
+        for lo, hi, run in self.runners:
+            if lo <= tokens <= hi:
+                y = run(flat, *self.tensors)
+                return y.reshape(*x.shape[:-1], y.shape[-1])
+        return self.eager(x)
+
+
+def install(model, root: Path, entries: list[dict], dtype: torch.dtype) -> int:
+    """Put the packages under `root` on every MLP whose signature they were built for; returns how many."""
+    from torch._inductor import aoti_load_package
+
+    from .warm import _decoder_layers
+
+    by_sig: dict[str, list] = {}
+    for e in entries:
+        by_sig.setdefault(e["signature"], []).append(e)
+    loaded: dict[str, list] = {}
+    n = 0
+    for layer in _decoder_layers(model):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None or (sig := signature(mlp, dtype)) not in by_sig:
+            continue
+        if sig not in loaded:
+            loaded[sig] = [(e["tokens"][0], e["tokens"][1], aoti_load_package(str(root / e["file"]))) for e in by_sig[sig]]
+        mlp.forward = AotForward(mlp, loaded[sig])
+        n += 1
+    return n
