@@ -58,6 +58,7 @@ class _AsFunction(nn.Module):
 def export_ranges(mlp: nn.Module, hidden: int, max_tokens: int) -> list[tuple[int, int, object]]:
     """[(lo, hi, ExportedProgram)] covering 1..max_tokens tokens."""
     from torch.export import Dim
+    from torch.utils._sympy.numbers import int_oo
 
     names, tensors = _tensors(mlp)
     device, dtype = tensors[0].device, next(t.dtype for t in tensors if t.is_floating_point())
@@ -69,8 +70,8 @@ def export_ranges(mlp: nn.Module, hidden: int, max_tokens: int) -> list[tuple[in
         dynamic = None if lo == 1 else ({0: Dim.AUTO}, (None,) * len(tensors))  # size 1 is always static
         ep = torch.export.export(fn, (x, *tensors), dynamic_shapes=dynamic, strict=False)
         size = next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name == "x").meta["val"].shape[0]
-        hi = size if isinstance(size, int) else ep.range_constraints[size.node.expr].upper
-        hi = max_tokens if not isinstance(hi, int) or hi > max_tokens else hi  # int_oo: unbounded
+        hi = size if isinstance(size, int) else ep.range_constraints[size.node.expr].upper  # a sympy number
+        hi = max_tokens if hi == int_oo or int(hi) > max_tokens else int(hi)
         out.append((lo, hi, ep))
         lo = hi + 1
     return out

@@ -14,6 +14,7 @@ from test_warm import _build
 import quantprep
 from quantprep.aot import signature
 from quantprep.artifact import read_manifest
+from quantprep.targets.cpu import CpuInt4Linear
 from quantprep.verify import verify_artifact
 from quantprep.warm import KCACHE, warm
 
@@ -34,7 +35,7 @@ gen = torch.Generator().manual_seed(int(sys.argv[3]))
 model = quantprep.load(art, compile=True, dtype=dtype)
 eager = quantprep.load(art, dtype=dtype)
 rows = []
-for length in (1, 2, 9, 40):  # the 1-token package and the dynamic one
+for length in (1, 2, 9, 260):  # tokens = 2 * length: 2 (1 token: generate below), 4, 18, 520 (>= 512)
     ids = torch.randint(0, model.config.vocab_size, (2, length), generator=gen)  # batch 2: tokens = 2 * length
     with torch.inference_mode():
         a, b = model(ids).logits.float(), eager(ids).logits.float()
@@ -61,6 +62,8 @@ def test_warm_ships_packages_covering_every_token_count(warmed_aot):
     assert {e["signature"] for e in kc["aot"]} == {kc["aot"][0]["signature"]}  # both layers' MLPs share one
     spans = sorted(tuple(e["tokens"]) for e in kc["aot"])
     assert spans[0][0] == 1 and all(a[1] + 1 == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    # the cpu int4 Linear switches kernels at DEQUANT_MIN_M rows: export splits there
+    assert (1, 1) in spans and any(lo == CpuInt4Linear.DEQUANT_MIN_M for lo, _ in spans), spans
     for e in kc["aot"]:
         assert (art / KCACHE / e["file"]).is_file() and e["file"] in kc["files"]
         with open(art / KCACHE / e["file"], "rb") as f:
@@ -78,7 +81,7 @@ def test_fresh_process_runs_the_packages_without_dynamo(warmed_aot, tmp_path):
     for row in r["rows"]:
         # bf16 activations; Inductor keeps silu*mul in float32 where eager rounds in between.
         assert row["rel"] < 2e-2 and row["top1"] >= 0.85, row
-    assert r["generated"] == 5 + 3
+    assert r["generated"] == 5 + 3  # decode: 1 token per step, the 1-token package
 
 
 def test_another_dtype_falls_back_to_torch_compile(warmed_aot, tmp_path):
