@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 4 on the GPU machine: build a Qwen2.5-1.5B-shaped cuda artifact (random GPTQ codes), warm
-# it with torch.compile, then time (a) compile without cache, (b) with kcache, (c) eager.
-#   PYTHONPATH=. bash benchmarks/cuda_kcache.sh OUT_DIR
+# it with torch.compile (+ AOTInductor packages), then time the modes of benchmarks/kcache.py.
+#   PYTHONPATH=. bash benchmarks/cuda_kcache.sh OUT_DIR [kcache.py args, e.g. --modes b_compile_kcache c_eager]
 set -euo pipefail
 out=${1:-/tmp/kcache-cuda}
 work=$(mktemp -d)
@@ -14,7 +14,7 @@ from quantprep.synthetic import write_random_checkpoint
 work = Path(sys.argv[1])
 gptq = write_random_checkpoint(work / "gptq", QWEN_CFG, bits=4, group_size=128, desc_act=True, sym=True)
 build_artifacts(gptq, {"path": str(gptq)}, ["cuda"], lambda t: work / "cuda", progress=False,
-                serving={"shapes": [1, 16, 128, 512], "compile": True})
+                serving={"shapes": [1, 16, 128, 512], "compile": True}, warm_here=False)
 PY
 python3 -m quantprep warm "$work/cuda" --json > "$out/warm-cuda.json"
-python3 benchmarks/kcache.py "$work/cuda" --runs 3 --out "$out/kcache-cuda.json"
+python3 benchmarks/kcache.py "$work/cuda" --runs 3 --out "$out/kcache-cuda.json" "${@:2}"

@@ -23,6 +23,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+# Where packages are built. cuda: on the H200 (torch 2.11) loading a package crashed the process
+# (a plain x @ w package hung), so cuda keeps torch.compile + its cache; xpu: never run here.
+AOT_DEVICES = {"cpu"}
 MAX_RANGES = 6  # more means export keeps specializing on exact sizes: give up (torch.compile is used)
 AOT_DIR = "aot"
 

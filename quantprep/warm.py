@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from .aot import AOT_DEVICES
 from .artifact import check_files, read_manifest, republish, sha256_file
 from .errors import ArtifactError, QuantprepError
 
@@ -150,23 +151,24 @@ def _child_main() -> None:
 
     t0 = time.perf_counter()
     model = load(args["path"], device=args["device"], kcache=False)
-    aot_entries = []
-    if args["compile"] and args["aot"]:
-        # Before torch.compile touches the MLPs (export must trace them eagerly). AOTInductor's
-        # build directories go to a throwaway cache dir; only the packages are shipped.
+    if args["phase"] == "aot":
+        # A process of its own: export leaves global state behind that changes torch.compile's
+        # cache keys (the mega-cache then missed at load). Same Inductor dir as the compile phase:
+        # its CPU ISA probes (compiled once per dir, 12 s on 2 cores) are needed at load too.
+        # AOTInductor's build directories (a wrapper.cpp in each) are not shipped: the packages
+        # hold what they built.
         from .aot import build_packages
 
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="quantprep-aot-")
-        try:
-            aot_entries = build_packages(model, Path(args["scratch"]), next(model.parameters()).dtype)
-        finally:
-            shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(args["scratch"]) / "inductor")
+        entries = build_packages(model, Path(args["scratch"]), next(model.parameters()).dtype)
+        for d in (Path(args["scratch"]) / "inductor").iterdir():
+            if d.is_dir() and any(d.glob("*.wrapper.cpp")):
+                shutil.rmtree(d)
+        print(json.dumps({"aot": entries, "s": round(time.perf_counter() - t0, 3)}))
+        return
     regions = compile_regions(model) if args["compile"] else 0
     shapes = usable_shapes(model, args["shapes"])
     timings = run_shapes(model, shapes)
-    report = {"shapes": shapes, "timings": timings, "compiled_regions": regions, "aot": aot_entries,
-              "s": round(time.perf_counter() - t0, 3)}
+    report = {"shapes": shapes, "timings": timings, "compiled_regions": regions, "s": round(time.perf_counter() - t0, 3)}
     if args["compile"]:
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
@@ -211,24 +213,38 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
     with tempfile.TemporaryDirectory(prefix="quantprep-warm-") as tmp:
         scratch = Path(tmp)
         env = dict(os.environ, **cache_env(scratch))
-        arg = json.dumps({"path": str(path), "device": device, "shapes": shapes, "compile": compile, "aot": aot,
-                          "scratch": str(scratch)})
-        cmd = [sys.executable, "-c", "from quantprep.warm import _child_main; _child_main()", arg]
         if progress:
             print(f"warm {path} on {device}: prefill {shapes} + {DECODE_STEPS} decode steps"
-                  f"{', torch.compile' if compile else ''}{' + AOTInductor packages' if compile and aot else ''} (fresh process)",
+                  f"{', torch.compile' if compile else ''}{' + AOTInductor packages' if compile and aot else ''} (fresh processes)",
                   file=sys.stderr, flush=True)
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise QuantprepError(f"{path}: warm-up run failed on {device}: {tail}")
-        report = json.loads(proc.stdout.strip().splitlines()[-1])
+        aot_report = {"aot": [], "s": 0.0}
+        if compile and aot and device not in AOT_DEVICES and progress:
+            print(f"quantprep: note: no AOTInductor packages on {device} (only {', '.join(sorted(AOT_DEVICES))}: aot.py says why); "
+                  "load(compile=True) will torch.compile with the cache", file=sys.stderr)
+        if compile and aot and device in AOT_DEVICES:
+            try:
+                aot_report = _run_child(path, device, "aot", env, shapes=shapes, compile=compile, scratch=str(scratch))
+            except QuantprepError as e:  # e.g. a kernel export cannot trace: torch.compile still serves
+                print(f"quantprep: warning: no AOTInductor packages ({e}); load(compile=True) will torch.compile", file=sys.stderr)
+                shutil.rmtree(scratch / "aot", ignore_errors=True)
+        report = _run_child(path, device, "compile", env, shapes=shapes, compile=compile, scratch=str(scratch))
+        report.update(aot=aot_report["aot"], s=report["s"] + aot_report["s"])
         key = cache_key(device)  # this process may touch the device: the child had its own caches
         files = _collect(scratch)
         entry = {"key": key, "shapes": report["shapes"], "compile": compile, "files": files,
                  "megacache": report.get("megacache", {}), "aot": report["aot"]}
         republish(path, scratch, KCACHE, [*files], {"kcache": entry})
     return dict(report, path=str(path), files=len(files), bytes=sum(f["size"] for f in files.values()), key=key)
+
+
+def _run_child(path: Path, device: str, phase: str, env: dict, **args) -> dict:
+    arg = json.dumps(dict(args, path=str(path), device=device, phase=phase))
+    proc = subprocess.run([sys.executable, "-c", "from quantprep.warm import _child_main; _child_main()", arg],
+                          env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise QuantprepError(f"{path}: warm-up run ({phase}) failed on {device}: {tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # --- load side ------------------------------------------------------------------------------------

@@ -100,7 +100,7 @@ if triton is not None:
 
 
 def int4_kn_gemm(x: torch.Tensor, qweight_kn: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor,
-                 config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                 config: tuple[int, int, int, int, int] | None = None, launch=None) -> torch.Tensor:
     """Prefill GEMM: bf16 x [M, Kp] @ int4 weight in GPTQ's [Kp/8, Np] words -> bf16 [M, Np].
     config = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_K must divide group_size."""
     M, K = x.shape
@@ -109,9 +109,17 @@ def int4_kn_gemm(x: torch.Tensor, qweight_kn: torch.Tensor, group_size: int, sca
     bm, bn, bk, warps, stages = config or PREFILL_CONFIG
     bk = min(bk, group_size)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    _int4_kn_gemm[grid](x, qweight_kn, scales_and_zeros, out, M, N, K, GROUP=group_size,
-                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    (launch or (lambda k: k))(_int4_kn_gemm)[grid](x, qweight_kn, scales_and_zeros, out, M, N, K, GROUP=group_size,
+                                                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return out
+
+
+if triton is not None:
+    # The same GEMM as a custom op that torch.compile and torch.export trace into (a raw Triton
+    # launch cannot run on export's fake tensors): AOTInductor packages (aot.py) need it.
+    @torch.library.triton_op("quantprep::int4_kn_gemm", mutates_args=())
+    def int4_kn_gemm_op(x: torch.Tensor, qweight_kn: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+        return int4_kn_gemm(x, qweight_kn, group_size, scales_and_zeros, launch=torch.library.wrap_triton)
 
 
 class CudaInt4Linear(PackedLinear):
@@ -133,7 +141,7 @@ class CudaInt4Linear(PackedLinear):
         if x.is_cuda and x.shape[0] <= DECODE_MAX_M:
             return torch.ops.aten._weight_int4pack_mm(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
         if x.is_cuda and triton is not None:
-            return int4_kn_gemm(x, self.qweight_kn, self.kernel_group_size, self.scales_and_zeros)
+            return int4_kn_gemm_op(x, self.qweight_kn, self.scales_and_zeros, self.kernel_group_size)
         return F.linear(x, self.dequantized_weight())
 
 
