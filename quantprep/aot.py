@@ -23,10 +23,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-# Where packages are built. cuda: on the H200 (torch 2.11) loading a package crashed the process
-# (a plain x @ w package hung), so cuda keeps torch.compile + its cache; xpu: never run here.
-AOT_DEVICES = {"cpu"}
-MAX_RANGES = 6  # more means export keeps specializing on exact sizes: give up (torch.compile is used)
+MAX_RANGES = 6
+CHECK_REL_ERR = 2e-2  # package vs eager MLP: bf16 activations, Inductor keeps silu*mul in float32  # more means export keeps specializing on exact sizes: give up (torch.compile is used)
 AOT_DIR = "aot"
 
 
@@ -99,6 +97,36 @@ def build_packages(model, out_dir: Path, dtype: torch.dtype) -> list[dict]:
             aoti_compile_and_package(ep, package_path=str(out_dir / rel))
             entries.append({"file": rel, "signature": sig, "tokens": [lo, hi]})
     return entries
+
+
+def check_packages(model, root: Path, entries: list[dict], dtype: torch.dtype) -> dict[str, str]:
+    """Run each package (fresh process: warm's check phase) at both ends of its token range
+    against the eager MLP it stands for; returns {file: problem} for those that must not ship."""
+    from torch._inductor import aoti_load_package
+
+    from .warm import _decoder_layers
+
+    mlps = {signature(layer.mlp, dtype): layer.mlp for layer in _decoder_layers(model) if getattr(layer, "mlp", None) is not None}
+    gen = torch.Generator().manual_seed(0)
+    bad = {}
+    for e in entries:
+        mlp = mlps.get(e["signature"])
+        if mlp is None:
+            bad[e["file"]] = "no MLP of this signature in the model"
+            continue
+        tensors = _tensors(mlp)[1]
+        try:
+            run = aoti_load_package(str(root / e["file"]))
+            for tokens in sorted({e["tokens"][0], min(e["tokens"][1], e["tokens"][0] + 63)}):
+                x = torch.randn(tokens, model.config.hidden_size, generator=gen).to(tensors[0].device, dtype)
+                with torch.inference_mode():
+                    want, got = mlp(x).float(), run(x, *tensors).float()
+                rel = ((got - want).norm() / want.norm()).item()
+                if not rel <= CHECK_REL_ERR:  # also NaN
+                    bad[e["file"]] = f"{tokens} tokens: relative error {rel:.2e} vs eager"
+        except Exception as exc:  # any failure to load or run: the package is not shipped
+            bad[e["file"]] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return bad
 
 
 class AotForward:

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 
-from .aot import AOT_DEVICES
 from .artifact import check_files, read_manifest, republish, sha256_file
 from .errors import ArtifactError, QuantprepError
 
@@ -165,6 +164,12 @@ def _child_main() -> None:
                 shutil.rmtree(d)
         print(json.dumps({"aot": entries, "s": round(time.perf_counter() - t0, 3)}))
         return
+    if args["phase"] == "aot_check":  # yet another process: what load will do, before shipping
+        from .aot import check_packages
+
+        bad = check_packages(model, Path(args["scratch"]), args["entries"], next(model.parameters()).dtype)
+        print(json.dumps({"bad": bad}))
+        return
     regions = compile_regions(model) if args["compile"] else 0
     shapes = usable_shapes(model, args["shapes"])
     timings = run_shapes(model, shapes)
@@ -218,15 +223,8 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
                   f"{', torch.compile' if compile else ''}{' + AOTInductor packages' if compile and aot else ''} (fresh processes)",
                   file=sys.stderr, flush=True)
         aot_report = {"aot": [], "s": 0.0}
-        if compile and aot and device not in AOT_DEVICES and progress:
-            print(f"quantprep: note: no AOTInductor packages on {device} (only {', '.join(sorted(AOT_DEVICES))}: aot.py says why); "
-                  "load(compile=True) will torch.compile with the cache", file=sys.stderr)
-        if compile and aot and device in AOT_DEVICES:
-            try:
-                aot_report = _run_child(path, device, "aot", env, shapes=shapes, compile=compile, scratch=str(scratch))
-            except QuantprepError as e:  # e.g. a kernel export cannot trace: torch.compile still serves
-                print(f"quantprep: warning: no AOTInductor packages ({e}); load(compile=True) will torch.compile", file=sys.stderr)
-                shutil.rmtree(scratch / "aot", ignore_errors=True)
+        if compile and aot:
+            aot_report = _aot_phases(path, device, env, scratch, shapes=shapes, compile=compile)
         report = _run_child(path, device, "compile", env, shapes=shapes, compile=compile, scratch=str(scratch))
         report.update(aot=aot_report["aot"], s=report["s"] + aot_report["s"])
         key = cache_key(device)  # this process may touch the device: the child had its own caches
@@ -235,6 +233,29 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
                  "megacache": report.get("megacache", {}), "aot": report["aot"]}
         republish(path, scratch, KCACHE, [*files], {"kcache": entry})
     return dict(report, path=str(path), files=len(files), bytes=sum(f["size"] for f in files.values()), key=key)
+
+
+def _aot_phases(path: Path, device: str, env: dict, scratch: Path, **args) -> dict:
+    """Build the AOTInductor packages, then load and check them in another fresh process: a
+    package that fails to load (it crashed one on the H200 under torch 2.11) or disagrees with eager
+    is not shipped, and load(compile=True) then torch.compiles. Never fails the warm."""
+    t0 = time.perf_counter()
+    entries, problem = [], None
+    try:
+        entries = _run_child(path, device, "aot", env, scratch=str(scratch), **args)["aot"]
+        bad = _run_child(path, device, "aot_check", env, scratch=str(scratch), entries=entries, **args)["bad"]
+        for e in [e for e in entries if e["file"] in bad]:
+            print(f"quantprep: warning: {e['file']} not shipped: {bad[e['file']]}", file=sys.stderr)
+            (scratch / e["file"]).unlink()
+        entries = [e for e in entries if e["file"] not in bad]
+    except QuantprepError as e:
+        problem = str(e)
+    if problem:
+        print(f"quantprep: warning: no AOTInductor packages ({problem}); load(compile=True) will torch.compile",
+              file=sys.stderr)
+        shutil.rmtree(scratch / "aot", ignore_errors=True)
+        entries = []
+    return {"aot": entries, "s": round(time.perf_counter() - t0, 3)}
 
 
 def _run_child(path: Path, device: str, phase: str, env: dict, **args) -> dict:

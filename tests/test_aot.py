@@ -110,3 +110,35 @@ def test_signature_tells_layouts_apart(warmed_aot):
     assert signature(a, torch.bfloat16) != signature(a, torch.float32)
     b.down_proj.scales_and_zeros = b.down_proj.scales_and_zeros[:, :-8]  # another shape: another graph
     assert signature(a, torch.bfloat16) != signature(b, torch.bfloat16)
+
+
+def test_malformed_aot_entry_is_refused(warmed_aot, copy_of):
+    from test_warm import _resign
+
+    from quantprep.errors import ArtifactError
+
+    art = copy_of(warmed_aot[0])
+    for bad in ({"file": "aot/missing.pt2", "signature": "x", "tokens": [1, 1]},  # not in kcache.files
+                {"file": read_manifest(art)["kcache"]["aot"][0]["file"], "signature": "x", "tokens": [5, 2]}):
+        with pytest.raises(ArtifactError, match="kcache"):
+            _resign(art, lambda m, bad=bad: m["kcache"].update(aot=[bad]))
+
+
+def test_check_rejects_a_package_that_does_not_load_or_fit(warmed_aot, tmp_path):
+    """warm's check phase: what does not load, or has no MLP to stand for, is not shipped."""
+    import shutil
+    import zipfile
+
+    from quantprep.aot import check_packages
+
+    art, _ = warmed_aot
+    good = read_manifest(art)["kcache"]["aot"]
+    shutil.copytree(art / KCACHE / "aot", tmp_path / "aot")
+    with zipfile.ZipFile(tmp_path / "aot" / "broken.pt2", "w") as z:
+        z.writestr("broken/archive_format", "pt2")
+    entries = [*good, dict(good[0], file="aot/broken.pt2"), dict(good[0], file=good[0]["file"], signature="0" * 16)]
+    model = quantprep.load(art)
+    bad = check_packages(model, tmp_path, entries, torch.bfloat16)
+    assert set(bad) == {"aot/broken.pt2", good[0]["file"]}, bad  # the good file is flagged only under the foreign signature
+    assert "no MLP" in bad[good[0]["file"]]
+    assert check_packages(model, tmp_path, good, torch.bfloat16) == {}
