@@ -36,6 +36,7 @@ KCACHE = "kcache"
 MEGACACHE = "torch-compile.bin"  # torch.compiler.save_cache_artifacts() output
 DEFAULT_SHAPES = [1, 16, 128, 512]
 DECODE_STEPS = 2
+AOT_TIMEOUT_S = 1800  # per AOTInductor phase of warm (build, check)
 # Inductor's FX-graph and AOT entries come back from the mega-cache; locks are per process.
 NOT_SHIPPED = {"inductor/fxgraph", "inductor/aotautograd", "inductor/locks"}
 
@@ -242,8 +243,9 @@ def _aot_phases(path: Path, device: str, env: dict, scratch: Path, **args) -> di
     t0 = time.perf_counter()
     entries, problem = [], None
     try:
-        entries = _run_child(path, device, "aot", env, scratch=str(scratch), **args)["aot"]
-        bad = _run_child(path, device, "aot_check", env, scratch=str(scratch), entries=entries, **args)["bad"]
+        # Timeouts: a package load hung on the H200; generous for building on 2 cores.
+        entries = _run_child(path, device, "aot", env, timeout=AOT_TIMEOUT_S, scratch=str(scratch), **args)["aot"]
+        bad = _run_child(path, device, "aot_check", env, timeout=AOT_TIMEOUT_S, scratch=str(scratch), entries=entries, **args)["bad"]
         for e in [e for e in entries if e["file"] in bad]:
             print(f"quantprep: warning: {e['file']} not shipped: {bad[e['file']]}", file=sys.stderr)
             (scratch / e["file"]).unlink()
@@ -258,10 +260,13 @@ def _aot_phases(path: Path, device: str, env: dict, scratch: Path, **args) -> di
     return {"aot": entries, "s": round(time.perf_counter() - t0, 3)}
 
 
-def _run_child(path: Path, device: str, phase: str, env: dict, **args) -> dict:
+def _run_child(path: Path, device: str, phase: str, env: dict, timeout: float | None = None, **args) -> dict:
     arg = json.dumps(dict(args, path=str(path), device=device, phase=phase))
-    proc = subprocess.run([sys.executable, "-c", "from quantprep.warm import _child_main; _child_main()", arg],
-                          env=env, capture_output=True, text=True)
+    try:
+        proc = subprocess.run([sys.executable, "-c", "from quantprep.warm import _child_main; _child_main()", arg],
+                              env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise QuantprepError(f"{path}: warm-up run ({phase}) on {device} did not finish in {timeout:.0f} s") from None
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise QuantprepError(f"{path}: warm-up run ({phase}) failed on {device}: {tail}")
