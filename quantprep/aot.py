@@ -82,13 +82,12 @@ def build_packages(model, out_dir: Path, dtype: torch.dtype) -> list[dict]:
     """Export and AOT-compile every distinct decoder MLP; returns the manifest's `aot` list."""
     from torch._inductor import aoti_compile_and_package
 
-    from .warm import _decoder_layers
+    from .warm import decoder_mlps
 
     max_tokens = getattr(model.config, "max_position_embeddings", None) or 8192
     entries, done = [], set()
-    for layer in _decoder_layers(model):
-        mlp = getattr(layer, "mlp", None)
-        if mlp is None or (sig := signature(mlp, dtype)) in done:
+    for mlp in decoder_mlps(model):
+        if (sig := signature(mlp, dtype)) in done:
             continue
         done.add(sig)
         for lo, hi, ep in export_ranges(mlp, model.config.hidden_size, max_tokens):
@@ -104,9 +103,9 @@ def check_packages(model, root: Path, entries: list[dict], dtype: torch.dtype) -
     against the eager MLP it stands for; returns {file: problem} for those that must not ship."""
     from torch._inductor import aoti_load_package
 
-    from .warm import _decoder_layers
+    from .warm import decoder_mlps
 
-    mlps = {signature(layer.mlp, dtype): layer.mlp for layer in _decoder_layers(model) if getattr(layer, "mlp", None) is not None}
+    mlps = {signature(mlp, dtype): mlp for mlp in decoder_mlps(model)}
     gen = torch.Generator().manual_seed(0)
     bad = {}
     for e in entries:
@@ -150,16 +149,15 @@ def install(model, root: Path, entries: list[dict], dtype: torch.dtype) -> int:
     """Put the packages under `root` on every MLP whose signature they were built for; returns how many."""
     from torch._inductor import aoti_load_package
 
-    from .warm import _decoder_layers
+    from .warm import decoder_mlps
 
     by_sig: dict[str, list] = {}
     for e in entries:
         by_sig.setdefault(e["signature"], []).append(e)
     loaded: dict[str, list] = {}
     n = 0
-    for layer in _decoder_layers(model):
-        mlp = getattr(layer, "mlp", None)
-        if mlp is None or (sig := signature(mlp, dtype)) not in by_sig:
+    for mlp in decoder_mlps(model):
+        if (sig := signature(mlp, dtype)) not in by_sig:
             continue
         if sig not in loaded:
             loaded[sig] = [(e["tokens"][0], e["tokens"][1], aoti_load_package(str(root / e["file"]))) for e in by_sig[sig]]

@@ -105,10 +105,9 @@ def compile_regions(model) -> int:
     from .aot import AotForward
 
     n = 0
-    for layer in _decoder_layers(model):
-        mlp = getattr(layer, "mlp", None)
-        if mlp is not None and not isinstance(mlp.forward, AotForward):
-            mlp.compile(dynamic=True)
+    for mlp in decoder_mlps(model):
+        if not isinstance(mlp.forward, AotForward):
+            mlp.compile(dynamic=True)  # lazy: dynamo runs at the first call
             n += 1
     return n
 
@@ -119,6 +118,11 @@ def _decoder_layers(model) -> list:
     if layers is None:
         raise QuantprepError(f"{type(model).__name__}: no decoder `layers` to compile; load with compile=False")
     return list(layers)
+
+
+def decoder_mlps(model) -> list:
+    """Each decoder layer's MLP: what compile_regions and the AOTInductor packages (aot.py) compile."""
+    return [layer.mlp for layer in _decoder_layers(model) if getattr(layer, "mlp", None) is not None]
 
 
 def usable_shapes(model, shapes: list[int]) -> list[int]:
@@ -241,7 +245,6 @@ def _aot_phases(path: Path, device: str, env: dict, scratch: Path, **args) -> di
     package that fails to load (it crashed one on the H200 under torch 2.11) or disagrees with eager
     is not shipped, and load(compile=True) then torch.compiles. Never fails the warm."""
     t0 = time.perf_counter()
-    entries, problem = [], None
     try:
         # Timeouts: a package load hung on the H200; generous for building on 2 cores.
         entries = _run_child(path, device, "aot", env, timeout=AOT_TIMEOUT_S, scratch=str(scratch), **args)["aot"]
@@ -251,10 +254,7 @@ def _aot_phases(path: Path, device: str, env: dict, scratch: Path, **args) -> di
             (scratch / e["file"]).unlink()
         entries = [e for e in entries if e["file"] not in bad]
     except QuantprepError as e:
-        problem = str(e)
-    if problem:
-        print(f"quantprep: warning: no AOTInductor packages ({problem}); load(compile=True) will torch.compile",
-              file=sys.stderr)
+        print(f"quantprep: warning: no AOTInductor packages ({e}); load(compile=True) will torch.compile", file=sys.stderr)
         shutil.rmtree(scratch / "aot", ignore_errors=True)
         entries = []
     return {"aot": entries, "s": round(time.perf_counter() - t0, 3)}
@@ -361,16 +361,14 @@ def activate(path: Path, manifest: dict, device_type: str, compile: bool) -> dic
 def compile_model(model, manifest: dict, status: dict, dtype: torch.dtype) -> None:
     """load(compile=True): the kcache's AOTInductor packages where they fit (no dynamo at all),
     torch.compile for the rest, with the mega-cache restored first. Updates `status`."""
-    from .aot import AotForward, install
+    from .aot import install
 
     root = Path(status["dir"]) if status.get("status") == "used" else None
     status["aot"] = install(model, root, manifest["kcache"].get("aot", []), dtype) if root else 0
-    left = [layer.mlp for layer in _decoder_layers(model) if getattr(layer, "mlp", None) is not None
-            and not isinstance(layer.mlp.forward, AotForward)]
-    if root and left and (root / MEGACACHE).is_file():
+    status["compiled_regions"] = compile_regions(model)
+    if root and status["compiled_regions"] and (root / MEGACACHE).is_file():  # before their first call
         info = torch.compiler.load_cache_artifacts((root / MEGACACHE).read_bytes())
         status["loaded"] = {kind: len(items) for kind, items in info.artifacts.items()} if info else {}
-    status["compiled_regions"] = compile_regions(model)
 
 
 def _ignored(msg: str) -> dict:
