@@ -3,8 +3,13 @@
 # it with torch.compile (+ AOTInductor packages), then time the modes of benchmarks/kcache.py.
 #   PYTHONPATH=. bash benchmarks/cuda_kcache.sh OUT_DIR [kcache.py args, e.g. --modes b_compile_kcache c_eager]
 set -euo pipefail
+# The GPU machine's image sets PYTHONDONTWRITEBYTECODE=1, so every process compiled torch's and
+# transformers' sources again (imports 12-16 s instead of ~6 s, worse for the modes that import
+# Inductor): a served model's environment has its bytecode cached, so the benchmark does too.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
 out=${1:-/tmp/kcache-cuda}
-work=$(mktemp -d)
+work=${WORK:-$(mktemp -d)}  # WORK=DIR keeps the artifact where a later command can reuse it
 python3 - "$work" <<'PY'
 import sys
 from pathlib import Path
@@ -16,5 +21,5 @@ gptq = write_random_checkpoint(work / "gptq", QWEN_CFG, bits=4, group_size=128, 
 build_artifacts(gptq, {"path": str(gptq)}, ["cuda"], lambda t: work / "cuda", progress=False,
                 serving={"shapes": [1, 16, 128, 512], "compile": True}, warm_here=False)
 PY
-python3 -m quantprep warm "$work/cuda" --json > "$out/warm-cuda.json"
+python3 -m quantprep warm "$work/cuda" --json ${WARM_ARGS:-} > "$out/warm-cuda.json"  # WARM_ARGS=--no-aot: skip the AOT phases
 python3 benchmarks/kcache.py "$work/cuda" --runs 3 --out "$out/kcache-cuda.json" "${@:2}"

@@ -30,16 +30,24 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 CHILD = """
-import json, os, sys, time
+import time
+started = time.time()
+import json, os, sys
 import torch
 import quantprep
 from transformers import AutoTokenizer
 from torch._dynamo.utils import counters
+imported = time.time()
 path, mode = sys.argv[1], sys.argv[2]
+if os.environ.get("KCACHE_PROFILE"):  # --profile: where load and the first token spend their time
+    import cProfile
+    profile = cProfile.Profile()
+    profile.enable()
 if mode == "kcache_megacache":  # the kcache without its AOTInductor packages: torch.compile + mega-cache
     import quantprep.aot
     quantprep.aot.install = lambda *args, **kwargs: 0
 model = quantprep.load(path, compile=mode != "eager", kcache=mode.startswith("kcache"))
+loaded = time.time()
 if os.path.exists(os.path.join(path, "tokenizer_config.json")):
     tok = AutoTokenizer.from_pretrained(path)
     enc = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
@@ -53,12 +61,17 @@ with torch.inference_mode():
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     first = time.time()
+    if os.environ.get("KCACHE_PROFILE"):
+        import pstats
+        profile.disable()
+        with open(os.environ["KCACHE_PROFILE"], "w") as f:
+            pstats.Stats(profile, stream=f).sort_stats("cumulative").print_stats(80)
     t = time.perf_counter()
     out = model.generate(**enc, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     rate = 32 / (time.perf_counter() - t)
-print(json.dumps({"first": first, "tok_s": rate, "kcache": model.quantprep_kcache,
+print(json.dumps({"started": started, "imported": imported, "loaded": loaded, "first": first, "tok_s": rate, "kcache": model.quantprep_kcache,
                   "fx_hit": counters["inductor"]["fxgraph_cache_hit"], "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
                   "text": tok.decode(out[0, enc["input_ids"].shape[1]:]) if tok else out[0].tolist()}))
 """
@@ -67,15 +80,22 @@ MODES = {"a_compile_no_cache": "nocache", "b_compile_kcache": "kcache", "b2_comp
          "c_eager": "eager"}
 
 
-def run_once(path: Path, mode: str) -> dict:
+def run_once(path: Path, mode: str, profile: Path | None = None, extra_env: dict | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", QUANTPREP_KCACHE_DIR=f"{tmp}/kcache")
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", QUANTPREP_KCACHE_DIR=f"{tmp}/kcache", **(extra_env or {}))
+        if profile:
+            env["KCACHE_PROFILE"] = str(profile)
         t0 = time.time()
         proc = subprocess.run([sys.executable, "-c", CHILD, str(path), mode], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{mode} failed: {proc.stderr.strip().splitlines()[-1:]}")
     r = json.loads(proc.stdout.strip().splitlines()[-1])
+    # phases: interpreter start, imports (torch, transformers, quantprep), quantprep.load, first token
+    r["phases_s"] = {"start": r["started"] - t0, "imports": r["imported"] - r["started"],
+                     "load": r["loaded"] - r["imported"], "first_token": r["first"] - r["loaded"]}
     r["ttft_s"] = r.pop("first") - t0
+    for key in ("started", "imported", "loaded"):
+        del r[key]
     return r
 
 
@@ -85,27 +105,39 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    ap.add_argument("--profile", type=Path, help="after the timed rounds, one cProfiled run per mode: DIR/profile-MODE.txt")
+    ap.add_argument("--extra", action="append", default=[], metavar="NAME:MODE:KEY=VALUE[,KEY=VALUE]",
+                    help="one more mode: MODE with these environment variables, e.g. b_threads1:b_compile_kcache:TORCHINDUCTOR_COMPILE_THREADS=1")
     args = ap.parse_args()
+    modes = {name: (MODES[name], {}) for name in args.modes}
+    for spec in args.extra:
+        name, base, assignments = spec.split(":", 2)
+        modes[name] = (MODES[base], dict(a.split("=", 1) for a in assignments.split(",")))
     manifest = json.loads((args.artifact / "manifest.json").read_text())
     if not manifest.get("kcache", {}).get("compile"):
         sys.exit(f"{args.artifact}: not warmed with torch.compile; run `quantprep warm {args.artifact} --compile` first")
-    runs: dict[str, list[dict]] = {name: [] for name in args.modes}
+    runs: dict[str, list[dict]] = {name: [] for name in modes}
     for i in range(args.runs):
-        for name in args.modes:
-            mode = MODES[name]
-            r = run_once(args.artifact, mode)
+        for name, (mode, extra_env) in modes.items():
+            r = run_once(args.artifact, mode, extra_env=extra_env)
             runs[name].append(r)
             print(f"round {i + 1} {name}: first token {r['ttft_s']:.2f} s, {r['tok_s']:.1f} tok/s, "
                   f"fx-graph hits {r['fx_hit']} misses {r['fx_miss']}, kcache {r['kcache']['status']}, "
-                  f"AOT MLPs {r['kcache'].get('aot', 0)}", flush=True)
+                  f"AOT MLPs {r['kcache'].get('aot', 0)}, phases {({k: round(v, 2) for k, v in r['phases_s'].items()})}", flush=True)
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        for name, (mode, extra_env) in modes.items():
+            run_once(args.artifact, mode, args.profile / f"profile-{name}.txt", extra_env)
     summary = {name: {"ttft_s_median": statistics.median(r["ttft_s"] for r in rs),
                       "tok_s_median": statistics.median(r["tok_s"] for r in rs),
+                      "phases_s_median": {k: statistics.median(r["phases_s"][k] for r in rs) for k in rs[0]["phases_s"]},
                       "fx_hit": rs[-1]["fx_hit"], "fx_miss": rs[-1]["fx_miss"]} for name, rs in runs.items()}
     ttft = {name: v["ttft_s_median"] for name, v in summary.items()}
-    b, c = ttft["b_compile_kcache"], ttft["c_eager"]
+    b, c = ttft.get("b_compile_kcache", float("nan")), ttft.get("c_eager", float("nan"))
     a = ttft.get("a_compile_no_cache", float("nan"))
     result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.platform(),
               "cpus": os.cpu_count(), "artifact": str(args.artifact), "target": manifest["target"]["name"],
+              "bytecode_cache": not sys.dont_write_bytecode,  # inherited by the children; off: sources recompiled each run
               "kcache_key": manifest["kcache"]["key"], "runs": args.runs, "summary": summary,
               "b_over_c": b / c, "a_over_b": a / b, "b2_over_c": ttft.get("b2_compile_kcache_megacache_only", float("nan")) / c,
               "raw": runs,

@@ -1,11 +1,17 @@
-"""AOTInductor packages of the decoder MLPs: compiled at warm, loaded at load without dynamo.
+"""Compiled decoder MLPs: built at warm, loaded at load without dynamo.
 
 torch.compile with every kernel in the cache still costs about 2.5 s per process on a CPU (the
 first compile call, the dynamo trace, Inductor hashing its sources for the cache key, loading the
-graph; BENCHMARKS.md). An AOTInductor package is the compiled graph as a shared library in a zip
-(no pickle); loading one takes ~0.15 s. The weights stay in the artifact: the MLP is exported as
-a function of (tokens x hidden, *its tensors), so one package serves every layer of the same
-shape, and a new package is not a second copy of the model.
+graph; BENCHMARKS.md). Two formats skip the trace, tried in this order (FORMATS):
+- "aoti": an AOTInductor package, the compiled graph as a shared library in a zip (no pickle);
+  loading one takes ~0.15 s. AOTInductor's loader crashes on some installs (every package,
+  even a plain matmul, under the GPU machine's torch 2.11): warm's check then rejects it.
+- "inductor": Inductor's standalone compile of the same exported graph, its Python wrapper and
+  kernels in Inductor's own cache format (`CompiledArtifact`, the bytes of the mega-cache);
+  loading imports Inductor and hashes torch's sources (~1 s) but still skips dynamo.
+The weights stay in the artifact: the MLP is exported as a function of (tokens x hidden, *its
+tensors), so one package serves every layer of the same shape, and a new package is not a second
+copy of the model.
 
 The kernels choose a code path by token count (cpu int4 dequantizes from 512 rows, cuda runs
 tinygemm up to 16), so export specializes: `export_ranges` exports from 1 token up, and each
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,6 +33,7 @@ from torch.func import functional_call
 MAX_RANGES = 6  # more means export keeps specializing on exact sizes: give up (torch.compile is used)
 CHECK_REL_ERR = 2e-2  # package vs eager MLP: bf16 activations, Inductor keeps silu*mul in float32
 AOT_DIR = "aot"
+FORMATS = {"aoti": ".pt2", "inductor": ".bin"}  # format: file suffix
 
 
 def _tensors(mlp: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
@@ -78,8 +86,21 @@ def export_ranges(mlp: nn.Module, hidden: int, max_tokens: int) -> list[tuple[in
     return out
 
 
-def build_packages(model, out_dir: Path, dtype: torch.dtype) -> list[dict]:
-    """Export and AOT-compile every distinct decoder MLP; returns the manifest's `aot` list."""
+def _standalone_compile(ep, example: list[torch.Tensor]):
+    """Inductor on the exported graph, no dynamo. Export lifted the MLP's own buffers as inputs
+    that nothing reads (functional_call passes the tensors instead): they are dropped, so the
+    compiled graph takes (x, *tensors) like the AOTInductor package."""
+    gm = ep.graph_module
+    lifted = {spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind.name != "USER_INPUT"}
+    for node in [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in lifted]:
+        gm.graph.erase_node(node)  # raises if the graph reads it
+    gm.recompile()
+    return torch._inductor.standalone_compile(gm, example, dynamic_shapes="from_graph")
+
+
+def build_packages(model, out_dir: Path, dtype: torch.dtype, fmt: str = "aoti") -> list[dict]:
+    """Export and compile (format `fmt`, see FORMATS) every distinct decoder MLP; returns the
+    manifest's `aot` list."""
     from torch._inductor import aoti_compile_and_package
 
     from .warm import decoder_mlps
@@ -91,18 +112,30 @@ def build_packages(model, out_dir: Path, dtype: torch.dtype) -> list[dict]:
             continue
         done.add(sig)
         for lo, hi, ep in export_ranges(mlp, model.config.hidden_size, max_tokens):
-            rel = f"{AOT_DIR}/mlp-{sig}-{lo}-{hi}.pt2"
+            rel = f"{AOT_DIR}/mlp-{sig}-{lo}-{hi}{FORMATS[fmt]}"
             (out_dir / AOT_DIR).mkdir(parents=True, exist_ok=True)
-            aoti_compile_and_package(ep, package_path=str(out_dir / rel))
-            entries.append({"file": rel, "signature": sig, "tokens": [lo, hi]})
+            if fmt == "aoti":
+                aoti_compile_and_package(ep, package_path=str(out_dir / rel))
+            else:
+                x = torch.randn(lo, model.config.hidden_size, dtype=dtype, device=_tensors(mlp)[1][0].device)
+                _standalone_compile(ep, [x, *_tensors(mlp)[1]]).save(path=str(out_dir / rel), format="binary")
+            entries.append({"file": rel, "signature": sig, "tokens": [lo, hi], "format": fmt})
     return entries
+
+
+def load_package(path: Path, fmt: str):
+    """A callable (x, *tensors) -> y for a package of either format."""
+    if fmt == "aoti":
+        from torch._inductor import aoti_load_package
+
+        return aoti_load_package(str(path))
+    compiled = torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
+    return lambda *args: compiled(*args)[0]  # the graph's outputs, a list of one
 
 
 def check_packages(model, root: Path, entries: list[dict], dtype: torch.dtype) -> dict[str, str]:
     """Run each package (fresh process: warm's check phase) at both ends of its token range
     against the eager MLP it stands for; returns {file: problem} for those that must not ship."""
-    from torch._inductor import aoti_load_package
-
     from .warm import decoder_mlps
 
     mlps = {signature(mlp, dtype): mlp for mlp in decoder_mlps(model)}
@@ -115,7 +148,7 @@ def check_packages(model, root: Path, entries: list[dict], dtype: torch.dtype) -
             continue
         tensors = _tensors(mlp)[1]
         try:
-            run = aoti_load_package(str(root / e["file"]))
+            run = load_package(root / e["file"], e.get("format", "aoti"))
             for tokens in sorted({e["tokens"][0], min(e["tokens"][1], e["tokens"][0] + 63)}):
                 x = torch.randn(tokens, model.config.hidden_size, generator=gen).to(tensors[0].device, dtype)
                 with torch.inference_mode():
@@ -147,8 +180,6 @@ class AotForward:
 
 def install(model, root: Path, entries: list[dict], dtype: torch.dtype) -> int:
     """Put the packages under `root` on every MLP whose signature they were built for; returns how many."""
-    from torch._inductor import aoti_load_package
-
     from .warm import decoder_mlps
 
     by_sig: dict[str, list] = {}
@@ -160,7 +191,15 @@ def install(model, root: Path, entries: list[dict], dtype: torch.dtype) -> int:
         if (sig := signature(mlp, dtype)) not in by_sig:
             continue
         if sig not in loaded:
-            loaded[sig] = [(e["tokens"][0], e["tokens"][1], aoti_load_package(str(root / e["file"]))) for e in by_sig[sig]]
+            try:
+                loaded[sig] = [(e["tokens"][0], e["tokens"][1], load_package(root / e["file"], e.get("format", "aoti")))
+                               for e in by_sig[sig]]
+            except Exception as exc:  # e.g. torch's sources changed since warm: torch.compile this MLP instead
+                warnings.warn(f"{root}: compiled MLP packages not usable here ({type(exc).__name__}: {str(exc)[:200]}); "
+                              "torch.compile is used instead", stacklevel=2)
+                loaded[sig] = None
+        if loaded[sig] is None:
+            continue
         mlp.forward = AotForward(mlp, loaded[sig])
         n += 1
     return n

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from . import __version__
+from .aot import FORMATS as PACKAGE_FORMATS
 from .errors import ArtifactError, QuantprepError
 
 FORMAT = "quantprep-artifact"
@@ -297,9 +298,10 @@ def _valid_serving(s) -> bool:
 
 
 def _valid_aot(entries, files: dict) -> bool:
-    """kcache.aot: [{file (listed in kcache.files), signature, tokens [lo, hi]}] (warm.py, aot.py)."""
+    """kcache.aot: [{file (listed in kcache.files), signature, tokens [lo, hi], format}] (warm.py, aot.py)."""
     return isinstance(entries, list) and all(
         isinstance(e, dict) and e.get("file") in files and isinstance(e.get("signature"), str)
+        and e.get("format", "aoti") in PACKAGE_FORMATS
         and _is_shape_list(e.get("tokens")) and len(e["tokens"]) == 2 and e["tokens"][0] <= e["tokens"][1]
         for e in entries)
 

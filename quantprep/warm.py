@@ -36,7 +36,8 @@ KCACHE = "kcache"
 MEGACACHE = "torch-compile.bin"  # torch.compiler.save_cache_artifacts() output
 DEFAULT_SHAPES = [1, 16, 128, 512]
 DECODE_STEPS = 2
-AOT_TIMEOUT_S = 1800  # per AOTInductor phase of warm (build, check)
+AOT_TIMEOUT_S = 1800  # per phase of warm that builds or checks compiled MLP packages
+AOT_FORMATS = ("aoti", "inductor")  # aot.FORMATS, in the order warm tries them
 # Inductor's FX-graph and AOT entries come back from the mega-cache; locks are per process.
 NOT_SHIPPED = {"inductor/fxgraph", "inductor/aotautograd", "inductor/locks"}
 
@@ -163,7 +164,7 @@ def _child_main() -> None:
         # hold what they built.
         from .aot import build_packages
 
-        entries = build_packages(model, Path(args["scratch"]), next(model.parameters()).dtype)
+        entries = build_packages(model, Path(args["scratch"]), next(model.parameters()).dtype, args["format"])
         for d in (Path(args["scratch"]) / "inductor").iterdir():
             if d.is_dir() and any(d.glob("*.wrapper.cpp")):
                 shutil.rmtree(d)
@@ -241,22 +242,30 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
 
 
 def _aot_phases(path: Path, device: str, env: dict, scratch: Path, **args) -> dict:
-    """Build the AOTInductor packages, then load and check them in another fresh process: a
-    package that fails to load (it crashed one on the H200 under torch 2.11) or disagrees with eager
-    is not shipped, and load(compile=True) then torch.compiles. Never fails the warm."""
+    """Build the compiled MLPs in each of AOT_FORMATS in turn, loading and checking them in
+    another fresh process, until one format passes whole: a package that fails to load (AOTInductor
+    crashed on every package under the GPU machine's torch 2.11) or disagrees with eager is not
+    shipped. If none passes, the last format's good packages ship, and load(compile=True)
+    torch.compiles what they do not cover. Never fails the warm."""
     t0 = time.perf_counter()
-    try:
-        # Timeouts: a package load hung on the H200; generous for building on 2 cores.
-        entries = _run_child(path, device, "aot", env, timeout=AOT_TIMEOUT_S, scratch=str(scratch), **args)["aot"]
-        bad = _run_child(path, device, "aot_check", env, timeout=AOT_TIMEOUT_S, scratch=str(scratch), entries=entries, **args)["bad"]
-        for e in [e for e in entries if e["file"] in bad]:
-            print(f"quantprep: warning: {e['file']} not shipped: {bad[e['file']]}", file=sys.stderr)
-            (scratch / e["file"]).unlink()
-        entries = [e for e in entries if e["file"] not in bad]
-    except QuantprepError as e:
-        print(f"quantprep: warning: no AOTInductor packages ({e}); load(compile=True) will torch.compile", file=sys.stderr)
+    entries: list[dict] = []
+    for fmt in AOT_FORMATS:
         shutil.rmtree(scratch / "aot", ignore_errors=True)
-        entries = []
+        try:
+            # Timeouts: a package load hung on the H200; generous for building on 2 cores.
+            entries = _run_child(path, device, "aot", env, timeout=AOT_TIMEOUT_S, scratch=str(scratch), format=fmt, **args)["aot"]
+            bad = _run_child(path, device, "aot_check", env, timeout=AOT_TIMEOUT_S, scratch=str(scratch), entries=entries, **args)["bad"]
+        except QuantprepError as e:
+            entries, bad = [], {"*": str(e)}
+        for file, problem in bad.items():
+            print(f"quantprep: warning: {fmt} package {file} not shipped: {problem}", file=sys.stderr)
+        if not bad:
+            break
+        entries = [e for e in entries if e["file"] not in bad]
+    for rel in bad:
+        (scratch / rel).unlink(missing_ok=True)  # "*" (the phase failed) names no file
+    if not entries:
+        print("quantprep: warning: no compiled MLP packages; load(compile=True) will torch.compile", file=sys.stderr)
     return {"aot": entries, "s": round(time.perf_counter() - t0, 3)}
 
 
