@@ -65,7 +65,8 @@ with torch.inference_mode():
         import pstats
         profile.disable()
         with open(os.environ["KCACHE_PROFILE"], "w") as f:
-            pstats.Stats(profile, stream=f).sort_stats("cumulative").print_stats(80)
+            pstats.Stats(profile, stream=f).sort_stats("cumulative").print_stats(150)
+            pstats.Stats(profile, stream=f).sort_stats("tottime").print_stats(60)
     t = time.perf_counter()
     out = model.generate(**enc, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
     if model.device.type == "cuda":
