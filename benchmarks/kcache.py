@@ -3,7 +3,7 @@
 Each run is a new Python process; times run from spawn (time.time() in the parent) to the first
 generated token in the child, plus the next 32 greedy tokens' rate. Side by side, interleaved
 rounds, medians of --runs:
-  (a) compile=True, no cache: kcache not used, and Inductor's cache dir is empty and private
+  (a) compile=True, no cache: kcache not used, and Inductor's and Triton's cache dirs are empty and private
   (b) compile=True with the artifact's kcache (warmed by `quantprep warm --compile`): its
       AOTInductor packages where they fit (no dynamo), else torch.compile + mega-cache; the runtime
       copy of kcache/ goes to an empty private dir each run, so the copy is paid every time
@@ -86,6 +86,8 @@ def run_once(path: Path, mode: str, profile: Path | None = None, extra_env: dict
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", QUANTPREP_KCACHE_DIR=f"{tmp}/kcache", **(extra_env or {}))
         if profile:
             env["KCACHE_PROFILE"] = str(profile)
+        if mode == "nocache":  # (c) keeps the machine's own Triton cache (~/.triton): the best case for eager
+            env["TRITON_CACHE_DIR"] = f"{tmp}/triton"
         t0 = time.time()
         proc = subprocess.run([sys.executable, "-c", CHILD, str(path), mode], env=env, capture_output=True, text=True)
     if proc.returncode != 0:

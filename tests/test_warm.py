@@ -100,15 +100,16 @@ def test_eager_and_compiled_agree(warmed):
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         eager = quantprep.load(art)(ids).logits.float()
-    env_before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    env_before = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     try:
         with torch.inference_mode():
             compiled = quantprep.load(art, compile=True)(ids).logits.float()
     finally:
-        if env_before is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = env_before
+        for k, v in env_before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     rel = ((compiled - eager).norm() / eager.norm()).item()
     # bf16 activations; Inductor fuses silu*mul in float32 where eager rounds to bf16 in between.
     assert rel < 2e-2, rel
@@ -169,7 +170,8 @@ def test_corrupted_kcache_is_ignored_by_load_and_reported_by_verify(warmed, copy
 def test_exec_runs_a_command_with_the_caches_active(warmed, tmp_path):
     art, _ = warmed
     env = dict(os.environ, QUANTPREP_KCACHE_DIR=str(tmp_path / "rt"))
-    code = "import os, json; print(json.dumps({k: os.environ.get(k) for k in ('TORCHINDUCTOR_CACHE_DIR', 'NEO_CACHE_DIR', 'SYCL_CACHE_PERSISTENT')}))"
+    code = ("import os, json; print(json.dumps({k: os.environ.get(k) for k in "
+            "('TORCHINDUCTOR_CACHE_DIR', 'TRITON_CACHE_DIR', 'NEO_CACHE_DIR', 'SYCL_CACHE_PERSISTENT')}))")
     proc = subprocess.run([sys.executable, "-m", "quantprep", "exec", str(art), "--", sys.executable, "-c", code],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -177,6 +179,7 @@ def test_exec_runs_a_command_with_the_caches_active(warmed, tmp_path):
     inductor = seen["TORCHINDUCTOR_CACHE_DIR"]
     assert inductor.startswith(str(tmp_path / "rt")) and seen["SYCL_CACHE_PERSISTENT"] == "1"
     root = os.path.dirname(inductor)
+    assert seen["TRITON_CACHE_DIR"] == os.path.join(root, "triton")  # Triton kernels, eager ones too
     for rel, f in read_manifest(art)["kcache"]["files"].items():  # the runtime copy is the shipped cache
         assert hashlib.sha256(open(os.path.join(root, rel), "rb").read()).hexdigest() == f["sha256"]
 
