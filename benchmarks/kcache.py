@@ -90,6 +90,7 @@ def run_once(path: Path, mode: str, profile: Path | None = None, extra_env: dict
             env["TRITON_CACHE_DIR"] = f"{tmp}/triton"
         t0 = time.time()
         proc = subprocess.run([sys.executable, "-c", CHILD, str(path), mode], env=env, capture_output=True, text=True)
+        compiled = triton_compiled_here(path, Path(tmp) / "kcache")
     if proc.returncode != 0:
         sys.exit(f"{mode} failed: {proc.stderr.strip().splitlines()[-1:]}")
     r = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -97,9 +98,21 @@ def run_once(path: Path, mode: str, profile: Path | None = None, extra_env: dict
     r["phases_s"] = {"start": r["started"] - t0, "imports": r["imported"] - r["started"],
                      "load": r["loaded"] - r["imported"], "first_token": r["first"] - r["loaded"]}
     r["ttft_s"] = r.pop("first") - t0
+    r["triton_compiled"] = compiled
     for key in ("started", "imported", "loaded"):
         del r[key]
     return r
+
+
+def triton_compiled_here(artifact: Path, runtime: Path) -> list[str]:
+    """Kernels that the run compiled into the runtime copy of kcache/triton although warm had
+    run them: entries (one dir per kernel key) that the artifact's kcache/triton lacks."""
+    shipped = {d.name for d in (artifact / "kcache" / "triton").glob("*")}
+    names = []
+    for meta in sorted(runtime.glob("*/triton/*/*.json")):
+        if meta.parent.name not in shipped and not meta.name.startswith("__grp__"):
+            names.append(json.loads(meta.read_text()).get("name", meta.stem))
+    return names
 
 
 def main() -> None:
@@ -126,7 +139,8 @@ def main() -> None:
             runs[name].append(r)
             print(f"round {i + 1} {name}: first token {r['ttft_s']:.2f} s, {r['tok_s']:.1f} tok/s, "
                   f"fx-graph hits {r['fx_hit']} misses {r['fx_miss']}, kcache {r['kcache']['status']}, "
-                  f"AOT MLPs {r['kcache'].get('aot', 0)}, phases {({k: round(v, 2) for k, v in r['phases_s'].items()})}", flush=True)
+                  f"AOT MLPs {r['kcache'].get('aot', 0)}, phases {({k: round(v, 2) for k, v in r['phases_s'].items()})}, "
+                  f"Triton kernels compiled at load {r['triton_compiled']}", flush=True)
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
         for name, (mode, extra_env) in modes.items():

@@ -49,7 +49,7 @@ def cache_env(root: Path) -> dict[str, str]:
         "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
         # Every Triton kernel, Inductor's and the eager ones (quantprep's cuda GEMM, JIT-compiled at
         # first call). Left to Inductor, the eager kernels that ran before its first compile went to
-        # ~/.triton and, at load (Inductor's dir set first), were compiled again (1.3 s on the H100).
+        # ~/.triton, outside the artifact.
         "TRITON_CACHE_DIR": str(root / "triton"),
         "NEO_CACHE_PERSISTENT": "1",
         "NEO_CACHE_DIR": str(root / "neo"),
@@ -373,7 +373,7 @@ def activate(path: Path, manifest: dict, device_type: str, compile: bool) -> dic
 
 
 def compile_model(model, manifest: dict, status: dict, dtype: torch.dtype) -> None:
-    """load(compile=True): the kcache's AOTInductor packages where they fit (no dynamo at all),
+    """load(compile=True): the kcache's compiled MLP packages where they fit (aot.py; no dynamo),
     torch.compile for the rest, with the mega-cache restored first. Updates `status`."""
     from .aot import install
 
