@@ -51,7 +51,7 @@ def cmd_warm(args) -> int:
     shapes = [int(s) for s in args.shapes.split(",")] if args.shapes else None
     r = warm(Path(args.dir), device=args.device, shapes=shapes, compile=args.compile, aot=args.aot, progress=not args.json)
     _print_json_or(args, r, f"warmed {r['path']} on {r['key']['device']}: prefill {r['shapes']}, {r['compiled_regions']} compiled "
-                            f"regions, {len(r['aot'])} AOTInductor packages, {r['s']:.1f} s; kcache {r['files']} files, "
+                            f"regions, {len(r['aot'])} compiled MLP packages, {r['s']:.1f} s; kcache {r['files']} files, "
                             f"{r['bytes'] / 2**20:.1f} MiB")
     return 0
 
@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile and ship its cache (default: the recipe's choice recorded in the manifest)")
     w.add_argument("--aot", action=argparse.BooleanOptionalAction, default=None,
-                   help="with --compile, also ship AOTInductor packages of the MLPs, which load without dynamo (default: on)")
+                   help="with --compile, also ship compiled packages of the MLPs (AOTInductor, else Inductor artifacts), "
+                        "which load without dynamo (default: on)")
     w.add_argument("--json", action="store_true")
     w.set_defaults(func=cmd_warm)
 

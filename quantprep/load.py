@@ -96,7 +96,7 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     the CPU emulator of the XPU kernel (slow; for checking, not serving). dtype: activation dtype
     (defaults to the one the artifact was packed for). verify: also check every file's sha256
     (sizes are always checked). compile: run the decoder layers' MLPs compiled: from the kcache's
-    AOTInductor packages where they fit (aot.py; no dynamo), else torch.compile
+    compiled MLP packages where they fit (aot.py; no dynamo), else torch.compile
     (warm.compile_regions), restoring the artifact's compile cache first (see warm.py). warmup: run the warmed serving
     shapes once in this process (per-process state such as oneDNN primitives on XPU).
     kcache: use the artifact's kernel cache when it matches this machine (a foreign or corrupt

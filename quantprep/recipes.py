@@ -44,7 +44,7 @@ class Recipe:
     max_new_tokens: int = 16
     warm_shapes: list[int] = field(default_factory=lambda: [1, 16, 128, 512])
     warm_compile: bool = False
-    warm_aot: bool = True  # with compile: also ship AOTInductor packages of the MLPs (aot.py)
+    warm_aot: bool = True  # with compile: also ship compiled packages of the MLPs (aot.py)
     warm_enabled: bool = True  # build warms each artifact whose device is present
     path: Path | None = None
 

@@ -126,7 +126,7 @@ def _decoder_layers(model) -> list:
 
 
 def decoder_mlps(model) -> list:
-    """Each decoder layer's MLP: what compile_regions and the AOTInductor packages (aot.py) compile."""
+    """Each decoder layer's MLP: what compile_regions and the compiled MLP packages (aot.py) compile."""
     return [layer.mlp for layer in _decoder_layers(model) if getattr(layer, "mlp", None) is not None]
 
 
@@ -210,7 +210,7 @@ def _collect(scratch: Path) -> dict[str, dict]:
 def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] | None = None,
          compile: bool | None = None, aot: bool | None = None, progress: bool = True) -> dict:
     """Run the serving shapes in a fresh process and publish the artifact again with kcache/.
-    With compile, also build AOTInductor packages of the MLPs (aot.py) unless `aot` is False.
+    With compile, also build compiled packages of the MLPs (aot.py: AOTInductor, else Inductor artifacts) unless `aot` is False.
     Defaults come from the manifest's `serving` entry (written from the recipe at build)."""
     path = Path(path).absolute()
     manifest = read_manifest(path)
@@ -230,7 +230,7 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
         env = dict(os.environ, **cache_env(scratch))
         if progress:
             print(f"warm {path} on {device}: prefill {shapes} + {DECODE_STEPS} decode steps"
-                  f"{', torch.compile' if compile else ''}{' + AOTInductor packages' if compile and aot else ''} (fresh processes)",
+                  f"{', torch.compile' if compile else ''}{' + compiled MLP packages' if compile and aot else ''} (fresh processes)",
                   file=sys.stderr, flush=True)
         aot_report = {"aot": [], "s": 0.0}
         if compile and aot:
