@@ -33,7 +33,7 @@ from torch.func import functional_call
 MAX_RANGES = 6  # more means export keeps specializing on exact sizes: give up (torch.compile is used)
 CHECK_REL_ERR = 2e-2  # package vs eager MLP: bf16 activations, Inductor keeps silu*mul in float32
 AOT_DIR = "aot"
-FORMATS = {"aoti": ".pt2", "inductor": ".bin"}  # format: file suffix
+FORMATS = {"aoti": ".pt2", "inductor": ".bin"}  # format: file suffix, in the order warm tries them
 
 
 def _tensors(mlp: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
@@ -111,21 +111,24 @@ def build_packages(model, out_dir: Path, dtype: torch.dtype, fmt: str = "aoti") 
         if (sig := signature(mlp, dtype)) in done:
             continue
         done.add(sig)
+        tensors = _tensors(mlp)[1]
         for lo, hi, ep in export_ranges(mlp, model.config.hidden_size, max_tokens):
             rel = f"{AOT_DIR}/mlp-{sig}-{lo}-{hi}{FORMATS[fmt]}"
             (out_dir / AOT_DIR).mkdir(parents=True, exist_ok=True)
             if fmt == "aoti":
                 aoti_compile_and_package(ep, package_path=str(out_dir / rel))
             else:
-                x = torch.randn(lo, model.config.hidden_size, dtype=dtype, device=_tensors(mlp)[1][0].device)
-                _standalone_compile(ep, [x, *_tensors(mlp)[1]]).save(path=str(out_dir / rel), format="binary")
+                x = torch.randn(lo, model.config.hidden_size, dtype=dtype, device=tensors[0].device)
+                _standalone_compile(ep, [x, *tensors]).save(path=str(out_dir / rel), format="binary")
             entries.append({"file": rel, "signature": sig, "tokens": [lo, hi], "format": fmt})
     return entries
 
 
-def load_package(path: Path, fmt: str):
-    """A callable (x, *tensors) -> y for a package of either format."""
-    if fmt == "aoti":
+def load_package(root: Path, entry: dict):
+    """A callable (x, *tensors) -> y for the `aot` entry's package under `root`, of either format
+    (entries written before formats existed are AOTInductor packages)."""
+    path = root / entry["file"]
+    if entry.get("format", "aoti") == "aoti":
         from torch._inductor import aoti_load_package
 
         return aoti_load_package(str(path))
@@ -148,7 +151,7 @@ def check_packages(model, root: Path, entries: list[dict], dtype: torch.dtype) -
             continue
         tensors = _tensors(mlp)[1]
         try:
-            run = load_package(root / e["file"], e.get("format", "aoti"))
+            run = load_package(root, e)
             for tokens in sorted({e["tokens"][0], min(e["tokens"][1], e["tokens"][0] + 63)}):
                 x = torch.randn(tokens, model.config.hidden_size, generator=gen).to(tensors[0].device, dtype)
                 with torch.inference_mode():
@@ -192,8 +195,7 @@ def install(model, root: Path, entries: list[dict], dtype: torch.dtype) -> int:
             continue
         if sig not in loaded:
             try:
-                loaded[sig] = [(e["tokens"][0], e["tokens"][1], load_package(root / e["file"], e.get("format", "aoti")))
-                               for e in by_sig[sig]]
+                loaded[sig] = [(e["tokens"][0], e["tokens"][1], load_package(root, e)) for e in by_sig[sig]]
             except Exception as exc:  # e.g. torch's sources changed since warm: torch.compile this MLP instead
                 warnings.warn(f"{root}: compiled MLP packages not usable here ({type(exc).__name__}: {str(exc)[:200]}); "
                               "torch.compile is used instead", stacklevel=2)

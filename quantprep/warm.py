@@ -37,7 +37,6 @@ MEGACACHE = "torch-compile.bin"  # torch.compiler.save_cache_artifacts() output
 DEFAULT_SHAPES = [1, 16, 128, 512]
 DECODE_STEPS = 2
 AOT_TIMEOUT_S = 1800  # per phase of warm that builds or checks compiled MLP packages
-AOT_FORMATS = ("aoti", "inductor")  # aot.FORMATS, in the order warm tries them
 # Inductor's FX-graph and AOT entries come back from the mega-cache; locks are per process.
 NOT_SHIPPED = {"inductor/fxgraph", "inductor/aotautograd", "inductor/locks"}
 
@@ -246,14 +245,16 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
 
 
 def _aot_phases(path: Path, device: str, env: dict, scratch: Path, **args) -> dict:
-    """Build the compiled MLPs in each of AOT_FORMATS in turn, loading and checking them in
+    """Build the compiled MLPs in each of aot.FORMATS in turn, loading and checking them in
     another fresh process, until one format passes whole: a package that fails to load (AOTInductor
     crashed on every package under the GPU machine's torch 2.11) or disagrees with eager is not
     shipped. If none passes, the last format's good packages ship, and load(compile=True)
     torch.compiles what they do not cover. Never fails the warm."""
+    from .aot import FORMATS
+
     t0 = time.perf_counter()
     entries: list[dict] = []
-    for fmt in AOT_FORMATS:
+    for fmt in FORMATS:
         shutil.rmtree(scratch / "aot", ignore_errors=True)
         try:
             # Timeouts: a package load hung on the H200; generous for building on 2 cores.
