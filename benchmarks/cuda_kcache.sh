@@ -9,7 +9,7 @@ set -euo pipefail
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
 out=${1:-/tmp/kcache-cuda}
-work=${WORK:-$(mktemp -d)}  # WORK=DIR keeps the artifact where a later command can reuse it
+work=${WORK:-$(mktemp -d)}  # WORK=DIR keeps the artifact where a later command can reuse it; BUILD_ONLY=1 stops after warm
 python3 - "$work" <<'PY'
 import sys
 from pathlib import Path
@@ -22,4 +22,4 @@ build_artifacts(gptq, {"path": str(gptq)}, ["cuda"], lambda t: work / "cuda", pr
                 serving={"shapes": [1, 16, 128, 512], "compile": True}, warm_here=False)
 PY
 python3 -m quantprep warm "$work/cuda" --json ${WARM_ARGS:-} > "$out/warm-cuda.json"  # WARM_ARGS=--no-aot: skip the AOT phases
-python3 benchmarks/kcache.py "$work/cuda" --runs 3 --out "$out/kcache-cuda.json" "${@:2}"
+[ -n "${BUILD_ONLY:-}" ] || python3 benchmarks/kcache.py "$work/cuda" --runs 3 --out "$out/kcache-cuda.json" "${@:2}"

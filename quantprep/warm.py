@@ -333,12 +333,28 @@ def materialize(path: Path, manifest: dict) -> Path:
     for rel in manifest["kcache"]["files"]:
         (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path / KCACHE / rel, tmp / rel)
+    repoint_triton_groups(tmp, dest)
     (tmp / ".complete").touch()
     try:
         os.rename(tmp, dest)
     except OSError:  # another process won the race: use theirs
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def repoint_triton_groups(root: Path, final: Path) -> None:
+    """Triton's `__grp__<kernel>.json` names the kernel's files by absolute path, and a group whose
+    paths are gone is a cache miss: without this, every Triton kernel that warm compiled outside
+    Inductor's own cache (the cuda prefill GEMM, eager and inside compiled MLPs) was compiled
+    again at load (3 kernels, ~1 s on an H100). Point each group at its files in `final`."""
+    for grp in root.glob("triton/*/__grp__*.json"):
+        try:
+            data = json.loads(grp.read_text())
+            here = final / grp.parent.relative_to(root)
+            data["child_paths"] = {name: str(here / Path(p).name) for name, p in data["child_paths"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError):  # another Triton's format: leave it
+            continue
+        grp.write_text(json.dumps(data))
 
 
 def activate(path: Path, manifest: dict, device_type: str, compile: bool) -> dict:

@@ -188,6 +188,37 @@ def test_exec_runs_a_command_with_the_caches_active(warmed, tmp_path):
     assert rc == 3  # the command's exit code passes through
 
 
+def test_moved_triton_kernels_still_hit_in_the_runtime_copy(tmp_path, monkeypatch):
+    """Triton's `__grp__` files name a kernel's files by absolute path (warm's scratch dir), and a
+    group whose paths are gone is a miss: found on an H100, where quantprep's prefill GEMM was
+    compiled again at every load. Real Triton compile of that kernel for an sm_80 target (Triton
+    ships ptxas, no GPU needed), cache moved as warm and load move it, compiled again: a hit."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from quantprep.targets.cuda import _int4_kn_gemm
+    from quantprep.warm import materialize
+
+    signature = {"a_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+                 "GROUP": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+    src = triton.compiler.ASTSource(_int4_kn_gemm, signature=signature,
+                                    constexprs={"GROUP": 32, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32})
+    hits = []
+    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **kw: hits.append(kw["cache_hit"]))
+    scratch = tmp_path / "scratch"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(scratch / "triton"))  # as warm's child has it
+    triton.compile(src, target=GPUTarget("cuda", 80, 32))
+    art = tmp_path / "art"
+    (art / KCACHE).parent.mkdir()
+    scratch.rename(art / KCACHE)  # republish moves the scratch dir into the artifact
+    files = {p.relative_to(art / KCACHE).as_posix(): {} for p in (art / KCACHE).rglob("*") if p.is_file()}
+    assert any(name.startswith("triton/") and "__grp__" in name for name in files)
+    monkeypatch.setenv("QUANTPREP_KCACHE_DIR", str(tmp_path / "runtime"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(materialize(art, {"kcache": {"files": files}}) / "triton"))  # as activate does
+    triton.compile(src, target=GPUTarget("cuda", 80, 32))
+    assert hits == [False, True]
+
+
 def test_exec_and_warm_refuse_bad_input(tmp_path, capsys):
     from quantprep.cli import main
 
