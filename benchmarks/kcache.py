@@ -73,6 +73,7 @@ with torch.inference_mode():
         with open(os.environ["KCACHE_PROFILE"], "w") as f:
             pstats.Stats(profile, stream=f).sort_stats("cumulative").print_stats(150)
             pstats.Stats(profile, stream=f).sort_stats("tottime").print_stats(60)
+            pstats.Stats(profile, stream=f).sort_stats("cumulative").print_stats(r"quantprep/|standalone_compile|(torch|triton)_key", 40)
     t = time.perf_counter()
     out = model.generate(**enc, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
     if model.device.type == "cuda":
