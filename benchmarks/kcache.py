@@ -8,7 +8,8 @@ rounds, medians of --runs:
       AOTInductor packages where they fit (no dynamo), else torch.compile + mega-cache; the runtime
       copy of kcache/ goes to an empty private dir each run, so the copy is paid every time
   (b2) as (b) with the packages ignored: torch.compile with the mega-cache restored
-  (c) eager: compile=False
+  (c) eager: compile=False (with the machine's own ~/.triton, warm after the first round)
+  (c2) eager with the artifact's kcache (its Triton kernels: cuda's prefill GEMM) and an empty Triton dir of its own
 Each child also reports Inductor's FX-graph cache hits/misses, so (b) shows it used the cache.
 
     python benchmarks/kcache.py ARTIFACT [--runs 3] [--out benchmarks/results/kcache-cpu.json]
@@ -52,15 +53,15 @@ if os.environ.get("KCACHE_PROFILE"):  # --profile: where load and the first toke
 if mode == "kcache_megacache":  # the kcache without its AOTInductor packages: torch.compile + mega-cache
     import quantprep.aot
     quantprep.aot.install = lambda *args, **kwargs: 0
-model = quantprep.load(path, compile=mode != "eager", kcache=mode.startswith("kcache"))
+model = quantprep.load(path, compile=mode not in ("eager", "kcache_eager"), kcache=mode.startswith("kcache"))
 loaded = time.time()
 if os.path.exists(os.path.join(path, "tokenizer_config.json")):
     tok = AutoTokenizer.from_pretrained(path)
     enc = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True).to(model.device)
-else:  # a random-code checkpoint has no tokenizer: a fixed 32-token prompt
+else:  # a random-code checkpoint has no tokenizer: a fixed 37-token prompt (not a multiple of 16, unlike warm's lengths)
     tok = None
-    ids = (torch.arange(32) * 7919 % model.config.vocab_size).view(1, 32).to(model.device)
+    ids = (torch.arange(37) * 7919 % model.config.vocab_size).view(1, 37).to(model.device)
     enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 with torch.inference_mode():
     out = model.generate(**enc, max_new_tokens=1, do_sample=False, pad_token_id=0)
@@ -85,7 +86,7 @@ print(json.dumps({"started": started, "imported": imported, "loaded": loaded, "f
 """
 
 MODES = {"a_compile_no_cache": "nocache", "b_compile_kcache": "kcache", "b2_compile_kcache_megacache_only": "kcache_megacache",
-         "c_eager": "eager"}
+         "c_eager": "eager", "c2_eager_kcache": "kcache_eager"}
 
 
 def run_once(path: Path, mode: str, profile: Path | None = None, extra_env: dict | None = None) -> dict:
@@ -93,7 +94,7 @@ def run_once(path: Path, mode: str, profile: Path | None = None, extra_env: dict
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", QUANTPREP_KCACHE_DIR=f"{tmp}/kcache", **(extra_env or {}))
         if profile:
             env["KCACHE_PROFILE"] = str(profile)
-        if mode == "nocache":  # (c) keeps the machine's own Triton cache (~/.triton): the best case for eager
+        if mode in ("nocache", "kcache_eager"):  # (c) keeps the machine's own Triton cache (~/.triton): the best case for eager
             env["TRITON_CACHE_DIR"] = f"{tmp}/triton"
         t0 = time.time()
         proc = subprocess.run([sys.executable, "-c", CHILD, str(path), mode], env=env, capture_output=True, text=True)

@@ -362,8 +362,8 @@ def activate(path: Path, manifest: dict, device_type: str, compile: bool) -> dic
     built for this machine. Returns a status dict; never raises for a bad cache (it warns)."""
     if "kcache" not in manifest:
         return {"status": "absent"}
-    if not compile and device_type != "xpu":
-        return {"status": "unused (no compile, and only xpu has driver caches)"}
+    if not compile and device_type == "cpu":
+        return {"status": "unused (no compile: the cpu target's eager kernels are not compiled at run time)"}
     problem = kcache_problem(path, manifest)
     if problem:
         return _ignored(f"{problem}; ignoring it (re-run `quantprep warm {path}`)")
@@ -383,9 +383,9 @@ def activate(path: Path, manifest: dict, device_type: str, compile: bool) -> dic
     if mismatch:
         return _ignored(f"{path}: {mismatch}; ignoring it (re-run `quantprep warm {path}` on this machine)")
     root = materialize(path, manifest)
-    if compile:
-        env = cache_env(root)
-        os.environ.update({k: env[k] for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")})
+    env = cache_env(root)
+    # Triton's cache also without compile: the cuda prefill GEMM is a Triton kernel in eager mode too
+    os.environ.update({k: env[k] for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if compile or k == "TRITON_CACHE_DIR"})
     return {"status": "used", "dir": str(root)}
 
 

@@ -181,6 +181,8 @@ def test_exec_runs_a_command_with_the_caches_active(warmed, tmp_path):
     root = os.path.dirname(inductor)
     assert seen["TRITON_CACHE_DIR"] == os.path.join(root, "triton")  # Triton kernels, eager ones too
     for rel, f in read_manifest(art)["kcache"]["files"].items():  # the runtime copy is the shipped cache
+        if "__grp__" in rel:  # Triton's group files (cuda/xpu) are repointed at the copy
+            continue
         assert hashlib.sha256(open(os.path.join(root, rel), "rb").read()).hexdigest() == f["sha256"]
 
     rc = subprocess.run([sys.executable, "-m", "quantprep", "exec", str(art), "--", sys.executable, "-c",

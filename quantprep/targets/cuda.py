@@ -74,7 +74,10 @@ except ImportError:  # CPU-only installs: the dequantize path runs instead
 
 if triton is not None:
 
-    @triton.jit
+    # M (the prompt's length) is not specialized: Triton compiles one variant for M % 16 == 0 and
+    # another for the rest, and warm's lengths are multiples of 16, so most real prompts met an
+    # uncached variant at their first request. One variant serves every M.
+    @triton.jit(do_not_specialize=["M"])
     def _int4_kn_gemm(a_ptr, w_ptr, sz_ptr, c_ptr, M, N, K, GROUP: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """C[M, N] = A[M, K] @ W, W[k, n] = (q - 8) * s + z with q at bits 4*(k%8) of words [K/8, N].
