@@ -94,7 +94,8 @@ def run_once(path: Path, mode: str, profile: Path | None = None, extra_env: dict
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", QUANTPREP_KCACHE_DIR=f"{tmp}/kcache", **(extra_env or {}))
         if profile:
             env["KCACHE_PROFILE"] = str(profile)
-        if mode in ("nocache", "kcache_eager"):  # (c) keeps the machine's own Triton cache (~/.triton): the best case for eager
+        # (a) and (c2) get an empty Triton dir of their own; (c) keeps the machine's ~/.triton, the best case for eager
+        if mode in ("nocache", "kcache_eager"):
             env["TRITON_CACHE_DIR"] = f"{tmp}/triton"
         t0 = time.time()
         proc = subprocess.run([sys.executable, "-c", CHILD, str(path), mode], env=env, capture_output=True, text=True)

@@ -101,7 +101,8 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     shapes once in this process (per-process state such as oneDNN primitives on XPU).
     kcache: use the artifact's kernel cache when it matches this machine (a foreign or corrupt
     one is ignored with a warning); using it sets TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR (with
-    compile) and, on xpu, NEO_/SYCL_CACHE_* for this process (cpu without compile: nothing to use). `model.quantprep_kcache` says what happened.
+    compile) and, on xpu, NEO_/SYCL_CACHE_* for this process (cpu without compile: nothing to
+    use). `model.quantprep_kcache` says what happened.
     Raises ArtifactMismatch for an artifact built for another machine, ArtifactError if corrupt.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
