@@ -20,6 +20,7 @@ import sysconfig
 from pathlib import Path
 
 MODULE = "triton.compiler.compiler"  # imports get_cache_key by name: patch it there
+KEY_PARTS = ("fn_key", "attrs", "signature", "constants", "backend", "options", "env", "key_prefix")
 
 
 def record(src, backend, options, env_vars, key: str) -> dict:
@@ -87,11 +88,10 @@ def diff(warm: Path, load: Path) -> None:
         twins = [w for w in before if w.get("name") == r.get("name")]
         print(f"{r.get('name')}: key not seen in warm ({len(twins)} warm keys of that name)")
         for w in twins:
-            print("   differs in", [k for k in ("fn_key", "attrs", "signature", "constants", "backend", "options", "env", "key_prefix")
-                                    if w.get(k) != r.get(k)])
+            print("   differs in", [k for k in KEY_PARTS if w.get(k) != r.get(k)])
         if twins:
             w = twins[0]
-            for k in ("fn_key", "attrs", "signature", "constants", "backend", "options", "env", "key_prefix"):
+            for k in KEY_PARTS:
                 if w.get(k) != r.get(k):
                     print(f"   {k}:\n     warm {w.get(k)}\n     load {r.get(k)}")
 

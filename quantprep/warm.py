@@ -384,8 +384,9 @@ def activate(path: Path, manifest: dict, device_type: str, compile: bool) -> dic
         return _ignored(f"{path}: {mismatch}; ignoring it (re-run `quantprep warm {path}` on this machine)")
     root = materialize(path, manifest)
     env = cache_env(root)
-    # Triton's cache also without compile: the cuda prefill GEMM is a Triton kernel in eager mode too
-    os.environ.update({k: env[k] for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if compile or k == "TRITON_CACHE_DIR"})
+    os.environ["TRITON_CACHE_DIR"] = env["TRITON_CACHE_DIR"]  # also eager: the cuda prefill GEMM is a Triton kernel
+    if compile:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = env["TORCHINDUCTOR_CACHE_DIR"]
     return {"status": "used", "dir": str(root)}
 
 

@@ -211,7 +211,7 @@ def test_moved_triton_kernels_still_hit_in_the_runtime_copy(tmp_path, monkeypatc
     monkeypatch.setenv("TRITON_CACHE_DIR", str(scratch / "triton"))  # as warm's child has it
     triton.compile(src, target=GPUTarget("cuda", 80, 32))
     art = tmp_path / "art"
-    (art / KCACHE).parent.mkdir()
+    art.mkdir()
     scratch.rename(art / KCACHE)  # republish moves the scratch dir into the artifact
     files = {p.relative_to(art / KCACHE).as_posix(): {} for p in (art / KCACHE).rglob("*") if p.is_file()}
     assert any(name.startswith("triton/") and "__grp__" in name for name in files)
