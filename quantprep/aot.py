@@ -22,7 +22,9 @@ export's range constraint says where the next one starts. A token count outside 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
+import threading
 import warnings
 from pathlib import Path
 
@@ -134,6 +136,40 @@ def load_package(root: Path, entry: dict):
         return aoti_load_package(str(path))
     compiled = torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
     return lambda *args: compiled(*args)[0]  # the graph's outputs, a list of one
+
+
+# What loading each format imports before its first package (CompiledArtifact.load pulls in
+# compile_fx, the bulk of Inductor) and the hash of torch's sources that it keys the cache with.
+RUNTIME_MODULES = {"aoti": ["torch._inductor.package"],
+                   "inductor": ["torch._inductor.standalone_compile", "torch._inductor.compile_fx"]}
+
+
+def _import_runtime(formats: set[str]) -> None:
+    try:
+        for fmt in sorted(formats):
+            for name in RUNTIME_MODULES.get(fmt, []):
+                importlib.import_module(name)
+        if "inductor" in formats:
+            from torch._inductor.codecache import torch_key
+
+            torch_key()  # cached per process
+    except Exception:  # install() imports again in the main thread and reports what fails
+        pass
+
+
+def prefetch_runtime(entries: list[dict]) -> threading.Thread | None:
+    """Import the packages' runtime in a background thread while load reads the weights.
+
+    Inductor's import is ~1 s of the first token with compile=True when the packages are
+    Inductor artifacts (BENCHMARKS.md). The weight copies and device start-up release the GIL, so
+    part of it overlaps. Start this only once the caller has done its own imports: two threads
+    importing modules that import each other can see a partly initialised module."""
+    formats = {e.get("format", "aoti") for e in entries}
+    if not formats:
+        return None
+    thread = threading.Thread(target=_import_runtime, args=(formats,), name="quantprep-prefetch", daemon=True)
+    thread.start()
+    return thread
 
 
 def check_packages(model, root: Path, entries: list[dict], dtype: torch.dtype) -> dict[str, str]:

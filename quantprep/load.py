@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from .aot import prefetch_runtime
 from .artifact import check_files, read_manifest
 from .errors import ArtifactError, ArtifactMismatch
 from .fused import install as install_fused
@@ -151,6 +152,8 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
         else:
             setattr(parent, child, module)
 
+    # Inductor's import overlaps the weight copies below; after from_config, which did this load's own imports
+    prefetch = prefetch_runtime(manifest["kcache"].get("aot", [])) if compile and kcache_status.get("status") == "used" else None
     state: dict[str, torch.Tensor] = {}
     for shard in manifest["shards"]:
         try:
@@ -177,6 +180,8 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()
     if compile:
+        if prefetch:
+            prefetch.join()
         compile_model(model, manifest, kcache_status, dtype)
     if warmup:
         shapes = manifest.get("kcache", manifest.get("serving", {})).get("shapes", DEFAULT_SHAPES)
