@@ -138,36 +138,32 @@ def load_package(root: Path, entry: dict):
     return lambda *args: compiled(*args)[0]  # the graph's outputs, a list of one
 
 
-# What loading each format imports before its first package (CompiledArtifact.load pulls in
-# compile_fx, the bulk of Inductor) and the hash of torch's sources that it keys the cache with.
-RUNTIME_MODULES = {"aoti": ["torch._inductor.package"],
-                   "inductor": ["torch._inductor.standalone_compile", "torch._inductor.compile_fx"]}
+# What CompiledArtifact.load imports before its first package: compile_fx is most of Inductor.
+INDUCTOR_RUNTIME = ["torch._inductor.standalone_compile", "torch._inductor.compile_fx"]
 
 
-def _import_runtime(formats: set[str]) -> None:
+def _import_inductor_runtime() -> None:
     try:
-        for fmt in sorted(formats):
-            for name in RUNTIME_MODULES.get(fmt, []):
-                importlib.import_module(name)
-        if "inductor" in formats:
-            from torch._inductor.codecache import torch_key
+        for name in INDUCTOR_RUNTIME:
+            importlib.import_module(name)
+        from torch._inductor.codecache import torch_key
 
-            torch_key()  # cached per process
+        torch_key()  # the hash of torch's sources that the artifacts are keyed by (cached per process)
     except Exception:  # install() imports again in the main thread and reports what fails
         pass
 
 
 def prefetch_runtime(entries: list[dict]) -> threading.Thread | None:
-    """Import the packages' runtime in a background thread while load reads the weights.
+    """When the packages are Inductor artifacts, import Inductor in a background thread while
+    load copies the weights; the caller must have done its own imports first (two threads
+    importing modules that import each other can see a partly initialised module).
 
-    Inductor's import is ~1 s of the first token with compile=True when the packages are
-    Inductor artifacts (BENCHMARKS.md). The weight copies and device start-up release the GIL, so
-    part of it overlaps. Start this only once the caller has done its own imports: two threads
-    importing modules that import each other can see a partly initialised module."""
-    formats = {e.get("format", "aoti") for e in entries}
-    if not formats:
+    The copies to the GPU release the GIL, so part of the ~1 s import overlaps them: 0.15-0.55 s
+    less load time on the H100 (BENCHMARKS.md). AOTInductor packages import little once dynamo
+    is loaded (0.03 s), and on the CPU, whose weights are mmapped, nothing overlaps: no thread."""
+    if not any(e.get("format", "aoti") == "inductor" for e in entries):
         return None
-    thread = threading.Thread(target=_import_runtime, args=(formats,), name="quantprep-prefetch", daemon=True)
+    thread = threading.Thread(target=_import_inductor_runtime, name="quantprep-prefetch", daemon=True)
     thread.start()
     return thread
 

@@ -117,31 +117,28 @@ def test_signature_tells_layouts_apart(warmed_aot):
 PREFETCH_CHILD = """
 import json, sys
 import torch
-from quantprep.aot import RUNTIME_MODULES, prefetch_runtime
-fmt = sys.argv[1]
-before = [m for m in RUNTIME_MODULES[fmt] if m in sys.modules]
-thread = prefetch_runtime([{"format": fmt, "file": "aot/x", "signature": "x", "tokens": [1, 1]}])
+from quantprep.aot import INDUCTOR_RUNTIME, prefetch_runtime
+before = [m for m in INDUCTOR_RUNTIME if m in sys.modules]
+thread = prefetch_runtime([{"format": "inductor", "file": "aot/x.bin", "signature": "x", "tokens": [1, 1]}])
 thread.join(600)
 from torch._dynamo.utils import compilation_time_metrics  # torch_key's runs, recorded by dynamo_timed
-print(json.dumps({"before": before, "after": [m for m in RUNTIME_MODULES[fmt] if m in sys.modules], "alive": thread.is_alive(),
+print(json.dumps({"before": before, "after": [m for m in INDUCTOR_RUNTIME if m in sys.modules], "alive": thread.is_alive(),
                   "torch_key_runs": len(compilation_time_metrics.get("inductor_codecache_torch_key", []))}))
 """
 
 
-@pytest.mark.parametrize("fmt", ["aoti", "inductor"])
-def test_prefetch_imports_the_package_runtime_in_the_background(fmt):
-    """Fails when a module name goes stale with a new torch: the import error is swallowed in the
-    thread (the main thread's own import reports it), so only this test notices the lost overlap."""
-    from quantprep.aot import prefetch_runtime
+def test_prefetch_imports_inductor_in_the_background_for_inductor_artifacts():
+    """Fails when a module name goes stale with a new torch: the thread swallows the import error
+    (the main thread's own import reports it), so only this test notices the lost overlap."""
+    from quantprep.aot import INDUCTOR_RUNTIME, prefetch_runtime
 
     assert prefetch_runtime([]) is None
-    proc = subprocess.run([sys.executable, "-c", PREFETCH_CHILD, fmt], capture_output=True, text=True, timeout=900)
+    assert prefetch_runtime([{"file": "aot/x.pt2", "signature": "x", "tokens": [1, 1], "format": "aoti"}]) is None
+    proc = subprocess.run([sys.executable, "-c", PREFETCH_CHILD], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    from quantprep.aot import RUNTIME_MODULES
-
-    assert r["before"] == [] and r["after"] == RUNTIME_MODULES[fmt] and not r["alive"]
-    assert r["torch_key_runs"] == (1 if fmt == "inductor" else 0)  # the hash CompiledArtifact.load keys on
+    assert r["before"] == [] and r["after"] == INDUCTOR_RUNTIME and not r["alive"]
+    assert r["torch_key_runs"] == 1  # the hash CompiledArtifact.load keys on, computed in the thread
 
 
 def test_malformed_aot_entry_is_refused(warmed_aot, copy_of):
