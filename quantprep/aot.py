@@ -159,8 +159,8 @@ def prefetch_runtime(entries: list[dict]) -> threading.Thread | None:
     importing modules that import each other can see a partly initialised module).
 
     The copies to the GPU release the GIL, so part of the ~1 s import overlaps them: 0.15-0.55 s
-    less load time on the H100 (BENCHMARKS.md). AOTInductor packages import little once dynamo
-    is loaded (0.03 s), and on the CPU, whose weights are mmapped, nothing overlaps: no thread."""
+    less load time on the H100 (BENCHMARKS.md); on the CPU (mmapped weights) neither gain nor loss.
+    AOTInductor packages import little once dynamo is loaded (0.03 s): no thread for them."""
     if not any(e.get("format", "aoti") == "inductor" for e in entries):
         return None
     thread = threading.Thread(target=_import_inductor_runtime, name="quantprep-prefetch", daemon=True)
