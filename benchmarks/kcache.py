@@ -22,6 +22,7 @@ The artifact must have been warmed with --compile on this machine (the script sa
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -93,14 +94,19 @@ print(json.dumps({"started": started, "imported": imported, "loaded": loaded, "f
 MODES = {"a_compile_no_cache": "nocache", "b_compile_kcache": "kcache", "b2_compile_kcache_megacache_only": "kcache_megacache",
          "b3_compile_kcache_reused": "kcache_reused", "b4_compile_kcache_no_prefetch": "kcache_noprefetch",
          "c_eager": "eager", "c2_eager_kcache": "kcache_eager"}
-KEPT_RUNTIME_COPY = tempfile.mkdtemp(prefix="kcache-kept-")  # (b3): one runtime copy for all its rounds
+
+
+@functools.cache
+def kept_runtime_copy() -> str:
+    """(b3)'s QUANTPREP_KCACHE_DIR: one runtime copy for all its rounds."""
+    return tempfile.mkdtemp(prefix="kcache-kept-")
 
 
 def run_once(path: Path, mode: str, profile: Path | None = None, extra_env: dict | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", QUANTPREP_KCACHE_DIR=f"{tmp}/kcache", **(extra_env or {}))
         if mode == "kcache_reused":
-            env["QUANTPREP_KCACHE_DIR"] = KEPT_RUNTIME_COPY
+            env["QUANTPREP_KCACHE_DIR"] = kept_runtime_copy()
         if profile:
             env["KCACHE_PROFILE"] = str(profile)
         # (a) and (c2) get an empty Triton dir of their own; (c) keeps the machine's ~/.triton, the best case for eager

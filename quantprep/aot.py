@@ -38,6 +38,11 @@ AOT_DIR = "aot"
 FORMATS = {"aoti": ".pt2", "inductor": ".bin"}  # format: file suffix, in the order warm tries them
 
 
+def package_format(entry: dict) -> str:
+    """An `aot` entry's format; entries written before formats existed are AOTInductor packages."""
+    return entry.get("format", "aoti")
+
+
 def _tensors(mlp: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
     named = [(n, t) for n, t in [*mlp.named_parameters(), *mlp.named_buffers()] if t is not None]
     return [n for n, _ in named], [t for _, t in named]
@@ -127,10 +132,9 @@ def build_packages(model, out_dir: Path, dtype: torch.dtype, fmt: str = "aoti") 
 
 
 def load_package(root: Path, entry: dict):
-    """A callable (x, *tensors) -> y for the `aot` entry's package under `root`, of either format
-    (entries written before formats existed are AOTInductor packages)."""
+    """A callable (x, *tensors) -> y for the `aot` entry's package under `root`, of either format."""
     path = root / entry["file"]
-    if entry.get("format", "aoti") == "aoti":
+    if package_format(entry) == "aoti":
         from torch._inductor import aoti_load_package
 
         return aoti_load_package(str(path))
@@ -161,7 +165,7 @@ def prefetch_runtime(entries: list[dict]) -> threading.Thread | None:
     The copies to the GPU release the GIL, so part of the ~1 s import overlaps them: 0.15-0.55 s
     less load time on the H100 (BENCHMARKS.md); on the CPU (mmapped weights) neither gain nor loss.
     AOTInductor packages import little once dynamo is loaded (0.03 s): no thread for them."""
-    if not any(e.get("format", "aoti") == "inductor" for e in entries):
+    if not any(package_format(e) == "inductor" for e in entries):
         return None
     thread = threading.Thread(target=_import_inductor_runtime, name="quantprep-prefetch", daemon=True)
     thread.start()

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from . import __version__
 from .aot import FORMATS as PACKAGE_FORMATS
+from .aot import package_format
 from .errors import ArtifactError, QuantprepError
 
 FORMAT = "quantprep-artifact"
@@ -301,7 +302,7 @@ def _valid_aot(entries, files: dict) -> bool:
     """kcache.aot: [{file (listed in kcache.files), signature, tokens [lo, hi], format}] (warm.py, aot.py)."""
     return isinstance(entries, list) and all(
         isinstance(e, dict) and e.get("file") in files and isinstance(e.get("signature"), str)
-        and e.get("format", "aoti") in PACKAGE_FORMATS
+        and package_format(e) in PACKAGE_FORMATS
         and _is_shape_list(e.get("tokens")) and len(e["tokens"]) == 2 and e["tokens"][0] <= e["tokens"][1]
         for e in entries)
 
