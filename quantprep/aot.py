@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from .errors import QuantprepError
+
 MAX_RANGES = 6  # more means export keeps specializing on exact sizes: give up (torch.compile is used)
 CHECK_REL_ERR = 2e-2  # package vs eager MLP: bf16 activations, Inductor keeps silu*mul in float32
 AOT_DIR = "aot"
@@ -110,8 +112,6 @@ def build_packages(model, out_dir: Path, dtype: torch.dtype, fmt: str = "aoti") 
     manifest's `aot` list."""
     from torch._inductor import aoti_compile_and_package
 
-    from .warm import decoder_mlps
-
     max_tokens = getattr(model.config, "max_position_embeddings", None) or 8192
     entries, done = [], set()
     for mlp in decoder_mlps(model):
@@ -175,8 +175,6 @@ def prefetch_runtime(entries: list[dict]) -> threading.Thread | None:
 def check_packages(model, root: Path, entries: list[dict], dtype: torch.dtype) -> dict[str, str]:
     """Run each package (fresh process: warm's check phase) at both ends of its token range
     against the eager MLP it stands for; returns {file: problem} for those that must not ship."""
-    from .warm import decoder_mlps
-
     mlps = {signature(mlp, dtype): mlp for mlp in decoder_mlps(model)}
     gen = torch.Generator().manual_seed(0)
     bad = {}
@@ -219,8 +217,6 @@ class AotForward:
 
 def install(model, root: Path, entries: list[dict], dtype: torch.dtype) -> int:
     """Put the packages under `root` on every MLP whose signature they were built for; returns how many."""
-    from .warm import decoder_mlps
-
     by_sig: dict[str, list] = {}
     for e in entries:
         by_sig.setdefault(e["signature"], []).append(e)
@@ -241,3 +237,32 @@ def install(model, root: Path, entries: list[dict], dtype: torch.dtype) -> int:
         mlp.forward = AotForward(mlp, loaded[sig])
         n += 1
     return n
+
+
+def compile_regions(model) -> int:
+    """torch.compile each decoder layer's MLP (regional compilation); returns how many.
+
+    Not the whole layer: attention updates transformers' KV cache, whose per-layer state makes
+    dynamo recompile for every layer (then, past its recompile limit, run eager silently). The MLPs
+    are identical across layers, so one trace per shape class serves them all. Compiling the
+    attention projections too was measured (SmolLM2, CPU): 3x the graphs, +1.3 s to the first
+    token with a warm cache, and slower decode (21 vs 27 tok/s), so they stay eager."""
+    n = 0
+    for mlp in decoder_mlps(model):
+        if not isinstance(mlp.forward, AotForward):
+            mlp.compile(dynamic=True)  # lazy: dynamo runs at the first call
+            n += 1
+    return n
+
+
+def _decoder_layers(model) -> list:
+    base = getattr(model, model.base_model_prefix, model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise QuantprepError(f"{type(model).__name__}: no decoder `layers` to compile; load with compile=False")
+    return list(layers)
+
+
+def decoder_mlps(model) -> list:
+    """Each decoder layer's MLP: what compile_regions and the compiled MLP packages (aot.py) compile."""
+    return [layer.mlp for layer in _decoder_layers(model) if getattr(layer, "mlp", None) is not None]

@@ -24,10 +24,10 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from . import __version__
 from .aot import FORMATS as PACKAGE_FORMATS
 from .aot import package_format
 from .errors import ArtifactError, QuantprepError
+from .version import __version__
 
 FORMAT = "quantprep-artifact"
 FORMAT_VERSION = 1
@@ -107,12 +107,37 @@ def publish_lock(out: Path):
         yield
 
 
+def check_out_dir(out: Path, source: Path | None = None, force: bool = False) -> None:
+    """Publishing replaces whatever `out` holds. Refuse unless it is missing, empty or an artifact
+    (its manifest reads), so a mistyped --out never deletes a user's files; `force` overrides,
+    except where the source itself would be deleted (out is the source or a folder above it)."""
+    out = Path(out).absolute()
+    if source is not None:
+        src = Path(source).resolve()
+        if out.resolve() == src or out.resolve() in src.parents:
+            raise QuantprepError(f"{out}: holds the source checkpoint {src}; writing the artifact there would delete it: choose another --out")
+    if not out.exists() or force:
+        return
+    if not out.is_dir():
+        raise QuantprepError(f"{out}: exists and is not a directory; choose another --out")
+    if not any(out.iterdir()):
+        return
+    try:
+        read_manifest(out)
+    except ArtifactError:
+        raise QuantprepError(f"{out}: exists and is not a quantprep artifact; building there would delete its contents: "
+                             "choose another --out, or pass --force to replace it") from None
+
+
 def write_artifact(out: Path, tensors: dict[str, torch.Tensor], manifest: dict, side_files_from: Path | None,
-                   side_files: list[str], probes: dict[str, torch.Tensor] | None = None, progress: bool = True) -> Path:
-    """Write `tensors` + side files + manifest to `out`, atomically. `manifest` lacks shards/files/created."""
+                   side_files: list[str], probes: dict[str, torch.Tensor] | None = None, progress: bool = True,
+                   force: bool = False) -> Path:
+    """Write `tensors` + side files + manifest to `out`, atomically. `manifest` lacks shards/files/created.
+    `out` must be missing, empty or an artifact unless `force` (check_out_dir)."""
     out = Path(out).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     with publish_lock(out):
+        check_out_dir(out, side_files_from, force)
         return _write_locked(out, tensors, manifest, side_files_from, side_files, probes, progress)
 
 

@@ -12,14 +12,15 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
-from .artifact import FORMAT, FORMAT_VERSION, write_artifact
+from .artifact import FORMAT, FORMAT_VERSION, check_out_dir, write_artifact
 from .errors import RecipeError, SourceError
+from .load import DEFAULT_SHAPES
 from .prepack import prepack_checkpoint
 from .recipes import Recipe
-from .source import GPTQCheckpoint, is_gptq_dir, read_checkpoint, resolve_hub_model
+from .source import GPTQCheckpoint, check_against_model, is_gptq_dir, read_checkpoint, resolve_hub_model
 from .targets import get_target
-from .warm import DEFAULT_SHAPES, warm
+from .version import __version__
+from .warm import warm
 
 DEFAULT_OUT = Path("artifacts")
 
@@ -108,12 +109,16 @@ def build_manifest(ckpt: GPTQCheckpoint, target, act_dtype: torch.dtype, modules
 
 def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for, act_dtype: str | None = None,
                     progress: bool = True, serving: dict | None = None, warm_here: bool = False,
-                    fuse: bool = True) -> list[dict]:
+                    fuse: bool = True, force: bool = False) -> list[dict]:
     """Read the checkpoint once, then prepack + write one artifact per target. `out_for(target)` -> dir.
     serving: the shapes (and compile flag) `warm` will run; warm_here: warm each artifact whose
-    device is present on this machine; fuse: prepack q/k/v and gate/up as one matmul where exact."""
+    device is present on this machine; fuse: prepack q/k/v and gate/up as one matmul where exact;
+    force: replace an output directory that is not an artifact (never the source)."""
     resolved = [get_target(t) for t in targets]  # unknown target names fail before any work
+    for target in resolved:  # and so do output directories that must not be replaced
+        check_out_dir(out_for(target.name), gptq_dir, force)
     ckpt = read_checkpoint(gptq_dir)
+    check_against_model(ckpt)
     results = []
     for target in resolved:
         t0 = time.perf_counter()
@@ -121,7 +126,7 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
         tensors, modules, probes = prepack_checkpoint(ckpt, target, dt, progress=progress, fuse=fuse)
         t1 = time.perf_counter()
         out = write_artifact(out_for(target.name), tensors, build_manifest(ckpt, target, dt, modules, identity, serving),
-                             ckpt.path, ckpt.side_files, probes, progress=progress)
+                             ckpt.path, ckpt.side_files, probes, progress=progress, force=force)
         t2 = time.perf_counter()
         result = {"target": target.name, "path": str(out), "layers": len(modules),
                   "prepack_s": round(t1 - t0, 3), "write_s": round(t2 - t1, 3)}

@@ -12,26 +12,35 @@ from pathlib import Path
 
 from .errors import QuantprepError
 
+TRUST_HELP = ("run the artifact's kcache/ (compiled code) although it was not warmed here by you; "
+              "only for artifacts from a source you trust (also QUANTPREP_TRUST_KCACHE=1)")
+
+
+RECIPES_HELP = "also look for recipes (NAME.toml) in DIR, before the built-in ones (repeatable; also QUANTPREP_RECIPES)"
+
 
 def _print_json_or(args, data, text: str) -> None:
     print(json.dumps(data, indent=2) if args.json else text)
 
 
 def cmd_build(args) -> int:
+    from .artifact import check_out_dir
     from .build import DEFAULT_OUT, build_artifacts, resolve_source
     from .recipes import find_recipe
     from .targets import get_target
 
-    recipe = find_recipe(args.recipe)
+    recipe = find_recipe(args.recipe, args.recipes)
     targets = args.target or recipe.targets
-    for t in targets:
-        get_target(t)  # unknown names fail before quantizing
-    gptq_dir, identity = resolve_source(recipe, args.source)
     out_root = Path(args.out) if args.out else DEFAULT_OUT / recipe.name
+    user_source = Path(args.source) if args.source and Path(args.source).exists() else None
+    for t in targets:
+        get_target(t)  # unknown names and output dirs that must not be replaced fail before quantizing
+        check_out_dir(out_root / t, user_source, args.force)
+    gptq_dir, identity = resolve_source(recipe, args.source)
     serving = {"shapes": recipe.warm_shapes, "compile": recipe.warm_compile, "aot": recipe.warm_aot}
     results = build_artifacts(gptq_dir, identity, targets, lambda t: out_root / t, recipe.act_dtype,
                               progress=not args.json, serving=serving, warm_here=args.warm and recipe.warm_enabled,
-                              fuse=args.fuse)
+                              fuse=args.fuse, force=args.force)
     if args.check:
         for r in results:
             if get_target(r["target"]).runtime_problem() is None:
@@ -59,12 +68,18 @@ def cmd_warm(args) -> int:
 def cmd_exec(args) -> int:
     import os
 
-    from .warm import exec_env
+    from .kcache import exec_env
 
-    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    cmd = args.cmd
+    if "--" in cmd:  # options between DIR and `--` (argparse hands them over with the command)
+        options, cmd = cmd[:cmd.index("--")], cmd[cmd.index("--") + 1:]
+        for option in options:
+            if option != "--trust-kcache":
+                raise QuantprepError(f"exec: unknown option {option!r}; usage: quantprep exec [--trust-kcache] DIR -- CMD [ARGS...]")
+            args.trust_kcache = True
     if not cmd:
         raise QuantprepError("nothing to run: quantprep exec DIR -- CMD [ARGS...]")
-    env = exec_env(args.dir)
+    env = exec_env(args.dir, trust=args.trust_kcache)
     try:
         os.execvpe(cmd[0], cmd, env)
     except OSError as e:
@@ -95,7 +110,7 @@ def cmd_prepack(args) -> int:
     if not is_gptq_dir(src):
         raise QuantprepError(f"{src}: not a GPTQ checkpoint (no quantize_config.json or quantization_config); use `quantprep build RECIPE --source {src}` to quantize a float model")
     results = build_artifacts(src, {"path": str(src.absolute())}, [args.target], lambda t: Path(args.out),
-                              args.act_dtype, progress=not args.json, fuse=args.fuse)
+                              args.act_dtype, progress=not args.json, fuse=args.fuse, force=args.force)
     r = results[0]
     _print_json_or(args, r, f"wrote {r['path']} ({r['bytes'] / 2**20:.1f} MiB, {r['layers']} layers, prepack {r['prepack_s']:.2f} s)")
     return 0
@@ -137,7 +152,7 @@ def cmd_verify(args) -> int:
 def cmd_list(args) -> int:
     from .recipes import list_recipes, parse_recipe
 
-    rows = [parse_recipe(p) for p in list_recipes()]
+    rows = [parse_recipe(p) for p in list_recipes(args.recipes)]
     _print_json_or(args, [{"name": r.name, "description": r.description, "targets": r.targets} for r in rows],
                    "\n".join(f"{r.name:16s} {r.description} (targets: {', '.join(r.targets)})" for r in rows))
     return 0
@@ -173,7 +188,7 @@ def cmd_generate(args) -> int:
 
     from . import load
 
-    model = load(args.dir)
+    model = load(args.dir, trust_kcache=args.trust_kcache)
     t1 = time.perf_counter()
     from transformers import AutoTokenizer
 
@@ -195,13 +210,14 @@ def cmd_generate(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     # torchao (imported by transformers when installed) logs deprecation noise at import; keep
-    # stderr for our one-line errors.
-    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    # stderr for our one-line errors. A filter, since torch's logging setup resets logger levels.
+    logging.getLogger("torch.utils._pytree").addFilter(lambda record: record.levelno >= logging.ERROR)
     p = argparse.ArgumentParser(prog="quantprep", description="Prepare GPTQ models offline so serving loads them in seconds.")
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("build", help="source -> prepack -> artifact for a recipe")
     b.add_argument("recipe", help="recipe name (see `quantprep list`) or path to a .toml file")
+    b.add_argument("--recipes", action="append", metavar="DIR", help=RECIPES_HELP)
     b.add_argument("--source", help="GPTQ checkpoint dir, float model dir, or hub id (overrides the recipe's source)")
     b.add_argument("--target", action="append", help="target (repeatable); default: the recipe's targets")
     b.add_argument("--out", help="output root; artifacts go to OUT/<target> (default artifacts/<recipe>)")
@@ -211,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="warm each artifact whose device is present (see `warm`; default: on)")
     b.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
                    help="prepack q/k/v and gate/up as one matmul where their act-order matches (default: on)")
+    b.add_argument("--force", action="store_true", help="replace an output dir that is not an artifact (never the source)")
     b.add_argument("--json", action="store_true", help="print a JSON summary")
     b.set_defaults(func=cmd_build)
 
@@ -221,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--act-dtype", choices=["bfloat16", "float16", "float32"], help="default: the target's")
     pp.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
                     help="prepack q/k/v and gate/up as one matmul where their act-order matches (default: on)")
+    pp.add_argument("--force", action="store_true", help="replace an --out dir that is not an artifact (never the source)")
     pp.add_argument("--json", action="store_true")
     pp.set_defaults(func=cmd_prepack)
 
@@ -245,10 +263,12 @@ def main(argv: list[str] | None = None) -> int:
 
     x = sub.add_parser("exec", help="run CMD with the artifact's kernel caches active: quantprep exec DIR -- CMD...")
     x.add_argument("dir")
+    x.add_argument("--trust-kcache", action="store_true", help=TRUST_HELP)
     x.add_argument("cmd", nargs=argparse.REMAINDER)
     x.set_defaults(func=cmd_exec)
 
     lp = sub.add_parser("list", help="list recipes")
+    lp.add_argument("--recipes", action="append", metavar="DIR", help=RECIPES_HELP)
     lp.add_argument("--json", action="store_true")
     lp.set_defaults(func=cmd_list)
 
@@ -261,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("dir")
     g.add_argument("--prompt", default="What is the capital of France?")
     g.add_argument("--max-new-tokens", type=int, default=16)
+    g.add_argument("--trust-kcache", action="store_true", help=TRUST_HELP)
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_generate)
 

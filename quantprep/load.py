@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -17,12 +18,16 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from .aot import prefetch_runtime
+from .aot import compile_regions, prefetch_runtime
+from .aot import install as install_packages
 from .artifact import check_files, read_manifest
 from .errors import ArtifactError, ArtifactMismatch
 from .fused import install as install_fused
+from .kcache import MEGACACHE, activate
 from .targets import get_target
-from .warm import DEFAULT_SHAPES, activate, compile_model, run_shapes, usable_shapes
+
+DEFAULT_SHAPES = [1, 16, 128, 512]  # prefill lengths warm runs (and warmup replays) unless the recipe says otherwise
+DECODE_STEPS = 2
 
 
 @contextlib.contextmanager
@@ -72,7 +77,8 @@ def make_module(path: Path, target, name: str, meta: dict, dtype: torch.dtype) -
         raise ArtifactError(f"{path}: module {name} has malformed {target.name} metadata ({type(e).__name__}: {e}); rebuild the artifact") from None
 
 
-def _check_replaces(path: Path, config, name: str, in_features: int, out_features: int, model) -> None:
+def _check_replaces(path: Path, config, name: str, in_features: int, out_features: int, model) -> bool:
+    """The model's module that `name` replaces has these sizes; returns whether it has a bias."""
     try:
         old = model.get_submodule(name)
     except AttributeError:
@@ -80,6 +86,7 @@ def _check_replaces(path: Path, config, name: str, in_features: int, out_feature
     if (getattr(old, "in_features", None), getattr(old, "out_features", None)) != (in_features, out_features):
         raise ArtifactError(f"{path}: module {name} is {in_features}x{out_features} in the manifest but "
                             f"{getattr(old, 'in_features', '?')}x{getattr(old, 'out_features', '?')} in config.json; the artifact is inconsistent: rebuild it")
+    return getattr(old, "bias", None) is not None
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -89,8 +96,43 @@ def _dtype(name: str) -> torch.dtype:
     return dt
 
 
+def usable_shapes(model, shapes: list[int]) -> list[int]:
+    limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    return [s for s in shapes if s + DECODE_STEPS <= limit]
+
+
+def run_shapes(model, shapes: list[int]) -> list[dict]:
+    """Prefill each length with batch 1, then DECODE_STEPS decode steps (M=1). Token ids are
+    random: only the shapes matter for kernels."""
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(0)
+    timings = []
+    for length in shapes:
+        ids = torch.randint(0, model.config.vocab_size, (1, length), generator=gen).to(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=DECODE_STEPS,
+                           min_new_tokens=DECODE_STEPS, do_sample=False, pad_token_id=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        timings.append({"prefill": length, "decode_steps": DECODE_STEPS, "s": round(time.perf_counter() - t0, 3)})
+    return timings
+
+
+def compile_model(model, manifest: dict, status: dict, dtype: torch.dtype) -> None:
+    """load(compile=True): the kcache's compiled MLP packages where they fit (aot.py; no dynamo),
+    torch.compile for the rest, with the mega-cache restored first. Updates `status`."""
+    root = Path(status["dir"]) if status.get("status") == "used" else None
+    status["aot"] = install_packages(model, root, manifest["kcache"].get("aot", []), dtype) if root else 0
+    status["compiled_regions"] = compile_regions(model)
+    if root and status["compiled_regions"] and (root / MEGACACHE).is_file():  # before their first call
+        info = torch.compiler.load_cache_artifacts((root / MEGACACHE).read_bytes())
+        status["loaded"] = {kind: len(items) for kind, items in info.artifacts.items()} if info else {}
+
+
 def load(path: str | os.PathLike, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-         verify: bool = False, compile: bool = False, warmup: bool = False, kcache: bool = True):
+         verify: bool = False, compile: bool = False, warmup: bool = False, kcache: bool = True,
+         trust_kcache: bool = False):
     """Load an artifact as a transformers `PreTrainedModel` in eval mode.
 
     device: defaults to the target's device; `device="cpu"` for an xpu artifact runs it through
@@ -98,12 +140,14 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     (defaults to the one the artifact was packed for). verify: also check every file's sha256
     (sizes are always checked). compile: run the decoder layers' MLPs compiled: from the kcache's
     compiled MLP packages where they fit (aot.py; no dynamo), else torch.compile
-    (warm.compile_regions), restoring the artifact's compile cache first (see warm.py). warmup: run the warmed serving
-    shapes once in this process (per-process state such as oneDNN primitives on XPU).
-    kcache: use the artifact's kernel cache when it matches this machine (a foreign or corrupt
-    one is ignored with a warning); using it sets TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR (with
-    compile) and, on xpu, NEO_/SYCL_CACHE_* for this process (cpu without compile: nothing to
-    use). `model.quantprep_kcache` says what happened.
+    (aot.compile_regions), restoring the artifact's compile cache first (see warm.py). warmup: run the warmed serving
+    shapes once in this process (per-process state such as oneDNN primitives on XPU; run it in the
+    thread that will serve, since PyTorch's oneDNN primitive cache is per thread).
+    kcache: use the artifact's kernel cache when it is trusted and matches this machine (kcache.py:
+    warmed here by this user, or `trust_kcache=True` / QUANTPREP_TRUST_KCACHE=1; an untrusted,
+    foreign or corrupt one is ignored with a warning); using it sets TRITON_CACHE_DIR,
+    TORCHINDUCTOR_CACHE_DIR (with compile) and, on xpu, NEO_/SYCL_CACHE_* for this process (cpu
+    without compile: nothing to use). `model.quantprep_kcache` says what happened.
     Raises ArtifactMismatch for an artifact built for another machine, ArtifactError if corrupt.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -123,7 +167,7 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
                                f"build one for it: {rebuild_command(manifest, device.type)}")
     if not emulate and hasattr(target, "load_warning") and (note := target.load_warning()):
         warnings.warn(f"{path}: {note}", stacklevel=2)
-    kcache_status = activate(path, manifest, device.type, compile) if kcache else {"status": "off"}
+    kcache_status = activate(path, manifest, device.type, compile, trust_kcache) if kcache else {"status": "off"}
 
     packed_dtype = _dtype(manifest["target"]["act_dtype"])
     dtype = dtype or packed_dtype
@@ -142,8 +186,11 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
         parent = model.get_submodule(parent_name) if parent_name else model
         fused = meta.get("fused")
         members, sizes = (fused["members"], fused["sizes"]) if fused else ([child], [meta["out_features"]])
-        for member, size in zip(members, sizes, strict=True):
-            _check_replaces(path, config, f"{parent_name}.{member}" if parent_name else member, meta["in_features"], size, model)
+        biases = [_check_replaces(path, config, f"{parent_name}.{member}" if parent_name else member, meta["in_features"], size, model)
+                  for member, size in zip(members, sizes, strict=True)]
+        if meta["bias"] != any(biases):  # a fused bias holds zeros for members without one
+            raise ArtifactError(f"{path}: tensor {name}.bias: {'present' if meta['bias'] else 'missing'} in the artifact, but the "
+                                f"{config.model_type} model's module has {'a bias' if any(biases) else 'none'}; rebuild the artifact")
         if fused and sum(sizes) != meta["out_features"]:
             raise ArtifactError(f"{path}: fused module {name}: sizes {sizes} do not add up to {meta['out_features']}; rebuild the artifact")
         module = make_module(path, target, name, meta, dtype)

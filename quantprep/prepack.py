@@ -82,6 +82,23 @@ def can_fuse(layers: list[UnpackedLayer]) -> bool:
     return same_perm and all((x.bits, x.group_size, x.in_features) == (a.bits, a.group_size, a.in_features) for x in layers)
 
 
+PROBE_ROWS = 4
+
+
+def probe_layer_names(names: list[str]) -> set[str]:
+    names = sorted(names)
+    return {names[0], names[len(names) // 2], names[-1]}
+
+
+def make_probe(layer: UnpackedLayer, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A fresh random input and the dense float32 reference output for one layer."""
+    x = torch.randn(PROBE_ROWS, layer.in_features, generator=torch.Generator().manual_seed(seed))
+    y = x @ layer.dequantize()
+    if layer.bias is not None:
+        y = y + layer.bias.float()
+    return {f"{layer.name}.x": x, f"{layer.name}.y": y}
+
+
 # Layers that read the same input, fused into one prepacked matmul when exact (`can_fuse`):
 # measured on Qwen2.5-1.5B shapes, one call instead of several is 2.3-2.5x faster for q/k/v and
 # 1.15-1.7x for gate/up on an H200, 1.2-1.4x and 1.02-1.06x on the CPU (BENCHMARKS.md).
@@ -110,7 +127,6 @@ def prepack_checkpoint(ckpt: GPTQCheckpoint, target, act_dtype: torch.dtype, pro
                        ) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict[str, torch.Tensor]]:
     """Returns (tensors for the artifact, per-module metadata for the manifest, verify probes)."""
     from .artifact import pause_point
-    from .verify import make_probe, probe_layer_names
 
     tensors: dict[str, torch.Tensor] = {}
     modules: dict[str, dict] = {}

@@ -1,4 +1,6 @@
-"""Named recipes: `pipelines/<name>.toml`. Unknown keys are rejected, never ignored.
+"""Named recipes: `<name>.toml` in quantprep/pipelines/ (package data: they ship with the wheel), or in
+the user's own directories (`--recipes DIR`, `QUANTPREP_RECIPES=DIR[:DIR...]`), which are searched
+first. Unknown keys are rejected, never ignored.
 
 A recipe says where the model comes from, how to quantize it when it is not already GPTQ, which
 targets to build by default, the prompt `build` uses for its fresh-process check, and the serving
@@ -7,6 +9,7 @@ shapes `warm` runs (and whether it torch.compiles).
 
 from __future__ import annotations
 
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +17,7 @@ from pathlib import Path
 from .errors import RecipeError
 from .gptq_format import SUPPORTED_BITS
 
-PIPELINES_DIR = Path(__file__).resolve().parent.parent / "pipelines"
+PIPELINES_DIR = Path(__file__).resolve().parent / "pipelines"
 
 SCHEMA: dict[str, dict[str, type | tuple]] = {
     "": {"name": str, "description": str},
@@ -96,18 +99,32 @@ def parse_recipe(path: Path) -> Recipe:
     return r
 
 
-def list_recipes() -> list[Path]:
-    return sorted(PIPELINES_DIR.glob("*.toml"))
+def recipe_dirs(extra: list[str] | None = None) -> list[Path]:
+    """Where recipes are looked up, first match wins: `extra` (--recipes), QUANTPREP_RECIPES, the built-in ones."""
+    user = [*(extra or []), *filter(None, os.environ.get("QUANTPREP_RECIPES", "").split(os.pathsep))]
+    for d in user:
+        if not Path(d).is_dir():
+            raise RecipeError(f"{d}: recipe directory does not exist (from --recipes or QUANTPREP_RECIPES)")
+    return [*map(Path, user), PIPELINES_DIR]
 
 
-def find_recipe(name_or_path: str) -> Recipe:
+def list_recipes(extra: list[str] | None = None) -> list[Path]:
+    """One file per recipe name, the first found in recipe_dirs order."""
+    found: dict[str, Path] = {}
+    for d in recipe_dirs(extra):
+        for p in sorted(d.glob("*.toml")):
+            found.setdefault(p.stem, p)
+    return sorted(found.values(), key=lambda p: p.stem)
+
+
+def find_recipe(name_or_path: str, extra: list[str] | None = None) -> Recipe:
     p = Path(name_or_path)
     if p.suffix == ".toml":
         if not p.is_file():
             raise RecipeError(f"{p}: recipe file does not exist")
         return parse_recipe(p)
-    candidate = PIPELINES_DIR / f"{name_or_path}.toml"
-    if not candidate.is_file():
-        known = ", ".join(x.stem for x in list_recipes())
-        raise RecipeError(f"unknown recipe {name_or_path!r}; known: {known} (or pass a path to a .toml file)")
-    return parse_recipe(candidate)
+    for candidate in list_recipes(extra):
+        if candidate.stem == name_or_path:
+            return parse_recipe(candidate)
+    known = ", ".join(x.stem for x in list_recipes(extra))
+    raise RecipeError(f"unknown recipe {name_or_path!r}; known: {known} (or pass a path to a .toml file, or --recipes DIR)")

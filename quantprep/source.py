@@ -238,6 +238,35 @@ def read_checkpoint(path: str | os.PathLike) -> GPTQCheckpoint:
     return GPTQCheckpoint(path, quant, model_config, layers, other, files, _sha256_files(path, files), side)
 
 
+def check_against_model(ckpt: GPTQCheckpoint) -> None:
+    """Every quantized layer must be a Linear of the model its config.json describes, with the same
+    sizes and a bias exactly where the model's module has one: a checkpoint that lost a tensor (a
+    Qwen2 without its q/k/v biases) would otherwise build and load into a silently wrong model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(ckpt.path)
+    except Exception as e:
+        raise SourceError(f"{ckpt.path / 'config.json'}: transformers cannot read it ({type(e).__name__}: {str(e)[:200]})") from None
+    config.__dict__.pop("quantization_config", None)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    for name, layer in ckpt.layers.items():
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise SourceError(f"tensor {name}.qweight: the {config.model_type} model has no module {name}; the checkpoint "
+                              "does not match its config.json") from None
+        sizes = (getattr(module, "in_features", None), getattr(module, "out_features", None))
+        if sizes != (layer.in_features, layer.out_features):
+            raise SourceError(f"tensor {name}.qweight: {layer.in_features}x{layer.out_features}, the {config.model_type} model's "
+                              f"{name} is {sizes[0]}x{sizes[1]}; the checkpoint does not match its config.json")
+        has_bias = getattr(module, "bias", None) is not None
+        if has_bias != (layer.bias is not None):
+            problem = "missing, but the model's module has a bias" if has_bias else "present, but the model's module has no bias"
+            raise SourceError(f"tensor {name}.bias: {problem}; re-export or re-quantize the checkpoint")
+
+
 def is_gptq_dir(path: Path) -> bool:
     if (path / "quantize_config.json").is_file():
         return True

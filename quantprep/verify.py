@@ -1,7 +1,7 @@
 """Numeric spot check that travels with the artifact.
 
-At build time, for a few layers (first, middle, last) we store a random input and the output of
-the dense float32 dequantized reference computed from the GPTQ source (`probes.safetensors`).
+At build time, for a few layers (first, middle, last) prepack stores a random input and the output
+of the dense float32 dequantized reference computed from the GPTQ source (`probes.safetensors`).
 `quantprep verify` rebuilds just those modules from the artifact, runs the kernel and compares,
 so an artifact can be checked on the serving machine without the source checkpoint.
 """
@@ -16,27 +16,11 @@ from safetensors import safe_open
 from .artifact import PROBES_FILE, check_files, read_manifest
 from .errors import ArtifactError
 from .load import make_module
-from .prepack import UnpackedLayer
 
-PROBE_ROWS = 4
 # Relative error bounds vs the float32 reference. The kernels round the activations and the
 # folded zero (8 - z) * s to the activation dtype (bf16 has 8 mantissa bits: ~0.4% per element)
 # and accumulate in float32; measured errors sit 3-10x below these bounds.
 REL_TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
-
-
-def probe_layer_names(names: list[str]) -> set[str]:
-    names = sorted(names)
-    return {names[0], names[len(names) // 2], names[-1]}
-
-
-def make_probe(layer: UnpackedLayer, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A fresh random input and the dense float32 reference output for one layer."""
-    x = torch.randn(PROBE_ROWS, layer.in_features, generator=torch.Generator().manual_seed(seed))
-    y = x @ layer.dequantize()
-    if layer.bias is not None:
-        y = y + layer.bias.float()
-    return {f"{layer.name}.x": x, f"{layer.name}.y": y}
 
 
 def run_probes(path: Path, manifest: dict, target, device: str | None = None) -> list[dict]:
@@ -82,7 +66,7 @@ def verify_artifact(path: Path) -> dict:
     check_files(path, manifest, full_hash=True)
     report = {"path": str(path), "files": len(manifest["files"]), "hashes": "ok", "numeric": [], "skipped": None}
     if "kcache" in manifest:
-        from .warm import kcache_problem
+        from .kcache import kcache_problem
 
         problem = kcache_problem(path, manifest)
         if problem:  # load ignores such a cache (it is only speed); verify reports the damage

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,10 @@ import torch
 
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The per-user kcache trust store and runtime copies: the test session's own (children inherit them).
+_USER_STATE = Path(tempfile.mkdtemp(prefix="quantprep-tests-"))
+os.environ.setdefault("QUANTPREP_TRUST_DIR", str(_USER_STATE / "trusted-kcache"))
+os.environ.setdefault("QUANTPREP_KCACHE_DIR", str(_USER_STATE / "kcache"))
 
 REPO = Path(__file__).resolve().parent.parent
 CALIB = (REPO / "quantprep" / "calibration.txt").read_text()
@@ -166,6 +171,18 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 def top1(a: torch.Tensor, ref: torch.Tensor) -> float:
     return (a.argmax(-1) == ref.argmax(-1)).float().mean().item()
+
+
+@pytest.fixture(scope="session")
+def warmed_aot(tmp_path_factory):
+    """A 2-layer random cpu artifact warmed with compile and compiled MLP packages (AOTInductor on
+    the CPU), by this user: its kcache is in the session's trust store. Shared: use copy_of to edit."""
+    from test_warm import _build
+
+    from quantprep.warm import warm
+
+    art = _build(tmp_path_factory.mktemp("aot"))
+    return art, warm(art, progress=False)
 
 
 @pytest.fixture

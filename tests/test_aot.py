@@ -15,16 +15,10 @@ from test_warm import _build
 import quantprep
 from quantprep.aot import signature
 from quantprep.artifact import read_manifest
+from quantprep.kcache import KCACHE
 from quantprep.targets.cpu import CpuInt4Linear
 from quantprep.verify import verify_artifact
-from quantprep.warm import KCACHE, warm
-
-
-@pytest.fixture(scope="module")
-def warmed_aot(tmp_path_factory):
-    art = _build(tmp_path_factory.mktemp("aot"))
-    return art, warm(art, progress=False)
-
+from quantprep.warm import warm
 
 # Fresh process: load with compile, report kcache status, dynamo's graph count, logits vs eager.
 CHILD = """

@@ -113,3 +113,61 @@ def test_build_every_target_on_cpu_only_machine_and_verify_each(capsys, tmp_path
 
     if not torch.cuda.is_available():
         assert reports["cuda"]["numeric"] == [] and "no CUDA device" in reports["cuda"]["skipped"]
+
+
+def test_out_that_is_not_an_artifact_is_refused(capsys, random_gptq, tmp_path):
+    """`--out` names a folder of the user's (or the source itself): refused, nothing touched;
+    --force replaces a non-artifact folder but never the source or a folder holding it."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    one_line_error(*run(capsys, "prepack", str(random_gptq), "--target", "cpu", "--out", str(mine))[::2],
+                   "is not a quantprep artifact")
+    assert (mine / "notes.txt").read_text() == "keep me" and [p.name for p in mine.iterdir()] == ["notes.txt"]
+    before = sorted(p.name for p in random_gptq.iterdir())
+    for out in (random_gptq, tmp_path):  # the source, and the folder above it
+        for force in ([], ["--force"]):
+            one_line_error(*run(capsys, "prepack", str(random_gptq), "--target", "cpu", "--out", str(out), *force)[::2],
+                           "holds the source checkpoint")
+    assert sorted(p.name for p in random_gptq.iterdir()) == before
+    (tmp_path / "b" / "cpu").mkdir(parents=True)
+    (tmp_path / "b" / "cpu" / "notes.txt").write_text("keep me")  # build writes OUT/<target>
+    one_line_error(*run(capsys, "build", "smollm2-135m", "--source", str(random_gptq), "--out", str(tmp_path / "b"),
+                        "--no-check", "--no-warm")[::2], "is not a quantprep artifact")
+    assert (tmp_path / "b" / "cpu" / "notes.txt").is_file()
+    assert run(capsys, "prepack", str(random_gptq), "--target", "cpu", "--out", str(tmp_path / "art"))[0] == 0
+    assert run(capsys, "prepack", str(random_gptq), "--target", "cpu", "--out", str(tmp_path / "art"))[0] == 0  # an artifact: replaced
+    assert run(capsys, "prepack", str(random_gptq), "--target", "cpu", "--out", str(mine), "--force")[0] == 0
+    assert not (mine / "notes.txt").exists() and (mine / "manifest.json").is_file()
+
+
+def test_installed_wheel_ships_its_recipes(tmp_path):
+    """`pip install .` (a real, non-editable build) run from elsewhere: the recipes come with the package."""
+    from conftest import REPO
+
+    site = tmp_path / "site"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site),
+                           str(REPO)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    code = "import json, quantprep, quantprep.cli as c; print(quantprep.__file__); c.main(['list', '--json'])"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(site)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    where, listing = proc.stdout.split("\n", 1)
+    assert where.startswith(str(site))  # the installed copy, not the checkout
+    assert {r["name"] for r in json.loads(listing)} >= {"smollm2-135m", "qwen2.5-1.5b"}
+
+
+def test_user_recipe_dirs(capsys, tmp_path, monkeypatch):
+    mine = tmp_path / "recipes"
+    mine.mkdir()
+    (mine / "mine.toml").write_text("description = 'my model'\n[source]\npath = '/x'\n")
+    (mine / "smollm2-135m.toml").write_text("description = 'my override'\n[source]\npath = '/x'\n")
+    code, out, _ = run(capsys, "list", "--json", "--recipes", str(mine))
+    rows = {r["name"]: r["description"] for r in json.loads(out)}
+    assert code == 0 and rows["mine"] == "my model" and rows["smollm2-135m"] == "my override" and "qwen2.5-1.5b" in rows
+    monkeypatch.setenv("QUANTPREP_RECIPES", str(mine))
+    code, out, _ = run(capsys, "list", "--json")
+    assert code == 0 and {r["name"] for r in json.loads(out)} >= {"mine", "qwen2.5-1.5b"}
+    monkeypatch.setenv("QUANTPREP_RECIPES", str(tmp_path / "nope"))
+    one_line_error(*run(capsys, "list")[::2], "recipe directory does not exist")

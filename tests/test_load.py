@@ -99,3 +99,59 @@ def test_random_qwen2_with_quantized_lm_head(tmp_path, lm_head):
     with torch.no_grad():
         got, ref = model(input_ids=ids).logits, dense_reference_model(gptq)(input_ids=ids).logits
     assert rel_err(got, ref) < 1e-5 and top1(got, ref) >= 0.99
+
+
+TINY_QWEN2 = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "tie_word_embeddings": True}
+
+
+def _drop_tensor(gptq, key):
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(gptq / "model.safetensors")
+    del t[key]
+    save_file(t, str(gptq / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_checkpoint_that_lost_a_bias_is_refused_at_build(tmp_path, capsys):
+    """Qwen2's q/k/v have biases: a checkpoint without one is refused, naming the tensor, before anything is written."""
+    from quantprep.cli import main
+    from quantprep.synthetic import write_random_checkpoint
+
+    gptq = write_random_checkpoint(tmp_path / "gptq", TINY_QWEN2, group_size=32)
+    _drop_tensor(gptq, "model.layers.0.self_attn.k_proj.bias")
+    capsys.readouterr()  # torchao's import-time log lines, from the skeleton above
+    assert main(["prepack", str(gptq), "--target", "cpu", "--out", str(tmp_path / "art")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tensor model.layers.0.self_attn.k_proj.bias: missing" in err[0], err
+    assert not (tmp_path / "art").exists()
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_artifact_that_lost_a_bias_is_refused_at_load(tmp_path, fuse):
+    """The same damage in an artifact (its manifest re-signed): load names the tensor instead of
+    running the layer without its bias."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from quantprep.artifact import MANIFEST, manifest_digest, sha256_file
+    from quantprep.errors import ArtifactError
+    from quantprep.synthetic import write_random_checkpoint
+
+    gptq = write_random_checkpoint(tmp_path / "gptq", TINY_QWEN2, group_size=32)
+    art = tmp_path / "art"
+    build_artifacts(gptq, {"path": str(gptq)}, ["cpu"], lambda t: art, progress=False, fuse=fuse)
+    quantprep.load(art)
+    name = "model.layers.0.self_attn." + ("qkv_proj" if fuse else "q_proj")
+    m = json.loads((art / MANIFEST).read_text())
+    shard = art / m["shards"][0]
+    t = load_file(shard)
+    del t[f"{name}.bias"]
+    save_file(t, str(shard), metadata={"format": "pt"})
+    m["modules"][name]["bias"] = False
+    m["files"][shard.name].update(sha256=sha256_file(shard), size=shard.stat().st_size)
+    m["manifest_sha256"] = manifest_digest(m)
+    (art / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match=f"tensor {name}.bias: missing in the artifact"):
+        quantprep.load(art)

@@ -2,12 +2,22 @@
 gptqmodel (int4, group 128, act-order; K=576 leaves a partial last group), built by the CLI,
 loaded by quantprep and compared with GPTQModel and with the dense dequantized model.
 
-Bounds, measured when set (2026-11-21, 2-core x86 AVX512): greedy continuation equal to
-GPTQModel's for all 32 tokens (required: >= 16); bf16 logits vs dense float32: rel 2.0e-2,
-top-1 0.986 (bound: rel < 6e-2, top-1 >= 0.9); float32 artifact vs dense: rel 2e-6 (bound 1e-4).
+GPTQModel (fp16) is compared teacher-forced: its own greedy continuation of 32 tokens is fed to
+quantprep (bf16) in one pass, and at each position GPTQModel's token must be quantprep's top-1 or
+within GREEDY_MARGIN logits of it. Comparing free-running continuations is not robust: one bf16 vs
+fp16 near-tie makes them diverge for good (on a 2-core AMD EPYC AVX2 machine, 2026-11-22, they
+agreed on 1 token of 32; on an AVX512 machine the day before, on all 32).
+
+Bounds, measured when set (2026-11-22, 2-core AMD EPYC, AVX2): teacher-forced, GPTQModel's token
+is quantprep's top-1 at 32 of 32 positions (bounds: all within GREEDY_MARGIN = 1.0 logit, >= 29
+exactly); top-1 agreement with GPTQModel over every position 0.944, rel 3.4e-2 (bound >= 0.85).
+With the act-order gather skipped (a real layout error) the margins are 3.6-31 logits and the
+top-1 agreement 0: the test fails. bf16 logits vs dense float32 (2026-11-21): rel 2.0e-2, top-1
+0.986 (bound: rel < 6e-2, top-1 >= 0.9); float32 artifact vs dense: rel 2e-6 (bound 1e-4).
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,14 +30,16 @@ import quantprep
 from quantprep.build import build_artifacts
 
 PROMPT = "Tell me a short story about a lighthouse keeper."
+GREEDY_MARGIN = 1.0  # logits: a near-tie that legitimate bf16/fp16 rounding may flip
 
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    """(gptq dir, bf16 artifact, float32 artifact). Quantizes once; the cache is shared with `make build`."""
+    """(gptq dir, bf16 artifact, float32 artifact). Quantizes in a cache dir of its own (nothing from `make build`)."""
     out = tmp_path_factory.mktemp("smollm2")
+    env = dict(os.environ, QUANTPREP_CACHE=str(out / "cache"))
     proc = subprocess.run([sys.executable, "-m", "quantprep", "build", "smollm2-135m", "--out", str(out), "--json"],
-                          capture_output=True, text=True, cwd=REPO)
+                          capture_output=True, text=True, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [result] = json.loads(proc.stdout)
     assert "Paris" in result["check"]["completion"], result  # the recipe's prompt asks for France's capital
@@ -52,15 +64,20 @@ def test_verify_cli(smollm2):
     assert all(r["ok"] for r in json.loads(proc.stdout)["numeric"])
 
 
-def test_greedy_matches_gptqmodel(smollm2, tmp_path):
+def test_greedy_matches_gptqmodel_teacher_forced(smollm2, tmp_path):
     gptq_dir, art, _ = smollm2
     ids = _prompt_ids(art)
-    ref = gptqmodel_run(gptq_dir, ids, tmp_path, new_tokens=32)["greedy"][0]
-    model = quantprep.load(art)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)[0, ids.shape[1]:]
-    n = min(len(out), len(ref))
-    matching = int((out[:n] == ref[:n]).long().cumprod(0).sum())
-    assert matching >= 16, (out.tolist(), ref.tolist())
+    greedy = gptqmodel_run(gptq_dir, ids, tmp_path, new_tokens=32)["greedy"]
+    seq = torch.cat([ids, greedy], 1)
+    theirs = gptqmodel_run(gptq_dir, seq, tmp_path, new_tokens=1)["logits"][0]
+    with torch.no_grad():
+        ours = quantprep.load(art)(input_ids=seq).logits.float()[0]
+    pos = torch.arange(ids.shape[1] - 1, seq.shape[1] - 1)  # the positions that predicted GPTQModel's tokens
+    margins = ours[pos].max(-1).values - ours[pos, seq[0, pos + 1]]
+    agree = top1(ours, theirs)
+    print({"margins": [round(m, 3) for m in margins.tolist()], "top1_all_positions": agree, "rel": rel_err(ours, theirs)})
+    assert bool((margins <= GREEDY_MARGIN).all()) and int((margins == 0).sum()) >= 29, margins.tolist()
+    assert agree >= 0.85, agree
 
 
 def test_logits_vs_dense(smollm2):

@@ -14,8 +14,9 @@ import pytest
 
 import quantprep
 from quantprep.artifact import MANIFEST, manifest_digest, read_manifest
+from quantprep.kcache import KCACHE, MEGACACHE, activate, cache_key
 from quantprep.verify import verify_artifact
-from quantprep.warm import KCACHE, MEGACACHE, activate, cache_key, warm
+from quantprep.warm import warm
 
 SHAPES = [1, 8]
 
@@ -44,7 +45,7 @@ def warmed(tmp_path_factory):
 CHILD = """
 import json, sys, torch
 import quantprep
-from quantprep.warm import run_shapes
+from quantprep.load import run_shapes
 from torch._dynamo.utils import counters
 model = quantprep.load(sys.argv[1], compile=True, kcache=sys.argv[2] == "1")
 ids = torch.arange(8).view(1, 8) % model.config.vocab_size
@@ -129,7 +130,7 @@ def test_foreign_key_is_ignored_with_a_warning(warmed, copy_of, monkeypatch):
     m = _resign(art, lambda m: m["kcache"]["key"].update(torch="0.0.0"))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     with pytest.warns(UserWarning, match="kernel cache built for torch='0.0.0'"):
-        status = activate(art, m, "cpu", compile=True)
+        status = activate(art, m, "cpu", compile=True, trust=True)  # the edit made it another, untrusted cache
     assert status["status"] == "ignored"
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # nothing pointed at the foreign cache
     verify_artifact(art)  # a foreign cache is not damage: the artifact still verifies
@@ -198,8 +199,8 @@ def test_moved_triton_kernels_still_hit_in_the_runtime_copy(tmp_path, monkeypatc
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
+    from quantprep.kcache import materialize
     from quantprep.targets.cuda import _int4_kn_gemm
-    from quantprep.warm import materialize
 
     signature = {"a_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
                  "GROUP": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}

@@ -4,12 +4,16 @@ exact int8 path (no upstream kernel on any device takes int8 with groups and zer
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..errors import SourceError
-from ..prepack import UnpackedLayer
+
+if TYPE_CHECKING:  # the load path never imports the build side
+    from ..prepack import UnpackedLayer
 
 
 def torch_base_version() -> str:

@@ -15,11 +15,12 @@ layers keep int8 codes and dequantize per forward (`common.pack_int8`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..prepack import UnpackedLayer
 from .common import (
     PackedLinear,
     base_meta,
@@ -34,6 +35,9 @@ from .common import (
 
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 N_ALIGN = 16
+
+if TYPE_CHECKING:  # the load path never imports the build side
+    from ..prepack import UnpackedLayer
 
 
 # Block sizes of aten._convert_weight_to_int4pack_for_cpu's layout per ISA (pytorch

@@ -20,12 +20,13 @@ int8: `aten._weight_int8pack_mm` where it is exact, otherwise dequantize (`commo
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..gptq_format import pack_rows, unpack_rows
-from ..prepack import UnpackedLayer
 from .common import (
     PackedLinear,
     base_meta,
@@ -42,6 +43,9 @@ KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 N_ALIGN = 8
 DECODE_MAX_M = 16  # tinygemm up to here: measured crossover on an H200 (BENCHMARKS.md)
 PREFILL_CONFIG = (64, 64, 128, 4, 3)  # Triton tiles, picked by benchmarks/cuda_kernels.py --sweep
+
+if TYPE_CHECKING:  # the load path never imports the build side
+    from ..prepack import UnpackedLayer
 
 
 def inner_k_tiles(padded_in: int) -> int:

@@ -11,16 +11,20 @@ int8: the exact dequantize + matmul path shared with the other targets.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from ..prepack import UnpackedLayer
 from . import xpu_emulator
 from .common import PackedLinear, base_meta, make_int8_module, optional_tensors, pack_int8, regroup, torch_base_version
 
 KERNEL = "aten._weight_int4pack_mm_with_scales_and_zeros"
 # Any multiple of 32 is accepted (Blas.cpp); these are the ones GPTQ group sizes divide into.
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
+
+if TYPE_CHECKING:  # the load path never imports the build side
+    from ..prepack import UnpackedLayer
 
 
 def pack_int4_nk(codes: torch.Tensor) -> torch.Tensor:

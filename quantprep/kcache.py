@@ -1,0 +1,337 @@
+"""The kernel cache (`kcache/`): its key, trust, environment, runtime copy and activation.
+
+`warm` (build side) fills it; `load` and `quantprep exec` use it. Both go through this module,
+which never imports the build side.
+
+A kcache is code: Inductor's cache holds `.so`, `.cpp` and `.py` files it executes, AOTInductor
+packages are shared libraries, Triton's cache holds host launcher libraries it dlopens, and the
+mega-cache and Inductor artifacts are unpickled (docs/artifact-format.md lists each file kind and
+when it is read). The manifest's digests prove only that nothing changed since the manifest was
+written, and anyone can write a manifest. So a kcache is used only when trusted:
+- warmed here: `warm` records the digest of the kcache it published in this user's trust store;
+- signed: the artifact's signature verifies against a key the user configured (publishing adds
+  signatures; `trusted_by_signature` is the hook);
+- the user says so: `load(..., trust_kcache=True)`, `--trust-kcache`, `QUANTPREP_TRUST_KCACHE=1`.
+Otherwise it is ignored with one warning, and no runtime is pointed at any of its files.
+
+A trusted kcache whose key matches this machine is copied once to a private per-user directory
+(the runtimes write into their caches; the artifact stays read-only and verifiable) and the
+runtimes are pointed at that copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from .artifact import read_manifest, sha256_file
+from .errors import ArtifactError
+
+KCACHE = "kcache"
+MEGACACHE = "torch-compile.bin"  # torch.compiler.save_cache_artifacts() output
+TRUST_ENV = "QUANTPREP_TRUST_KCACHE"
+COMPLETE = ".complete"  # marks a finished runtime copy
+
+
+def cache_env(root: Path) -> dict[str, str]:
+    """Environment that points every kernel cache of torch and the Intel runtime under `root`,
+    with each directory created: Intel's compute-runtime switches its cache off when an explicitly
+    set NEO_CACHE_DIR does not exist. NEO/SYCL are read when the device initialises, so they must
+    be set before it starts."""
+    env = {
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+        # Every Triton kernel, Inductor's and the eager ones (quantprep's cuda GEMM, JIT-compiled at
+        # first call). Left to Inductor, the eager kernels that ran before its first compile went to
+        # ~/.triton, outside the artifact.
+        "TRITON_CACHE_DIR": str(root / "triton"),
+        "NEO_CACHE_PERSISTENT": "1",
+        "NEO_CACHE_DIR": str(root / "neo"),
+        "NEO_CACHE_MAX_SIZE": "0",  # no eviction (the driver's default is 1 GB): the dir is quantprep's own
+        "SYCL_CACHE_PERSISTENT": "1",
+        "SYCL_CACHE_DIR": str(root / "sycl"),
+    }
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "NEO_CACHE_DIR", "SYCL_CACHE_DIR"):
+        os.makedirs(env[var], mode=0o700, exist_ok=True)
+    return env
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cache_key(device_type: str, device_fields: bool = True) -> dict:
+    """What a compiled kernel depends on: a cache built under another key is not used.
+    device_fields=False leaves out what only a started device can say (name, driver)."""
+    key = {"device": device_type, "torch": torch.__version__, "python": platform.python_version(),
+           "triton": _version("triton") or _version("pytorch-triton-xpu")}
+    if device_type == "cpu":
+        key.update(cpu_capability=torch.backends.cpu.get_cpu_capability(), machine=platform.machine())
+    elif device_type == "cuda" and device_fields:
+        major, minor = torch.cuda.get_device_capability()
+        key.update(name=torch.cuda.get_device_name(), capability=f"sm_{major}{minor}", cuda=torch.version.cuda,
+                   driver=_cuda_driver())
+    elif device_type == "xpu":
+        key.update(arch_list=torch.xpu.get_arch_list())  # compiled into torch: no device start
+        if device_fields:
+            props = torch.xpu.get_device_properties()
+            key.update(name=props.name, driver=getattr(props, "driver_version", None))
+    return key
+
+
+def _cuda_driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def igc_warning(env: dict[str, str]) -> str | None:
+    igc = sorted(k for k in env if k.startswith("IGC_"))
+    if igc:
+        return f"{', '.join(igc)} set: any IGC_* variable disables the Intel driver's kernel cache; unset it to use kcache/neo"
+    return None
+
+
+def kcache_problem(path: Path, manifest: dict) -> str | None:
+    """Why the shipped kcache/ does not match its manifest entry (missing, extra, truncated or altered file), else None."""
+    entry = manifest["kcache"]
+    root = path / KCACHE
+    listed = set(entry["files"])
+    if root.is_dir():
+        for p in root.rglob("*"):
+            if p.is_file() and p.relative_to(root).as_posix() not in listed:
+                return f"{p}: unknown file in kcache/ (not in manifest.json)"
+    for rel, f in entry["files"].items():
+        p = root / rel
+        if not p.is_file() or p.is_symlink():
+            return f"{p}: missing (listed in manifest.json kcache)"
+        if p.stat().st_size != f["size"] or sha256_file(p) != f["sha256"]:
+            return f"{p}: sha256 does not match manifest.json; the kernel cache is corrupted"
+    return None
+
+
+def key_mismatch(built: dict, here: dict, partial: bool = False) -> str | None:
+    """The first key field that differs; `partial`: only the fields `here` has (cache_key without device fields)."""
+    diff = [k for k in sorted(set(here) if partial else set(built) | set(here)) if built.get(k) != here.get(k)]
+    if diff:
+        k = diff[0]
+        return f"kernel cache built for {k}={built.get(k)!r}, this machine has {k}={here.get(k)!r}"
+    return None
+
+
+# --- trust ----------------------------------------------------------------------------------------
+
+def kcache_digest(entry: dict) -> str:
+    """sha256 of the manifest's kcache entry, which lists every file's sha256: names exactly the
+    cache content that kcache_problem then checks file by file."""
+    return hashlib.sha256(json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _user_dir(env: str, xdg: str, default: str, *parts: str) -> Path:
+    base = os.environ.get(env)
+    if base:
+        return Path(base)
+    return Path(os.environ.get(xdg) or os.path.expanduser(default), "quantprep", *parts)
+
+
+def trust_dir() -> Path:
+    """This user's trust store: one empty file per trusted kcache digest."""
+    return _user_dir("QUANTPREP_TRUST_DIR", "XDG_DATA_HOME", "~/.local/share", "trusted-kcache")
+
+
+def private_dir(path: Path) -> Path:
+    """Create `path` 0700 if missing; refuse it unless it is a real directory owned by this user
+    that nobody else can write to (another user could plant a cache or a trust entry there)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise ArtifactError(f"{path}: not a private directory of this user (owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}); "
+                            "remove it or point the variable that names it elsewhere")
+    return path
+
+
+def record_trust(entry: dict) -> None:
+    """`warm` calls this for the kcache it just built: this user's own processes made that code."""
+    store = private_dir(trust_dir())
+    (store / kcache_digest(entry)).touch()
+
+
+def trusted_by_signature(path: Path, manifest: dict) -> bool:
+    """Hook for signed artifacts (the publishing issue): True when the artifact's signature
+    verifies against a key the user configured. No artifact carries a signature yet."""
+    return False
+
+
+def trust_reason(path: Path, manifest: dict, trust: bool = False) -> str | None:
+    """Why this kcache may run here, or None."""
+    if trust:
+        return "trust_kcache"
+    if os.environ.get(TRUST_ENV) == "1":
+        return TRUST_ENV
+    try:
+        if (private_dir(trust_dir()) / kcache_digest(manifest["kcache"])).is_file():
+            return "warmed here"
+    except ArtifactError as e:
+        warnings.warn(f"trust store ignored: {e}", stacklevel=3)
+    if trusted_by_signature(path, manifest):
+        return "signature"
+    return None
+
+
+def untrusted_message(path: Path) -> str:
+    return (f"{path}: kcache/ holds compiled code (shared libraries, pickles) built elsewhere and is not trusted here, so it is not "
+            f"used; trust it with load(..., trust_kcache=True), --trust-kcache or {TRUST_ENV}=1, or re-run `quantprep warm {path}` here")
+
+
+# --- the runtime copy -----------------------------------------------------------------------------
+
+def runtime_dir(manifest: dict) -> Path:
+    """Private per-user writable copy of kcache/, one per kcache content (its digest names it)."""
+    base = _user_dir("QUANTPREP_KCACHE_DIR", "XDG_CACHE_HOME", "~/.cache", "kcache")
+    return private_dir(base) / kcache_digest(manifest["kcache"])[:16]
+
+
+def _triton_group(rel: str) -> bool:
+    parts = rel.split("/")
+    return len(parts) == 3 and parts[0] == "triton" and parts[2].startswith("__grp__") and parts[2].endswith(".json")
+
+
+def _copy_is_intact(path: Path, dest: Path, files: dict) -> bool:
+    """The runtime copy still holds the artifact's files (Triton's group files as materialize
+    rewrote them); the runtimes may have added files of their own."""
+    st = os.lstat(dest)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return False
+    for rel, f in files.items():
+        p = dest / rel
+        if _triton_group(rel):
+            if not p.is_file() or p.read_bytes() != _repointed(path / KCACHE, rel, dest):
+                return False
+        elif not p.is_file() or p.is_symlink() or p.stat().st_size != f["size"] or sha256_file(p) != f["sha256"]:
+            return False
+    return True
+
+
+def materialize(path: Path, manifest: dict) -> Path:
+    """The kcache's runtime copy: an existing one is used after its files are checked against the
+    manifest, else copied afresh (to a temp sibling, then renamed into place)."""
+    dest = runtime_dir(manifest)
+    files = manifest["kcache"]["files"]
+    if (dest / COMPLETE).is_file():
+        if _copy_is_intact(path, dest, files):
+            return dest
+        shutil.rmtree(dest, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))  # 0700
+    for rel in files:
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        if _triton_group(rel):
+            (tmp / rel).write_bytes(_repointed(path / KCACHE, rel, dest))
+        else:
+            shutil.copyfile(path / KCACHE / rel, tmp / rel)
+    (tmp / COMPLETE).touch()
+    try:
+        os.rename(tmp, dest)
+    except OSError:  # another process won the race: use theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _repointed(kcache: Path, rel: str, final: Path) -> bytes:
+    """Triton's `__grp__<kernel>.json` names the kernel's files by absolute path, and a group whose
+    paths are gone is a cache miss: without this, every Triton kernel that warm compiled outside
+    Inductor's own cache (the cuda prefill GEMM, eager and inside compiled MLPs) was compiled
+    again at load (3 kernels, ~1 s on an H100). The group file `kcache/rel`, its paths pointed at `final/`."""
+    raw = (kcache / rel).read_bytes()
+    try:
+        data = json.loads(raw)
+        here = final / Path(rel).parent
+        data["child_paths"] = {name: str(here / Path(p).name) for name, p in data["child_paths"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError):  # another Triton's format: leave it
+        return raw
+    return json.dumps(data).encode()
+
+
+# --- activation -----------------------------------------------------------------------------------
+
+def activate(path: Path, manifest: dict, device_type: str, compile: bool, trust: bool = False) -> dict:
+    """Point this process's kernel caches at the artifact's kcache when it is intact, trusted and
+    built for this machine. Returns a status dict; never raises for a bad cache (it warns)."""
+    if "kcache" not in manifest:
+        return {"status": "absent"}
+    if not compile and device_type == "cpu":
+        return {"status": "unused (no compile: the cpu target's eager kernels are not compiled at run time)"}
+    problem = kcache_problem(path, manifest)
+    if problem:
+        return _ignored(f"{problem}; ignoring it (re-run `quantprep warm {path}`)")
+    entry = manifest["kcache"]
+    if entry["key"].get("device") != device_type:
+        return _ignored(f"{path}: kernel cache was warmed on {entry['key'].get('device')}, loading on {device_type}; ignoring it")
+    reason = trust_reason(path, manifest, trust)
+    if reason is None:
+        warnings.warn(untrusted_message(path), stacklevel=3)
+        return {"status": "untrusted"}
+    rewarm = f"ignoring it (re-run `quantprep warm {path}` on this machine)"
+    if mismatch := key_mismatch(entry["key"], cache_key(device_type, device_fields=device_type != "xpu"), partial=True):
+        return _ignored(f"{path}: {mismatch}; {rewarm}")
+    try:
+        root = materialize(path, manifest)
+    except (ArtifactError, OSError) as e:
+        return _ignored(f"kernel cache not usable: {e}")
+    env = cache_env(root)
+    if device_type == "xpu":
+        # The driver reads its cache location when the device starts, and the device fields of the
+        # key need a started device: so the device-free key first, then the variables, then the
+        # rest. The driver checks its own entries against the device it finds.
+        if torch.xpu.is_initialized():
+            warnings.warn(f"{path}: the XPU was initialised before quantprep.load, so the driver/SYCL caches in kcache/ "
+                          f"are not used; start serving with `quantprep exec {path} -- CMD` instead", stacklevel=3)
+        else:
+            os.environ.update({k: v for k, v in env.items() if k.startswith(("NEO_", "SYCL_"))})
+        if mismatch := key_mismatch(entry["key"], cache_key(device_type)):
+            return _ignored(f"{path}: {mismatch}; {rewarm}")
+    os.environ["TRITON_CACHE_DIR"] = env["TRITON_CACHE_DIR"]  # also eager: the cuda prefill GEMM is a Triton kernel
+    if compile:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = env["TORCHINDUCTOR_CACHE_DIR"]
+    return {"status": "used", "dir": str(root), "trusted": reason}
+
+
+def _ignored(msg: str) -> dict:
+    warnings.warn(msg, stacklevel=3)
+    return {"status": "ignored", "reason": msg}
+
+
+def exec_env(path: str | os.PathLike, trust: bool = False) -> dict[str, str]:
+    """Environment for `quantprep exec`: this process's, plus the artifact's caches when usable."""
+    path = Path(path).absolute()
+    manifest = read_manifest(path)
+    if "kcache" not in manifest:
+        raise ArtifactError(f"{path}: has no kcache/; run `quantprep warm {path}` first")
+    problem = kcache_problem(path, manifest)
+    if problem:
+        raise ArtifactError(f"{problem}; re-run `quantprep warm {path}`")
+    if trust_reason(path, manifest, trust) is None:
+        raise ArtifactError(untrusted_message(path))
+    device = manifest["kcache"]["key"].get("device")
+    mismatch = key_mismatch(manifest["kcache"]["key"], cache_key(device))  # exec replaces this process: device state here is dropped
+    if mismatch:
+        raise ArtifactError(f"{path}: {mismatch}; re-run `quantprep warm {path}` on this machine")
+    if device == "xpu" and (msg := igc_warning(dict(os.environ))):
+        print(f"quantprep: warning: {msg}", file=sys.stderr)
+    return dict(os.environ, **cache_env(materialize(path, manifest)))

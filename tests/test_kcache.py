@@ -1,0 +1,203 @@
+"""The kernel cache's trust boundary (kcache.py): a kcache is code, so an artifact from elsewhere never
+runs it without the user's consent, while an artifact warmed here by this user keeps using its own.
+
+The planted-library test is the attack, not a mock: a real AOTInductor package whose shared library
+is replaced by one that writes a marker file when loaded, with the manifest re-signed as anyone can.
+"""
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from quantprep.artifact import MANIFEST, manifest_digest, read_manifest, sha256_file
+from quantprep.errors import ArtifactError
+from quantprep.kcache import KCACHE, activate, cache_env, exec_env, kcache_digest, materialize, runtime_dir
+
+PLANTED_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void planted(void) {
+    const char *path = getenv("QUANTPREP_TEST_MARKER");
+    FILE *f = path ? fopen(path, "w") : NULL;
+    if (f) { fputs("planted library ran", f); fclose(f); }
+}
+"""
+
+
+def _resign(art, edit=None):
+    """What an attacker can do: change files, then rewrite the manifest's digests to match."""
+    m = json.loads((art / MANIFEST).read_text())
+    for rel, f in m["kcache"]["files"].items():
+        p = art / KCACHE / rel
+        f.update(sha256=sha256_file(p), size=p.stat().st_size)
+    if edit:
+        edit(m)
+    m["manifest_sha256"] = manifest_digest(m)
+    (art / MANIFEST).write_text(json.dumps(m))
+    return read_manifest(art)
+
+
+@pytest.fixture
+def planted(warmed_aot, copy_of, tmp_path):
+    """A copy of a warmed artifact whose every compiled MLP package carries the planted library."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the planted library")
+    (tmp_path / "planted.c").write_text(PLANTED_C)
+    lib = tmp_path / "planted.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "planted.c")], check=True)
+    art = copy_of(warmed_aot[0])
+    packages = [e["file"] for e in read_manifest(art)["kcache"]["aot"]]
+    assert packages
+    for rel in packages:
+        path = art / KCACHE / rel
+        with zipfile.ZipFile(path) as z:
+            members = {i.filename: z.read(i.filename) for i in z.infolist()}
+        libs = [n for n in members if n.endswith(".so")]
+        assert libs, sorted(members)
+        members.update({n: lib.read_bytes() for n in libs})
+        with zipfile.ZipFile(path, "w") as z:
+            for name, data in members.items():
+                z.writestr(name, data)
+    _resign(art)
+    return art
+
+
+LOAD_CHILD = """
+import json, sys
+import quantprep
+model = quantprep.load(sys.argv[1], compile=sys.argv[2] == "1", trust_kcache=sys.argv[3] == "1")
+print(json.dumps({"status": model.quantprep_kcache["status"]}))
+"""
+
+
+def _load_in_fresh_process(art, tmp_path, compile: bool, trust: bool, **env) -> tuple[dict, bool, str]:
+    marker = tmp_path / f"marker-{compile}-{trust}"
+    env = dict(os.environ, QUANTPREP_TEST_MARKER=str(marker), QUANTPREP_TRUST_DIR=str(tmp_path / "empty-trust-store"),
+               QUANTPREP_KCACHE_DIR=str(tmp_path / f"runtime-{compile}-{trust}"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+               **env)
+    proc = subprocess.run([sys.executable, "-c", LOAD_CHILD, str(art), str(int(compile)), str(int(trust))], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), marker.exists(), proc.stderr
+
+
+@pytest.mark.parametrize("compile", [True, False])
+def test_planted_library_never_runs_from_an_untrusted_artifact(planted, tmp_path, compile):
+    status, ran, stderr = _load_in_fresh_process(planted, tmp_path, compile, trust=False)
+    assert not ran
+    if compile:
+        assert status["status"] == "untrusted"
+        assert "not trusted here" in stderr and "--trust-kcache" in stderr
+        assert not (tmp_path / f"runtime-{compile}-False").exists()  # not even copied
+    else:
+        assert status["status"].startswith("unused")  # cpu without compile reads nothing from kcache/
+
+
+def test_planted_library_runs_once_the_user_trusts_it(planted, tmp_path):
+    """The control: the same load, trusted, does run the library (so the test above can fail)."""
+    status, ran, _ = _load_in_fresh_process(planted, tmp_path, compile=True, trust=True)
+    assert status["status"] == "used" and ran
+    status, ran, _ = _load_in_fresh_process(planted, tmp_path / "env", compile=True, trust=False, QUANTPREP_TRUST_KCACHE="1")
+    assert status["status"] == "used" and ran
+
+
+def test_untrusted_cuda_kcache_points_no_runtime_at_it(warmed_aot, copy_of, tmp_path, monkeypatch):
+    """The H100 finding: load(compile=False) on cuda set TRITON_CACHE_DIR at the artifact's copy, so
+    its launcher library ran at the first long prompt. Untrusted: no variable set, nothing copied."""
+    art = copy_of(warmed_aot[0])
+    m = _resign(art, lambda m: m["kcache"]["key"].update(device="cuda"))
+    monkeypatch.setenv("QUANTPREP_TRUST_DIR", str(tmp_path / "empty-trust-store"))
+    monkeypatch.setenv("QUANTPREP_KCACHE_DIR", str(tmp_path / "runtime"))
+    before = {k: os.environ.get(k) for k in cache_env(tmp_path / "probe")}
+    for compile in (False, True):
+        with pytest.warns(UserWarning, match="not trusted here"):
+            assert activate(art, m, "cuda", compile=compile)["status"] == "untrusted"
+    assert {k: os.environ.get(k) for k in before} == before
+    assert not (tmp_path / "runtime").exists()
+
+
+def test_warm_trusts_what_it_built_and_only_that(warmed_aot, copy_of, tmp_path, monkeypatch):
+    art, _ = warmed_aot
+    m = read_manifest(art)
+    store = os.environ["QUANTPREP_TRUST_DIR"]
+    assert os.path.isfile(os.path.join(store, kcache_digest(m["kcache"])))  # warm recorded it
+    assert stat.S_IMODE(os.stat(store).st_mode) == 0o700
+    monkeypatch.setenv("QUANTPREP_KCACHE_DIR", str(tmp_path / "runtime"))
+    assert activate(art, m, "cpu", compile=True)["trusted"] == "warmed here"
+    other = copy_of(art)  # the same artifact with one kcache byte changed is another cache: untrusted
+    p = other / KCACHE / m["kcache"]["aot"][0]["file"]
+    data = bytearray(p.read_bytes())
+    data[-1] ^= 1
+    p.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="not trusted here"):
+        assert activate(other, _resign(other), "cpu", compile=True)["status"] == "untrusted"
+
+
+def test_exec_refuses_an_untrusted_kcache(warmed_aot, tmp_path):
+    env = dict(os.environ, QUANTPREP_TRUST_DIR=str(tmp_path / "empty-trust-store"), QUANTPREP_KCACHE_DIR=str(tmp_path / "rt"))
+    proc = subprocess.run([sys.executable, "-m", "quantprep", "exec", str(warmed_aot[0]), "--", "true"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "not trusted here" in lines[0], proc.stderr
+    assert not (tmp_path / "rt").exists()
+    proc = subprocess.run([sys.executable, "-m", "quantprep", "exec", str(warmed_aot[0]), "--trust-kcache", "--", "true"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_runtime_copy_is_private_and_rechecked(warmed_aot, tmp_path, monkeypatch):
+    art, _ = warmed_aot
+    m = read_manifest(art)
+    monkeypatch.setenv("QUANTPREP_KCACHE_DIR", str(tmp_path / "runtime"))
+    dest = materialize(art, m)
+    assert stat.S_IMODE(os.stat(tmp_path / "runtime").st_mode) == 0o700 and stat.S_IMODE(os.stat(dest).st_mode) == 0o700
+    rel = m["kcache"]["aot"][0]["file"]
+    (dest / rel).write_bytes(b"tampered")  # the runtime copy no longer matches the manifest: copied afresh
+    assert materialize(art, m) == dest and sha256_file(dest / rel) == m["kcache"]["files"][rel]["sha256"]
+
+
+def test_a_runtime_dir_others_can_write_is_never_used(warmed_aot, tmp_path, monkeypatch):
+    art, _ = warmed_aot
+    m = read_manifest(art)
+    base = tmp_path / "shared"
+    base.mkdir()
+    os.chmod(base, 0o777)  # e.g. QUANTPREP_KCACHE_DIR on a shared /tmp: anyone could plant a `.complete` copy
+    monkeypatch.setenv("QUANTPREP_KCACHE_DIR", str(base))
+    with pytest.raises(ArtifactError, match="not a private directory"):
+        runtime_dir(m)
+    with pytest.warns(UserWarning, match="not a private directory"):
+        assert activate(art, m, "cpu", compile=True)["status"] == "ignored"
+    if os.getuid() != 0:
+        pytest.skip("the other-owner case needs root to chown (CI runs as root)")
+    os.chmod(base, 0o700)
+    os.chown(base, 1, 1)  # owned by another user
+    with pytest.raises(ArtifactError, match="owner uid 1"):
+        runtime_dir(m)
+    mine = tmp_path / "mine"
+    monkeypatch.setenv("QUANTPREP_KCACHE_DIR", str(mine))
+    dest = runtime_dir(m)
+    shutil.copytree(art / KCACHE, dest)
+    (dest / ".complete").touch()
+    os.chown(dest, 1, 1)  # a finished-looking copy made by someone else: replaced, not used
+    assert materialize(art, m) == dest and os.stat(dest).st_uid == os.getuid()
+
+
+def test_cache_dirs_exist_before_any_runtime_reads_them(tmp_path):
+    """Intel's compute-runtime switches its cache off when NEO_CACHE_DIR is set but missing."""
+    env = cache_env(tmp_path / "root")
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "NEO_CACHE_DIR", "SYCL_CACHE_DIR"):
+        assert os.path.isdir(env[var]), var
+    assert env["NEO_CACHE_MAX_SIZE"] == "0"
+
+
+def test_exec_env_creates_the_dirs_it_names(warmed_aot, tmp_path, monkeypatch):
+    monkeypatch.setenv("QUANTPREP_KCACHE_DIR", str(tmp_path / "rt"))
+    env = exec_env(warmed_aot[0])
+    assert all(os.path.isdir(env[v]) for v in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "NEO_CACHE_DIR", "SYCL_CACHE_DIR"))
