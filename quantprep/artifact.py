@@ -61,6 +61,14 @@ def _shard(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     return shards
 
 
+def follow_umask(path: Path) -> None:
+    """Give a file the mode a plain open() would: safetensors writes 0600, so an artifact built by
+    CI or root could not be read by the serving user."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -116,6 +124,9 @@ def check_out_dir(out: Path, source: Path | None = None, force: bool = False) ->
         src = Path(source).resolve()
         if out.resolve() == src or out.resolve() in src.parents:
             raise QuantprepError(f"{out}: holds the source checkpoint {src}; writing the artifact there would delete it: choose another --out")
+    ancestor = next(p for p in out.parents if p.exists())
+    if not ancestor.is_dir():
+        raise QuantprepError(f"{ancestor}: is a file, so {out} cannot be created; choose another --out")
     if not out.exists() or force:
         return
     if not out.is_dir():
@@ -163,6 +174,7 @@ def _write_locked(out: Path, tensors: dict[str, torch.Tensor], manifest: dict, s
             shutil.copyfile(side_files_from / name, tmp / name)
         files = {}
         for p in sorted(tmp.iterdir()):
+            follow_umask(p)
             _fsync(p)
             files[p.name] = {"sha256": sha256_file(p), "size": p.stat().st_size}
         manifest = dict(manifest, created=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -358,3 +370,19 @@ def check_files(path: Path, manifest: dict, full_hash: bool) -> None:
         if full_hash and sha256_file(p) != entry["sha256"]:
             raise ArtifactError(f"{p}: sha256 does not match manifest.json; the file is corrupted: rebuild the artifact")
 
+
+def read_checked(path: Path, full_hash: bool = False, manifest: dict | None = None) -> dict:
+    """read_manifest + check_files, for readers racing a writer: when `warm` (adding kcache/) or a
+    build republishes between the two, the files no longer match the manifest read first. Then the
+    new manifest is read and checked once more, so a reader sees the old or the new artifact and no
+    spurious error. `manifest`: one the caller read earlier."""
+    manifest = manifest or read_manifest(path)
+    try:
+        check_files(path, manifest, full_hash)
+    except ArtifactError:
+        fresh = read_manifest(path)
+        if fresh["manifest_sha256"] == manifest["manifest_sha256"]:
+            raise
+        check_files(path, fresh, full_hash)
+        manifest = fresh
+    return manifest

@@ -59,7 +59,11 @@ def resolve_source(recipe: Recipe, source: str | None) -> tuple[Path, dict]:
         if p.exists():
             return _from_dir(recipe, p, {"path": str(p.absolute())})
         if source.count("/") == 1 and not source.startswith((".", "/")):
-            return _from_dir(recipe, resolve_hub_model(source), {"id": source})
+            try:
+                snapshot = resolve_hub_model(source)
+            except SourceError as e:
+                raise SourceError(f"{source}: no such directory ({p.absolute()}), and as a hub id: {e}") from None
+            return _from_dir(recipe, snapshot, {"id": source})
         raise SourceError(f"{source}: no such directory (and not a hub id like org/name)")
     src = recipe.source
     if "path" in src:

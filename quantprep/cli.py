@@ -50,6 +50,13 @@ def cmd_build(args) -> int:
     return 0
 
 
+def _int_list(option: str, text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise QuantprepError(f"{option} {text!r}: expected comma-separated integers such as 1,16,128,512") from None
+
+
 def _warm_text(w: dict | None) -> str:
     return f", warmed {w['shapes']} in {w['s']:.1f} s: kcache {w['files']} files {w['bytes'] / 2**20:.1f} MiB" if w else ""
 
@@ -57,7 +64,7 @@ def _warm_text(w: dict | None) -> str:
 def cmd_warm(args) -> int:
     from .warm import warm
 
-    shapes = [int(s) for s in args.shapes.split(",")] if args.shapes else None
+    shapes = _int_list("--shapes", args.shapes) if args.shapes else None
     r = warm(Path(args.dir), device=args.device, shapes=shapes, compile=args.compile, aot=args.aot, progress=not args.json)
     _print_json_or(args, r, f"warmed {r['path']} on {r['key']['device']}: prefill {r['shapes']}, {r['compiled_regions']} compiled "
                             f"regions, {len(r['aot'])} compiled MLP packages, {r['s']:.1f} s; kcache {r['files']} files, "
@@ -290,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except QuantprepError as e:
         print(f"quantprep: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # permission, disk full, read-only file system: the environment, not a bug
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"quantprep: error: {where}{e.strerror or e}; check the path's permissions and free space", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("quantprep: interrupted", file=sys.stderr)

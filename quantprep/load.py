@@ -20,7 +20,7 @@ from torch import nn
 
 from .aot import compile_regions, prefetch_runtime
 from .aot import install as install_packages
-from .artifact import check_files, read_manifest
+from .artifact import read_checked
 from .errors import ArtifactError, ArtifactMismatch
 from .fused import install as install_fused
 from .kcache import MEGACACHE, activate
@@ -153,14 +153,13 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     path = Path(path)
-    manifest = read_manifest(path)
+    manifest = read_checked(path, full_hash=verify)
     try:
         target = get_target(manifest["target"]["name"])
     except Exception:
         raise ArtifactMismatch(f"{path}: target {manifest['target'].get('name')!r} is not supported by this quantprep") from None
     emulate = device is not None and torch.device(device).type == "cpu" and target.device != "cpu"
     check_compat(path, manifest, target, emulate)
-    check_files(path, manifest, full_hash=verify)
     device = torch.device(device or target.device)
     if device.type != target.device and not emulate:
         raise ArtifactMismatch(f"{path}: packed for {target.device} kernels, cannot run on {device.type}; "

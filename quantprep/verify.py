@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .artifact import PROBES_FILE, check_files, read_manifest
+from .artifact import PROBES_FILE, read_checked
 from .errors import ArtifactError
 from .load import make_module
 
@@ -62,8 +62,7 @@ def verify_artifact(path: Path) -> dict:
     from .targets import get_target
 
     path = Path(path)
-    manifest = read_manifest(path)
-    check_files(path, manifest, full_hash=True)
+    manifest = read_checked(path, full_hash=True)
     report = {"path": str(path), "files": len(manifest["files"]), "hashes": "ok", "numeric": [], "skipped": None}
     if "kcache" in manifest:
         from .kcache import kcache_problem

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .aot import compile_regions
-from .artifact import check_files, read_manifest, republish, sha256_file
+from .artifact import read_checked, republish, sha256_file
 from .errors import QuantprepError
 from .kcache import KCACHE, MEGACACHE, cache_env, cache_key, igc_warning, record_trust
 from .load import DECODE_STEPS, DEFAULT_SHAPES, run_shapes, usable_shapes
@@ -93,8 +93,7 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
     With compile, also build compiled packages of the MLPs (aot.py: AOTInductor, else Inductor artifacts) unless `aot` is False.
     Defaults come from the manifest's `serving` entry (written from the recipe at build)."""
     path = Path(path).absolute()
-    manifest = read_manifest(path)
-    check_files(path, manifest, full_hash=False)
+    manifest = read_checked(path)
     serving = manifest.get("serving", {})
     device = device or manifest["target"]["device"]
     shapes = list(shapes or serving.get("shapes", DEFAULT_SHAPES))

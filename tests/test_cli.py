@@ -171,3 +171,45 @@ def test_user_recipe_dirs(capsys, tmp_path, monkeypatch):
     assert code == 0 and {r["name"] for r in json.loads(out)} >= {"mine", "qwen2.5-1.5b"}
     monkeypatch.setenv("QUANTPREP_RECIPES", str(tmp_path / "nope"))
     one_line_error(*run(capsys, "list")[::2], "recipe directory does not exist")
+
+
+def test_relative_source_is_a_path_and_a_hub_like_miss_says_what_was_tried(capsys, random_gptq, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.chdir(random_gptq.parent)
+    rel = f"{random_gptq.name}/."  # exists relative to the working directory: a path, never a hub id
+    assert run(capsys, "build", "smollm2-135m", "--source", rel, "--out", str(tmp_path / "o"), "--no-check", "--no-warm")[0] == 0
+    code, _, err = run(capsys, "build", "smollm2-135m", "--source", "someorg/somemodel", "--out", str(tmp_path / "o2"))
+    one_line_error(code, err, "no such directory")
+    assert str(random_gptq.parent / "someorg" / "somemodel") in err and "as a hub id" in err and "local Hugging Face cache" in err
+
+
+def test_files_follow_the_umask(random_gptq, tmp_path):
+    """safetensors writes 0600: an artifact built by CI or root must still be readable by the serving user."""
+    import os
+    import stat
+
+    from quantprep.build import build_artifacts
+
+    old = os.umask(0o022)
+    try:
+        build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: tmp_path / "art", progress=False)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "art").iterdir()}
+    assert set(modes.values()) == {0o644}, modes
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["warm", "{art}", "--shapes", "1,,2"], "--shapes '1,,2': expected comma-separated integers"),
+    (["warm", "{art}", "--shapes", "a"], "--shapes 'a'"),
+    (["prepack", "{gptq}", "--target", "cpu", "--out", "{file}/art"], "is a file, so"),
+    # /proc refuses new entries even to root: a real OSError from deep inside the write
+    (["prepack", "{gptq}", "--target", "cpu", "--out", "/proc/quantprep-test/art", "--json"], "/proc/quantprep-test"),
+])
+def test_bad_values_and_os_errors_are_one_line(capsys, random_gptq, tmp_path, argv, needle):
+    (tmp_path / "file").write_text("a file, not a directory")
+    art = tmp_path / "art"
+    assert run(capsys, "prepack", str(random_gptq), "--target", "cpu", "--out", str(art))[0] == 0
+    argv = [a.format(art=art, gptq=random_gptq, file=tmp_path / "file") for a in argv]
+    one_line_error(*run(capsys, *argv)[::2], needle)
