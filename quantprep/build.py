@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import sys
@@ -29,27 +31,42 @@ def cache_dir() -> Path:
     return Path(os.environ.get("QUANTPREP_CACHE", DEFAULT_OUT / ".cache")).absolute()
 
 
-def _quant_key(recipe: Recipe, source_id: str) -> str:
-    spec = {"source": source_id, "bits": recipe.bits, "group_size": recipe.group_size, "desc_act": recipe.desc_act,
-            "sym": recipe.sym, "calibration": recipe.calibration, "samples": recipe.samples}
+def sha256_of(path: Path) -> str:
+    """Content hash of a float source: a file (GGUF), or a model directory's config.json and
+    safetensors files (what gptqmodel reads)."""
+    from .artifact import sha256_file
+
+    if path.is_file():
+        return sha256_file(path)
+    files = sorted(p.name for p in path.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
+    return hashlib.sha256("".join(f"{n}:{sha256_file(path / n)}\n" for n in files).encode()).hexdigest()
+
+
+def quant_key(recipe: Recipe, source_sha256: str, texts: list[str]) -> str:
+    """Names a cached GPTQ checkpoint by everything that makes it: the source's content, the
+    calibration texts, gptqmodel's version and every quantize setting."""
+    spec = {"source_sha256": source_sha256, "calibration_sha256": hashlib.sha256("\0".join(texts).encode()).hexdigest(),
+            "gptqmodel": importlib.metadata.version("gptqmodel") if importlib.util.find_spec("gptqmodel") else None,
+            "bits": recipe.bits, "group_size": recipe.group_size, "desc_act": recipe.desc_act, "sym": recipe.sym,
+            "calibration": recipe.calibration, "samples": recipe.samples, "seed": recipe.seed}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _quantize(recipe: Recipe, float_dir: Path, source_id: str) -> Path:
+def _quantize(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: str) -> Path:
     from .quantize import builtin_calibration, quantize_gptq
 
     if recipe.calibration != "builtin":
         raise RecipeError(f"{recipe.path}: quantize.calibration {recipe.calibration!r} is not supported (use 'builtin')")
-    out = cache_dir() / "gptq" / f"{recipe.name}-{_quant_key(recipe, source_id)}"
+    texts = builtin_calibration(recipe.samples)
+    out = cache_dir() / "gptq" / f"{recipe.name}-{quant_key(recipe, source_sha256, texts)}"
     if (out / "quantize_config.json").is_file():
         print(f"using cached GPTQ checkpoint {out}", file=sys.stderr)
         return out
     print(f"quantize {source_id} -> {out} (gptqmodel, {recipe.bits}-bit, group {recipe.group_size}, "
-          f"desc_act={recipe.desc_act}, sym={recipe.sym}, {recipe.samples} texts)", file=sys.stderr, flush=True)
+          f"desc_act={recipe.desc_act}, sym={recipe.sym}, {recipe.samples} texts, seed {recipe.seed})", file=sys.stderr, flush=True)
     # gptqmodel logs to stdout; keep stdout for our results (--json).
     with contextlib.redirect_stdout(sys.stderr):
-        return quantize_gptq(float_dir, out, recipe.bits, recipe.group_size, recipe.desc_act, recipe.sym,
-                             builtin_calibration(recipe.samples))
+        return quantize_gptq(float_dir, out, recipe.bits, recipe.group_size, recipe.desc_act, recipe.sym, texts, recipe.seed)
 
 
 def resolve_source(recipe: Recipe, source: str | None) -> tuple[Path, dict]:
@@ -78,9 +95,11 @@ def resolve_source(recipe: Recipe, source: str | None) -> tuple[Path, dict]:
 
     gguf = find_gguf(src["gguf_package"], src.get("gguf_file"))
     source_id = f"{src['gguf_package']}:{gguf.name}"
+    gguf_sha256 = sha256_of(gguf)
     with contextlib.redirect_stdout(sys.stderr):
-        float_dir = export_gguf(gguf, cache_dir() / "float" / recipe.name)
-    return _quantize(recipe, float_dir, source_id), {"id": source_id, "quantized_by": "gptqmodel"}
+        float_dir = export_gguf(gguf, cache_dir() / "float" / f"{recipe.name}-{gguf_sha256[:16]}")
+    return (_quantize(recipe, float_dir, source_id, gguf_sha256),
+            {"id": source_id, "gguf_sha256": gguf_sha256, "quantized_by": "gptqmodel"})
 
 
 def _from_dir(recipe: Recipe, path: Path, identity: dict) -> tuple[Path, dict]:
@@ -91,7 +110,7 @@ def _from_dir(recipe: Recipe, path: Path, identity: dict) -> tuple[Path, dict]:
     if not (path / "config.json").is_file():
         raise SourceError(f"{path}: no config.json; not a Hugging Face model directory")
     source_id = identity.get("id") or identity["path"]
-    return _quantize(recipe, path, source_id), dict(identity, quantized_by="gptqmodel")
+    return _quantize(recipe, path, source_id, sha256_of(path)), dict(identity, quantized_by="gptqmodel")
 
 
 def build_manifest(ckpt: GPTQCheckpoint, target, act_dtype: torch.dtype, modules: dict, identity: dict,

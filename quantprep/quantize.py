@@ -77,8 +77,9 @@ def export_gguf(gguf: Path, out: Path) -> Path:
 
 
 def quantize_gptq(float_dir: Path, out: Path, bits: int, group_size: int, desc_act: bool, sym: bool,
-                  texts: list[str]) -> Path:
-    """Quantize a float HF model directory with gptqmodel; writes a GPTQ (v1) checkpoint to `out`."""
+                  texts: list[str], seed: int = 0) -> Path:
+    """Quantize a float HF model directory with gptqmodel; writes a GPTQ (v1) checkpoint to `out`.
+    `seed` seeds Python's, NumPy's and torch's generators first (the recipe's quantize.seed)."""
     if (out / "quantize_config.json").is_file():
         return out
     # gptqmodel refuses a 1-worker pool on 2-core machines ("Virtual pool ... only has 1").
@@ -87,6 +88,14 @@ def quantize_gptq(float_dir: Path, out: Path, bits: int, group_size: int, desc_a
         from gptqmodel import GPTQModel, QuantizeConfig
     except ImportError:
         raise SourceError("quantizing needs gptqmodel: pip install 'quantprep[quantize]' (or `make setup`)") from None
+    import random
+
+    import numpy
+    import torch
+
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)
     tmp = _atomic_dir(out)
     try:
         qc = QuantizeConfig(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym)
