@@ -20,6 +20,7 @@ from .targets.xpu import XPU_ARCH_NAMES, arch_warning
 from .verify import REL_TOL
 
 CASES = [(bits, gs, act) for bits in (4, 8) for gs in (128, -1) for act in (True, False)]
+CHECK_ROWS = (1, 8, 520)  # decode, small prefill, and past every kernel switch by row count (verify.PROBE_SIZES)
 
 
 def _module(target, K: int, N: int, bits: int, gs: int, act: bool, device: str, seed: int = 0):
@@ -122,8 +123,9 @@ def run_selftest(device: str, K: int = 1024, N: int = 1024) -> dict:
     report = {"device": device, "environment": environment(device), "checks": [], "timings": []}
     for bits, gs, act in CASES:
         layer, module, dtype = _module(target, 512, 256, bits, gs, act, device)
-        row = {"bits": bits, "group_size": gs, "act_order": act, "kernel": target.kernel(bits), "dtype": str(dtype)}
-        report["checks"].append(row | check_case(module, layer, dtype, device))
+        for M in CHECK_ROWS:
+            row = {"bits": bits, "group_size": gs, "act_order": act, "M": M, "kernel": target.kernel(bits), "dtype": str(dtype)}
+            report["checks"].append(row | check_case(module, layer, dtype, device, M))
     for bits in (4, 8):
         _, module, dtype = _module(target, K, N, bits, 128, True, device)
         for M in (1, 512):

@@ -61,7 +61,8 @@ def test_verify_cli(smollm2):
     _, art, _ = smollm2
     proc = subprocess.run([sys.executable, "-m", "quantprep", "verify", str(art), "--json"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert all(r["ok"] for r in json.loads(proc.stdout)["numeric"])
+    report = json.loads(proc.stdout)
+    assert report["numeric"] == "passed" and all(r["ok"] for r in report["probes"])
 
 
 def test_greedy_matches_gptqmodel_teacher_forced(smollm2, tmp_path):

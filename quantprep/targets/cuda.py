@@ -88,7 +88,7 @@ if triton is not None:
         Each word is loaded once and split into its 8 codes in registers; dequantized in bf16
         (as tinygemm does), accumulated in float32 on tensor cores."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # row * N reaches 2**31 on long prompts x large N
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         offs_w = tl.arange(0, BLOCK_K // 8)
@@ -145,8 +145,12 @@ class CudaInt4Linear(PackedLinear):
         return dequantize_folded_int4(unpack_rows(self.qweight_kn, 4), self.scales_and_zeros, self.kernel_group_size).T
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.shape[0] <= DECODE_MAX_M:
-            return torch.ops.aten._weight_int4pack_mm(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
+        if x.shape[0] <= DECODE_MAX_M:
+            if x.is_cuda:
+                return torch.ops.aten._weight_int4pack_mm(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
+            # off the GPU (verify, tests): tinygemm's own copy of the codes, so its layout is checked too
+            codes = unpack_tinygemm(self.qweight).T
+            return F.linear(x, dequantize_folded_int4(codes, self.scales_and_zeros, self.kernel_group_size).T)
         if x.is_cuda and triton is not None:
             return int4_kn_gemm_op(x, self.qweight_kn, self.scales_and_zeros, self.kernel_group_size)
         return F.linear(x, self.dequantized_weight())
@@ -157,6 +161,7 @@ class CudaTarget:
     device = "cuda"
     default_act_dtype = torch.bfloat16
     layout_version = 1
+    cpu_emulator = True  # off a GPU the modules dequantize each copy of the codes with tensor ops (verify, tests)
 
     def compat_key(self) -> dict:
         return {"torch": torch_base_version()}

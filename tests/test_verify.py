@@ -1,0 +1,39 @@
+"""verify's probes reach every kernel path by row count: a layout error confined to one path (the cpu
+int4 dequantize path from 512 rows; tinygemm's copy of the codes at decode sizes, or the Triton
+GEMM's copy above 16 rows, on cuda) fails the probe of that size and only that one. The errors are
+injected into the unpackers those paths use, as a wrong layout would be."""
+
+import pytest
+import torch
+
+from quantprep.build import build_artifacts
+from quantprep.verify import verify_artifact
+
+
+def _swap_nibble_order(unpack):
+    def wrong(*args, **kwargs):
+        codes = unpack(*args, **kwargs)
+        return (codes.to(torch.int16) * 7 % 16).to(codes.dtype)  # a permuted code map, same range
+    return wrong
+
+
+def _failing_sizes(art) -> set[int]:
+    return {r["rows"] for r in verify_artifact(art, strict=False)["probes"] if not r["ok"]}
+
+
+@pytest.mark.parametrize("target,module,function,failing", [
+    ("cpu", "quantprep.targets.cpu", "unpack_int4", {520}),
+    ("cuda", "quantprep.targets.cuda", "unpack_tinygemm", {1, 4}),
+    ("cuda", "quantprep.targets.cuda", "unpack_rows", {520}),
+])
+def test_each_kernel_path_is_probed(random_gptq, tmp_path, monkeypatch, target, module, function, failing):
+    if target == "cuda" and torch.cuda.is_available():
+        pytest.skip("on a GPU the cuda modules run the real kernels, not the unpackers (tests/targets/test_cuda_gpu.py)")
+    art = tmp_path / target
+    build_artifacts(random_gptq, {"path": str(random_gptq)}, [target], lambda t: art, progress=False)
+    assert _failing_sizes(art) == set()
+    import importlib
+
+    mod = importlib.import_module(module)
+    monkeypatch.setattr(mod, function, _swap_nibble_order(getattr(mod, function)))
+    assert _failing_sizes(art) == failing
