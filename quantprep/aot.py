@@ -172,10 +172,21 @@ def prefetch_runtime(entries: list[dict]) -> threading.Thread | None:
     return thread
 
 
+CHECK_BYTES = 256 << 20  # activations of one check run, eager and package: caps the high end of a range
+
+
+def check_points(lo: int, hi: int, bytes_per_token: int) -> list[int]:
+    """Token counts a package is checked at: its range's low end, 64 tokens in, and its high end as
+    far as CHECK_BYTES of activations allow (a range can reach the model's whole context)."""
+    top = min(hi, max(lo, CHECK_BYTES // bytes_per_token))
+    return sorted({lo, min(hi, lo + 63), top})
+
+
 def check_packages(model, root: Path, entries: list[dict], dtype: torch.dtype) -> dict[str, str]:
-    """Run each package (fresh process: warm's check phase) at both ends of its token range
-    against the eager MLP it stands for; returns {file: problem} for those that must not ship."""
+    """Run each package (fresh process: warm's check phase) at both ends of its token range (and 64
+    tokens in) against the eager MLP it stands for; returns {file: problem} for those that must not ship."""
     mlps = {signature(mlp, dtype): mlp for mlp in decoder_mlps(model)}
+    per_token = 4 * (model.config.hidden_size * 2 + 3 * getattr(model.config, "intermediate_size", model.config.hidden_size * 4))
     gen = torch.Generator().manual_seed(0)
     bad = {}
     for e in entries:
@@ -186,7 +197,7 @@ def check_packages(model, root: Path, entries: list[dict], dtype: torch.dtype) -
         tensors = _tensors(mlp)[1]
         try:
             run = load_package(root, e)
-            for tokens in sorted({e["tokens"][0], min(e["tokens"][1], e["tokens"][0] + 63)}):
+            for tokens in check_points(*e["tokens"], per_token):
                 x = torch.randn(tokens, model.config.hidden_size, generator=gen).to(tensors[0].device, dtype)
                 with torch.inference_mode():
                     want, got = mlp(x).float(), run(x, *tensors).float()

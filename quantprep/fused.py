@@ -15,22 +15,27 @@ from torch import nn
 
 class FusedGroup:
     """Holds the fused module (not registered on the members: its tensors are registered once,
-    on the parent) and the slices of the latest input not yet taken."""
+    on the parent) and the slices of the latest input not yet taken.
+
+    Thread-safe without a lock: the state is one (input, slices) pair that a call reads once and
+    replaces whole, so a thread only ever takes slices computed from its own input; two threads
+    serving one model interleave at worst into extra fused matmuls."""
 
     def __init__(self, fused: nn.Module, sizes: list[int]):
         self.fused, self.sizes = fused, sizes
-        self.input: torch.Tensor | None = None
-        self.outputs: list[torch.Tensor | None] = [None] * len(sizes)
+        self.state: tuple[torch.Tensor, list[torch.Tensor | None]] | None = None
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        if x is not self.input or self.outputs[index] is None:
+        state = self.state
+        if state is None or state[0] is not x or state[1][index] is None:
             # Contiguous, like any Linear's output: attention kernels take slower paths for strided
             # q/k/v (measured on an H200), and model code may .view() them.
-            self.input = x
-            self.outputs = [o.contiguous() for o in self.fused(x).split(self.sizes, -1)]
-        y, self.outputs[index] = self.outputs[index], None
-        if all(o is None for o in self.outputs):
-            self.input = None  # every slice taken: hold no activations between calls
+            state = (x, [o.contiguous() for o in self.fused(x).split(self.sizes, -1)])
+            self.state = state
+        outputs = state[1]
+        y, outputs[index] = outputs[index], None
+        if all(o is None for o in outputs) and self.state is state:
+            self.state = None  # every slice taken: hold no activations between calls
         return y
 
 

@@ -229,3 +229,12 @@ def test_package_that_does_not_load_falls_back_to_torch_compile(warmed_inductor,
     assert r["kcache"]["status"] == "used" and r["kcache"]["aot"] == 0 and r["kcache"]["compiled_regions"] == 2
     assert "not usable here" in err
     assert all(row["rel"] < 2e-2 for row in r["rows"]), r["rows"]
+
+
+def test_packages_are_checked_at_both_ends_of_their_range():
+    from quantprep.aot import CHECK_BYTES, check_points
+
+    assert check_points(1, 1, 1000) == [1]
+    assert check_points(2, 511, 1000) == [2, 65, 511]  # both ends
+    assert check_points(512, 32768, CHECK_BYTES // 4096) == [512, 575, 4096]  # the high end capped by memory
+    assert check_points(512, 32768, CHECK_BYTES) == [512, 575]  # never below the low end
