@@ -77,9 +77,10 @@ def export_gguf(gguf: Path, out: Path) -> Path:
 
 
 def quantize_gptq(float_dir: Path, out: Path, bits: int, group_size: int, desc_act: bool, sym: bool,
-                  texts: list[str], seed: int = 0) -> Path:
-    """Quantize a float HF model directory with gptqmodel; writes a GPTQ (v1) checkpoint to `out`.
-    `seed` seeds Python's, NumPy's and torch's generators first (the recipe's quantize.seed)."""
+                  texts: list[str], seed: int = 0, checkpoint_format: str = "gptq") -> Path:
+    """Quantize a float HF model directory with gptqmodel; writes a GPTQ checkpoint to `out` (v1 zeros,
+    or v2 with checkpoint_format="gptq_v2"). `seed` seeds Python's, NumPy's and torch's generators
+    first (the recipe's quantize.seed)."""
     if (out / "quantize_config.json").is_file():
         return out
     # gptqmodel refuses a 1-worker pool on 2-core machines ("Virtual pool ... only has 1").
@@ -98,7 +99,9 @@ def quantize_gptq(float_dir: Path, out: Path, bits: int, group_size: int, desc_a
     torch.manual_seed(seed)
     tmp = _atomic_dir(out)
     try:
-        qc = QuantizeConfig(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym)
+        # gptqmodel's act_group_aware ordering (its default) needs groups; one group over K has none
+        extra = {"act_group_aware": False} if group_size == -1 else {}
+        qc = QuantizeConfig(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym, format=checkpoint_format, **extra)
         model = GPTQModel.load(str(float_dir), qc)
         model.quantize(texts, batch_size=1)
         model.save(str(tmp))

@@ -54,10 +54,12 @@ def quantize_tiny(float_dir: Path, out: Path, **qc) -> Path:
     code = (
         "import sys, json; from quantprep.quantize import quantize_gptq, builtin_calibration; "
         "from pathlib import Path; a = json.loads(sys.argv[1]); "
-        "quantize_gptq(Path(a['src']), Path(a['out']), a['bits'], a['group_size'], a['desc_act'], a['sym'], builtin_calibration(17))"
+        "quantize_gptq(Path(a['src']), Path(a['out']), a['bits'], a['group_size'], a['desc_act'], a['sym'], builtin_calibration(17), "
+        "checkpoint_format=a.get('checkpoint_format', 'gptq'))"
     )
     arg = json.dumps({"src": str(float_dir), "out": str(out), **qc})
-    subprocess.run([sys.executable, "-c", code, arg], check=True, capture_output=True)
+    proc = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
 

@@ -155,3 +155,36 @@ def test_artifact_that_lost_a_bias_is_refused_at_load(tmp_path, fuse):
     (art / MANIFEST).write_text(json.dumps(m))
     with pytest.raises(ArtifactError, match=f"tensor {name}.bias: missing in the artifact"):
         quantprep.load(art)
+
+
+# GPTQModel parity beyond the two shared fixtures (4-bit sym act-order g128 v1; 8-bit asym g32):
+# each quantized by the real gptqmodel and run by it, so an unpack, zero or act-order bug in
+# quantprep cannot agree with itself. Bounds as above.
+PARITY = {
+    "4bit-asym-g32-actorder": dict(bits=4, group_size=32, desc_act=True, sym=False),
+    "4bit-gptq_v2-asym-g64": dict(bits=4, group_size=64, desc_act=False, sym=False, checkpoint_format="gptq_v2"),
+    "4bit-group-1": dict(bits=4, group_size=-1, desc_act=False, sym=True),
+    "8bit-sym-g128-actorder": dict(bits=8, group_size=128, desc_act=True, sym=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARITY))
+def test_gptqmodel_parity(name, tiny_float, tmp_path):
+    import json
+
+    from conftest import quantize_tiny
+
+    gptq_dir = quantize_tiny(tiny_float, tmp_path / "gptq", **PARITY[name])
+    qc = json.loads((gptq_dir / "quantize_config.json").read_text())
+    assert qc.get("checkpoint_format", qc.get("format", "gptq")) == PARITY[name].get("checkpoint_format", "gptq"), qc
+    art32 = tmp_path / "art32"
+    _build(gptq_dir, art32, "float32")
+    ids = torch.randint(2, 400, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        q32 = quantprep.load(art32)(input_ids=ids).logits
+        dense = dense_reference_model(gptq_dir)(input_ids=ids).logits
+    ref = gptqmodel_run(gptq_dir, ids, tmp_path)["logits"]
+    measured = {"gptqmodel-vs-fp32": (rel_err(ref, q32), top1(ref, q32)), "fp32-vs-dense": (rel_err(q32, dense), top1(q32, dense))}
+    print(name, measured)
+    assert measured["gptqmodel-vs-fp32"][0] < 1e-2 and measured["gptqmodel-vs-fp32"][1] >= 0.95, measured
+    assert measured["fp32-vs-dense"][0] < 1e-5, measured
