@@ -13,7 +13,7 @@ The weights stay in the artifact: the MLP is exported as a function of (tokens x
 tensors), so one package serves every layer of the same shape, and a new package is not a second
 copy of the model.
 
-The kernels choose a code path by token count (cpu int4 dequantizes from 512 rows, cuda runs
+The kernels choose a code path by token count (cpu int4 dequantizes from 384 rows, cuda runs
 tinygemm up to 16), so export specializes: `export_ranges` exports from 1 token up, and each
 export's range constraint says where the next one starts. A token count outside every range
 (longer than the model's context) runs eagerly.

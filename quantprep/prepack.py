@@ -100,8 +100,9 @@ def make_probe(layer: UnpackedLayer, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 # Layers that read the same input, fused into one prepacked matmul when exact (`can_fuse`):
-# measured on Qwen2.5-1.5B shapes, one call instead of several is 2.3-2.5x faster for q/k/v and
-# 1.15-1.7x for gate/up on an H200, 1.2-1.4x and 1.02-1.06x on the CPU (BENCHMARKS.md).
+# measured on Qwen2.5-1.5B shapes at M = 1-512, one call instead of several takes 1.47-2.31x less
+# time for q/k/v and 0.95-1.61x for gate/up on an H200, 0.99-1.24x and 0.99-1.04x on the CPU
+# (BENCHMARKS.md; fusion-cuda-h200.json, fusion-cpu.json).
 FUSIONS = {("q_proj", "k_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_proj"): "gate_up_proj"}
 
 

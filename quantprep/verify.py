@@ -24,7 +24,7 @@ REL_TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
 
 
 # Probe sizes in rows (tokens): decode, the stored probe, and a prefill past every switch by row
-# count (cpu int4 dequantizes from 512, cuda runs its Triton GEMM above 16, int8 dequantizes from 32).
+# count (cpu int4 dequantizes from 384, cuda runs its Triton GEMM above 16, int8 dequantizes from 128).
 PROBE_SIZES = (1, 4, 520)
 
 

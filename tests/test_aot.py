@@ -30,7 +30,7 @@ gen = torch.Generator().manual_seed(int(sys.argv[3]))
 model = quantprep.load(art, compile=True, dtype=dtype)
 eager = quantprep.load(art, dtype=dtype)
 rows = []
-for length in (1, 2, 9, 260):  # tokens = 2 * length: 2 (1 token: generate below), 4, 18, 520 (>= 512)
+for length in (1, 2, 9, 260):  # tokens = 2 * length: 2 (1 token: generate below), 4, 18, 520 (>= 384: the dequantize path)
     ids = torch.randint(0, model.config.vocab_size, (2, length), generator=gen)  # batch 2: tokens = 2 * length
     with torch.inference_mode():
         a, b = model(ids).logits.float(), eager(ids).logits.float()

@@ -57,6 +57,19 @@ def gather_and_pad(x: torch.Tensor, perm: torch.Tensor | None, padded_in: int) -
     return x
 
 
+# oneDNN has bf16/fp16 GEMM kernels from AVX512 on; below that a half-precision CPU matmul runs a
+# reference loop: 512x1536 @ 1536x8960 took 19.5 s in bf16 and 0.19 s in float32 on a 2-core AVX2
+# machine (BENCHMARKS.md, CPU int4 at large M). The dequantize paths' dense matmuls run in float32 there.
+SLOW_HALF_GEMM = torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2")
+
+
+def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [K, N] in x's dtype; in float32 on CPUs without half-precision GEMM kernels."""
+    if SLOW_HALF_GEMM and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+        return (x.float() @ w.float()).to(x.dtype)
+    return x @ w
+
+
 def dequantize_folded_int4(codes: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
     """codes [K, N] and [K/group_size, N, 2] (scale, folded zero) -> w = (q - 8) * scale + zero,
     [K, N] in the scales' dtype: the arithmetic of the cpu and cuda int4 kernels."""
@@ -127,15 +140,19 @@ class DequantInt8Linear(PackedLinear):
         gs, k = self.group_size, self.in_features
         # (code - zero) is an integer in [-255, 255]: exact in bf16/fp16, so only the scale rounds.
         centered = self.qweight.to(self.act_dtype) - self.qzeros.to(self.act_dtype).repeat_interleave(gs, 0)[:k]
-        return x @ (centered * self.scales.repeat_interleave(gs, 0)[:k])
+        return dense_matmul(x, centered * self.scales.repeat_interleave(gs, 0)[:k])
 
 
 class Int8PerChannelLinear(PackedLinear):
-    """int8 weight [N, K] times a per-output-channel scale (cpu and cuda). Small M runs
-    `aten._weight_int8pack_mm`; large M dequantizes once per call and uses a dense matmul (on the
-    2-core CPU at 1536x8960: 0.5 vs 9.4 ms at M=1, 27 vs 12.6 ms at M=128; BENCHMARKS.md)."""
+    """int8 weight [N, K] times a per-output-channel scale (cpu and cuda). Below DEQUANT_MIN_M rows
+    `aten._weight_int8pack_mm`; from there dequantizing once per call and a dense matmul. kernel /
+    dequantize time on the 2-core AVX2 machine over the Qwen2.5-1.5B and SmolLM2 shapes
+    (benchmarks/cpu_prefill.py, cpu-prefill-avx2.json): 0.29-0.66 at M=32, 0.38-0.80 at 48,
+    0.50-1.02 at 64, 0.81-1.27 at 128; on an AVX512 machine at 1536x8960: 0.5 vs 9.4 ms at M=1,
+    27 vs 12.6 ms at M=128 (BENCHMARKS.md, CPU kernels). The crossover on AVX512 and on cuda is not
+    measured across M."""
 
-    DEQUANT_MIN_M = 32
+    DEQUANT_MIN_M = 128
 
     def __init__(self, meta: dict, act_dtype: torch.dtype):
         super().__init__(meta, act_dtype)
@@ -145,7 +162,7 @@ class Int8PerChannelLinear(PackedLinear):
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.DEQUANT_MIN_M:
-            return F.linear(x, self.qweight.to(self.act_dtype) * self.scales[:, None])
+            return dense_matmul(x, (self.qweight.to(self.act_dtype) * self.scales[:, None]).T)
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
 

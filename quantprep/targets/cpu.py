@@ -24,6 +24,7 @@ from torch import nn
 from .common import (
     PackedLinear,
     base_meta,
+    dense_matmul,
     dequantize_folded_int4,
     make_int8_module,
     optional_tensors,
@@ -79,12 +80,14 @@ def unpack_int4(packed: torch.Tensor, K: int, N: int, block: int) -> torch.Tenso
 
 
 class CpuInt4Linear(PackedLinear):
-    """Up to DEQUANT_MIN_M rows the int4 kernel; from there dequantizing the packed weight and a
-    dense bf16 matmul, since the kernel's time grows linearly with M. Measured on the 2-core
-    AVX512 VM (benchmarks/cpu_prefill.py, Qwen2.5-1.5B and SmolLM2 shapes): kernel/dequant =
-    0.56-1.41 at M=256 (a loss on the large MLP shapes) and 1.3-2.4 at M=512."""
+    """Below DEQUANT_MIN_M rows the int4 kernel; from there dequantizing the packed weight and a
+    dense matmul, since the kernel's time grows linearly with M. kernel / dequantize time on the
+    Qwen2.5-1.5B and SmolLM2 shapes (benchmarks/cpu_prefill.py; BENCHMARKS.md): 2-core AVX2 machine
+    0.50-0.96 at M=128, 0.85-1.24 at 256, 1.09-1.67 at 384, 1.52-1.73 at 512 (cpu-prefill-avx2.json);
+    2-core AVX512 machine 0.51-0.76 at 128, 1.00-1.52 at 256, 1.89-2.56 at 512 (cpu-prefill.json).
+    So from 384 rows the dense path wins on both."""
 
-    DEQUANT_MIN_M = 512
+    DEQUANT_MIN_M = 384
 
     def __init__(self, meta: dict, act_dtype: torch.dtype):
         super().__init__(meta, act_dtype)
@@ -97,7 +100,7 @@ class CpuInt4Linear(PackedLinear):
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.pack_block_n and x.shape[0] >= self.DEQUANT_MIN_M:
-            return x @ self.dequantize()
+            return dense_matmul(x, self.dequantize())
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
 
     def dequantize(self) -> torch.Tensor:
