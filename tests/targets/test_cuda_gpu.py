@@ -9,26 +9,21 @@ import itertools
 
 import pytest
 import torch
+from conftest import prepacked_module
 
-from quantprep.prepack import unpack_layer
-from quantprep.source import QuantConfig, _validate_layer
+from quantprep.source import QuantConfig
 from quantprep.synthetic import random_gptq_tensors
-from quantprep.targets import get_target
 from quantprep.targets.cuda import pack_tinygemm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-CUDA = get_target("cuda")
 ROWS = (1, 16, 17, 64, 512)  # tinygemm up to DECODE_MAX_M = 16, the Triton GEMM from 17
 
 
 def _module(bits, group_size, sym, act_order, K=576, N=200, seed=0):
     gen = torch.Generator().manual_seed(seed)
     raw = random_gptq_tensors(K, N, bits, group_size, sym, act_order, True, bias=True, generator=gen)
-    layer = unpack_layer(_validate_layer("m", raw, QuantConfig(bits, group_size, sym, act_order, "gptq")))
-    tensors, meta = CUDA.pack(layer, torch.bfloat16)
-    module = CUDA.make_module(meta, torch.bfloat16)
-    module.load_state_dict({k: v.cuda() for k, v in tensors.items()}, assign=True)
-    return layer, module
+    layer, module, _ = prepacked_module("cuda", raw, QuantConfig(bits, group_size, sym, act_order, "gptq"), torch.bfloat16)
+    return layer, module.cuda()
 
 
 @pytest.mark.parametrize("bits,group_size,sym,act_order", list(itertools.product([4, 8], [-1, 32, 128], [True, False], [True, False])))
