@@ -61,7 +61,38 @@ def gemm_variants(r: dict) -> str:
     return "\n".join(out)
 
 
+def load_to_first_token(r: dict) -> str:
+    """Spawn to first token per variant, fresh processes (benchmarks/load.py)."""
+    models = r["models"]
+    names = list(models)
+    variants = [("a_gptqmodel", "(a) GPTQModel.load (TORCH backend) + 1 token, Inductor cache warm"),
+                ("a0_gptqmodel_cold_inductor", "(a0) same, empty Inductor cache"),
+                ("b_quantprep", "(b) quantprep.load + 1 token"),
+                ("c_floor", "(c) floor: python + torch + read the artifact's bytes + dense bf16 forward"),
+                ("ct_floor_with_transformers", "(ct) floor + importing transformers' modeling code")]
+    out = [f"{r['machine']}, {r['date']}, Python {r['python']}; median of {len(models[names[0]]['b_quantprep']['runs'])} fresh "
+           "processes, seconds (imports / load / first forward)", "",
+           "| variant | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    for key, label in variants:
+        out.append(f"| {label} | " + " | ".join(
+            f"{models[n][key]['total_s']:.2f} s ({models[n][key]['import_s']:.2f} / {models[n][key]['load_s']:.2f} / "
+            f"{models[n][key]['first_s']:.2f})" for n in names) + " |")
+    for ratio in ("b_over_a", "b_over_a0", "b_over_c", "b_over_ct"):
+        out.append(f"| {ratio.replace('_over_', ' / ')} | " + " | ".join(f"{models[n][ratio]:.2f}" for n in names) + " |")
+    return "\n".join(out)
+
+
+def fusion_groups(r: dict) -> str:
+    """One fused matmul against the separate ones, per group and M (benchmarks/fusion.py)."""
+    out = [f"{r['device']}, torch {r['torch']}, {r['date'][:10]}; microseconds per call", "",
+           "| group | M | separate | fused | separate / fused |", "| --- | --- | --- | --- | --- |"]
+    out += [f"| {x['group']} | {x['M']} | {x['separate_us']:g} | {x['fused_us']:g} | {x['speedup']:.2f} |" for x in r["rows"]]
+    return "\n".join(out)
+
+
 RENDERERS = {
+    "load-to-first-token": load_to_first_token,
+    "fusion-groups": fusion_groups,
     "cpu-int4-switch": lambda r: cpu_switch(r, "modules"),
     "cpu-int8-switch": lambda r: cpu_switch(r, "int8_modules"),
     "gemm-variants": gemm_variants,
