@@ -90,7 +90,24 @@ def fusion_groups(r: dict) -> str:
     return "\n".join(out)
 
 
+def cuda_linears(r: dict) -> str:
+    """Per linear: tinygemm, the Triton GEMM, the module and dense bf16 (benchmarks/cuda_kernels.py)."""
+    out = [f"{r['device']}, torch {r['torch']}, {r['date'][:10]}; `do_bench` medians in us", "",
+           "| layer (K->N) | M | tinygemm | triton | module | dense bf16 | module / dense | triton / dense |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for x in r["timings"]:
+        us = {k: x[f"{k}_ms"] * 1e3 for k in ("tinygemm", "triton", "module", "dense_bf16")}
+        out.append(f"| {x['layer']} ({x['K']}->{x['N']}) | {x['M']} | {us['tinygemm']:.1f} | {us['triton']:.1f} | {us['module']:.1f} "
+                   f"| {us['dense_bf16']:.1f} | {us['module'] / us['dense_bf16']:.2f} | {us['triton'] / us['dense_bf16']:.2f} |")
+    worst = max(p["rel_err"] for p in r["parity"])
+    out += ["", f"Parity of the cuda modules vs the dense float32 reference in the same run: {len(r['parity'])} cases, "
+                f"max relative error {worst:.1e}; `pack_tinygemm` equal to `_convert_weight_to_int4pack` in "
+                f"{sum(x['equal'] for x in r['layout'])} of {len(r['layout'])} cases."]
+    return "\n".join(out)
+
+
 RENDERERS = {
+    "cuda-linears": cuda_linears,
     "load-to-first-token": load_to_first_token,
     "fusion-groups": fusion_groups,
     "cpu-int4-switch": lambda r: cpu_switch(r, "modules"),
