@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from .artifact import FORMAT, FORMAT_VERSION, check_out_dir, write_artifact
+from .artifact import FORMAT, FORMAT_VERSION, check_out_dir, sha256_file, write_artifact
 from .errors import RecipeError, SourceError
 from .load import DEFAULT_SHAPES
 from .prepack import prepack_checkpoint
 from .recipes import Recipe
-from .source import GPTQCheckpoint, check_against_model, is_gptq_dir, read_checkpoint, resolve_hub_model
+from .source import GPTQCheckpoint, _sha256_files, check_against_model, is_gptq_dir, read_checkpoint, resolve_hub_model
 from .targets import get_target
 from .version import __version__
 from .warm import warm
@@ -34,12 +34,9 @@ def cache_dir() -> Path:
 def sha256_of(path: Path) -> str:
     """Content hash of a float source: a file (GGUF), or a model directory's config.json and
     safetensors files (what gptqmodel reads)."""
-    from .artifact import sha256_file
-
     if path.is_file():
         return sha256_file(path)
-    files = sorted(p.name for p in path.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
-    return hashlib.sha256("".join(f"{n}:{sha256_file(path / n)}\n" for n in files).encode()).hexdigest()
+    return _sha256_files(path, sorted(p.name for p in path.iterdir() if p.name == "config.json" or p.suffix == ".safetensors"))
 
 
 def quant_key(recipe: Recipe, source_sha256: str, texts: list[str]) -> str:
