@@ -288,7 +288,7 @@ def activate(path: Path, manifest: dict, device_type: str, compile: bool, trust:
         warnings.warn(untrusted_message(path), stacklevel=3)
         return {"status": "untrusted"}
     rewarm = f"ignoring it (re-run `quantprep warm {path}` on this machine)"
-    if mismatch := key_mismatch(entry["key"], cache_key(device_type, device_fields=device_type != "xpu"), partial=True):
+    if mismatch := key_mismatch(entry["key"], cache_key(device_type, device_fields=device_type != "xpu"), partial=device_type == "xpu"):
         return _ignored(f"{path}: {mismatch}; {rewarm}")
     try:
         root = materialize(path, manifest)
