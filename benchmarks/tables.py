@@ -2,11 +2,11 @@
 
 A table in BENCHMARKS.md is a block
 
-    <!-- table KIND results/FILE.json -->
+    <!-- table KIND results/FILE.json [results/FILE2.json ...] -->
     ...
     <!-- end table -->
 
-whose body this script renders from that file with the renderer named KIND. `python
+whose body this script renders from those files with the renderer named KIND. `python
 benchmarks/tables.py` rewrites every block; `--check` exits 1 when one differs from its JSON
 (tests/test_benchmarks_doc.py runs it, so a figure in a table cannot drift from its source).
 """
@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 DOC = ROOT.parent / "BENCHMARKS.md"
-BLOCK = re.compile(r"(<!-- table (\S+) (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
+BLOCK = re.compile(r"(<!-- table (\S+) (\S+(?: \S+)*?) -->\n)(.*?)(<!-- end table -->)", re.S)
 
 
 def _machine(r: dict) -> str:
@@ -106,6 +107,132 @@ def cuda_linears(r: dict) -> str:
     return "\n".join(out)
 
 
+KCACHE_MODES = {
+    "a_compile_no_cache": "(a) compile, no cache",
+    "b_compile_kcache": "(b) compile + kcache",
+    "b_pre": "(b, pre-import)",
+    "b2_compile_kcache_megacache_only": "(b2) torch.compile + mega-cache",
+    "b3_compile_kcache_reused": "(b3) kept copy",
+    "b4_compile_kcache_no_prefetch": "(b4) no thread",
+    "c_eager": "(c) eager",
+    "c2_eager_kcache": "(c2) eager + kcache",
+}
+
+
+def _load_first(runs: list[dict]) -> str:
+    """median over runs of load + first token (the part a kcache can change), where phases were logged."""
+    sums = sorted(r["phases_s"]["load"] + r["phases_s"]["first_token"] for r in runs if r.get("phases_s"))
+    return f"{sums[len(sums) // 2]:.1f}" if sums else "-"
+
+
+def _common_imports_ratio(r: dict) -> str:
+    """b / c with every run's imports replaced by the median imports of all runs (as benchmarks/kcache.py
+    computes `b_over_c_common_imports`); recomputed here so that runs logged before that field get it too."""
+    raw = r.get("raw", {})
+    if not all(raw.get(m) and all(x.get("phases_s") for x in raw[m]) for m in ("b_compile_kcache", "c_eager")):
+        return ""
+    imports = statistics.median(x["phases_s"]["imports"] for rs in raw.values() for x in rs if x.get("phases_s"))
+    b, c = (imports + statistics.median(x["ttft_s"] - x["phases_s"]["imports"] for x in raw[m]) for m in ("b_compile_kcache", "c_eager"))
+    return f"{b / c:.2f}"
+
+
+def kcache_runs(*runs: dict) -> str:
+    """Spawn to first token per mode, one row per run file (benchmarks/kcache.py)."""
+    modes = [m for m in KCACHE_MODES if any(m in r["summary"] for r in runs)]
+    ratios = [k for k in ("b_over_c", "b2_over_c", "a_over_b") if any(r.get(k) == r.get(k) and k in r for r in runs)]
+    common = [_common_imports_ratio(r) for r in runs]
+    out = ["Medians of fresh processes, spawn to first token; load + first token in brackets (median, where logged)", "",
+           "| run | device | date | rounds | " + " | ".join(KCACHE_MODES[m] for m in modes) + " | "
+           + " | ".join(k.replace("_over_", " / ") for k in ratios) + (" | b / c, common imports" if any(common) else "")
+           + " | decode tok/s, b / c |", "| --- |" + " --- |" * (4 + len(modes) + len(ratios) + bool(any(common)) + 1)]
+    for r, ci in zip(runs, common, strict=True):
+        key = r["kcache_key"]
+        device = key.get("name") or f"cpu {key.get('cpu_capability')}"
+        cells = []
+        for m in modes:
+            s = r["summary"].get(m)
+            cells.append(f"{s['ttft_s_median']:.2f} s ({_load_first(r['raw'][m])})" if s and r.get("raw", {}).get(m)
+                         else f"{s['ttft_s_median']:.2f} s" if s else "")
+        rat = [f"{r[k]:.2f}" if r.get(k) == r.get(k) and k in r else "" for k in ratios] + ([ci] if any(common) else [])
+        s = r["summary"]
+        dec = f"{s['b_compile_kcache']['tok_s_median']:.1f} / {s['c_eager']['tok_s_median']:.1f}" if "b_compile_kcache" in s and "c_eager" in s else ""
+        out.append(f"| `{r['_file']}` | {device} | {r['date'][:10]} | {r['runs']} | " + " | ".join(cells + rat + [dec]) + " |")
+    return "\n".join(out)
+
+
+def cpu_kernel_dtypes(r: dict) -> str:
+    """int4 cpu kernel by activation dtype against dense bf16 (benchmarks/cpu_kernel_dtypes.py)."""
+    def t(us: float) -> str:
+        return f"{us:.0f} us" if us < 1000 else f"{us / 1e3:.1f} ms"
+    out = [f"{_machine(r)}, torch {r['torch']}; median of {r['calls']} calls, group {r['group_size']}", "",
+           "| K x N, M | float32 | bfloat16 | float16 | dense bf16 matmul | dense fp32 matmul | bf16 int4 / fastest dense |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    out += [f"| {x['K']} x {x['N']}, M={x['M']} | {t(x['us']['float32'])} | {t(x['us']['bfloat16'])} | {t(x['us']['float16'])} "
+            f"| {t(x['us']['dense_bfloat16'])} | {t(x['us']['dense_float32'])} "
+            f"| {x['us']['bfloat16'] / min(x['us']['dense_bfloat16'], x['us']['dense_float32']):.2f} |" for x in r["rows"]]
+    return "\n".join(out)
+
+
+def cuda_model(*runs: dict) -> str:
+    """Whole model, quantprep cuda int4 against dense bf16 (benchmarks/cuda_kernels.py --only-model)."""
+    out = ["| run | decode 128 tokens, quantprep / dense bf16 | prefill 512 tokens, quantprep / dense bf16 "
+           "| unfused decode / prefill | load to first token (fresh processes) | GPU memory of the weights |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        m = r["model"]
+        unfused = (f"{m['quantprep_int4_unfused_decode_tok_s']:.1f} tok/s / {m['quantprep_int4_unfused_prefill512_ms']:.1f} ms"
+                   if "quantprep_int4_unfused_decode_tok_s" in m else "-")
+        lt = m["load_to_first_token_s"]
+        out.append(f"| `{r['_file']}` ({r['device']}, torch {r['torch']}) | {m['quantprep_int4_decode_tok_s']:.1f} / "
+                   f"{m['dense_bf16_decode_tok_s']:.1f} tok/s | {m['quantprep_int4_prefill512_ms']:.1f} / {m['dense_bf16_prefill512_ms']:.1f} ms "
+                   f"| {unfused} | {lt['median']:.1f} s ({', '.join(f'{x:.1f}' for x in lt['runs'])}) | {m['gpu_memory_quantprep_mib']:.0f} MiB |")
+    return "\n".join(out)
+
+
+def fusion_cpu_model(r: dict) -> str:
+    """Whole model on the CPU, fused against unfused (benchmarks/fusion.py)."""
+    f, u = r["fused"], r["unfused"]
+    return "\n".join([f"{r['date'][:10]}, {r['machine']}; median of {len(f['runs']['decode_tok_s'])} interleaved rounds", "",
+                      "| SmolLM2, cpu | fused (default) | unfused |", "| --- | --- | --- |",
+                      f"| decode 32 tokens | {f['decode_tok_s']:.1f} tok/s | {u['decode_tok_s']:.1f} tok/s |",
+                      f"| prefill 128 tokens | {f['prefill128_ms']:.0f} ms | {u['prefill128_ms']:.0f} ms |"])
+
+
+GEMM_SHAPES = ("q_proj", "qkv_fused", "gate_up_fused", "down_proj")
+
+
+def gemm_designs(*runs: dict) -> str:
+    """Best Triton design per shape at M=512 against dense bf16, over sweeps (benchmarks/cuda_gemm_variants.py)."""
+    out = [f"{runs[0]['device']}, torch {runs[0]['torch']}, Triton {runs[0]['triton']}, {runs[0]['date']}; M=512; "
+           "each ratio against the same run's dense bf16 (`do_bench`; in a CUDA graph: against dense in a graph)", "",
+           "| shape (K->N) | dense | best Triton (run, design, config) | best in a CUDA graph | dequantize + cuBLAS |",
+           "| --- | --- | --- | --- | --- |"]
+    for shape in GEMM_SHAPES:
+        best = graph = deq = None
+        dense = []
+        for i, r in enumerate(runs, 1):
+            rows = [x for x in r["rows"] if x["shape"] == shape and x["M"] == 512]
+            d = {x["variant"]: x["ms"] for x in rows if x["variant"] in ("dense", "dense_graph")}
+            dense.append(d["dense"])
+            for x in rows:
+                if x["variant"].startswith("v"):
+                    cand = (x["ms"] / d["dense"], i, x["variant"], x["config"])
+                    best = min(best or cand, cand)
+                    if "graph_ms" in x:
+                        g = (x["graph_ms"] / d["dense_graph"], i, x["variant"], x["config"])
+                        graph = min(graph or g, g)
+                elif x["variant"] == "deq":
+                    dq = (x["ms"] / d["dense"], i)
+                    deq = min(deq or dq, dq)
+        k, n = next((x["K"], x["N"]) for x in runs[0]["rows"] if x["shape"] == shape)
+
+        def cell(c):
+            return "-" if c is None else f"{c[0]:.2f}x (run {c[1]}" + (f", {c[2]}, {'x'.join(map(str, c[3]))})" if len(c) > 2 else ")")
+        out.append(f"| {shape} {k}->{n} | {' / '.join(f'{x * 1e3:.1f}' for x in dense)} us | {cell(best)} | {cell(graph)} | {cell(deq)} |")
+    out += ["", "Config: BLOCK_M x BLOCK_N x BLOCK_K x warps x stages x split-K."]
+    return "\n".join(out)
+
+
 RENDERERS = {
     "cuda-linears": cuda_linears,
     "load-to-first-token": load_to_first_token,
@@ -113,16 +240,21 @@ RENDERERS = {
     "cpu-int4-switch": lambda r: cpu_switch(r, "modules"),
     "cpu-int8-switch": lambda r: cpu_switch(r, "int8_modules"),
     "gemm-variants": gemm_variants,
+    "gemm-designs": gemm_designs,
+    "kcache-runs": kcache_runs,
+    "cpu-kernel-dtypes": cpu_kernel_dtypes,
+    "cuda-model": cuda_model,
+    "fusion-cpu-model": fusion_cpu_model,
 }
 
 
 def render(doc: str) -> str:
     def block(m: re.Match) -> str:
-        kind, rel = m.group(2), m.group(3)
+        kind, rels = m.group(2), m.group(3).split()
         if kind not in RENDERERS:
             raise SystemExit(f"BENCHMARKS.md: unknown table kind {kind!r} (known: {', '.join(RENDERERS)})")
-        data = json.loads((ROOT / rel).read_text())
-        return m.group(1) + RENDERERS[kind](data) + "\n" + m.group(5)
+        data = [json.loads((ROOT / rel).read_text()) | {"_file": Path(rel).name} for rel in rels]
+        return m.group(1) + RENDERERS[kind](*data) + "\n" + m.group(5)
     return BLOCK.sub(block, doc)
 
 

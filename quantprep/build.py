@@ -20,7 +20,7 @@ from .load import DEFAULT_SHAPES
 from .prepack import prepack_checkpoint
 from .recipes import Recipe
 from .source import GPTQCheckpoint, _sha256_files, check_against_model, is_gptq_dir, read_checkpoint, resolve_hub_model
-from .targets import get_target
+from .targets import act_dtype_problem, get_target
 from .version import __version__
 from .warm import warm
 
@@ -135,6 +135,10 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
     device is present on this machine; fuse: prepack q/k/v and gate/up as one matmul where exact;
     force: replace an output directory that is not an artifact (never the source)."""
     resolved = [get_target(t) for t in targets]  # unknown target names fail before any work
+    for target in resolved:  # as do activation dtypes a target's kernels cannot run
+        if problem := act_dtype_problem(target, getattr(torch, act_dtype) if act_dtype else target.default_act_dtype):
+            raise RecipeError(f"act dtype {act_dtype}: {problem}; pass --act-dtype {str(target.default_act_dtype).removeprefix('torch.')} "
+                              f"(or build the {target.name} target separately)")
     for target in resolved:  # and so do output directories that must not be replaced
         check_out_dir(out_for(target.name), gptq_dir, force)
     ckpt = read_checkpoint(gptq_dir)

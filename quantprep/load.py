@@ -24,7 +24,7 @@ from .artifact import read_checked
 from .errors import ArtifactError, ArtifactMismatch
 from .fused import install as install_fused
 from .kcache import MEGACACHE, activate
-from .targets import get_target
+from .targets import act_dtype_problem, get_target
 
 DEFAULT_SHAPES = [1, 16, 128, 512]  # prefill lengths warm runs (and warmup replays) unless the recipe says otherwise
 DECODE_STEPS = 2
@@ -164,12 +164,16 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     if device.type != target.device and not emulate:
         raise ArtifactMismatch(f"{path}: packed for {target.device} kernels, cannot run on {device.type}; "
                                f"build one for it: {rebuild_command(manifest, device.type)}")
+    packed_dtype = _dtype(manifest["target"]["act_dtype"])
+    if problem := act_dtype_problem(target, packed_dtype):
+        raise ArtifactError(f"{path}: packed for {packed_dtype} activations, but {problem}; rebuild the artifact "
+                            f"with --act-dtype {str(target.default_act_dtype).removeprefix('torch.')}")
+    dtype = dtype or packed_dtype
+    if problem := act_dtype_problem(target, dtype):
+        raise ArtifactMismatch(f"{path}: dtype={dtype}: {problem}; pass one of those or leave dtype out")
     if not emulate and hasattr(target, "load_warning") and (note := target.load_warning()):
         warnings.warn(f"{path}: {note}", stacklevel=2)
     kcache_status = activate(path, manifest, device.type, compile, trust_kcache) if kcache else {"status": "off"}
-
-    packed_dtype = _dtype(manifest["target"]["act_dtype"])
-    dtype = dtype or packed_dtype
 
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):

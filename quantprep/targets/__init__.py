@@ -2,7 +2,8 @@
 
 A target turns an `UnpackedLayer` into its kernel's tensors (`pack`), rebuilds the matching
 `nn.Module` at load (`make_module`), and says what the packed layout depends on (`compat_key`),
-so an artifact is refused on a machine whose kernels would read it differently.
+so an artifact is refused on a machine whose kernels would read it differently; `act_dtypes`
+lists the activation dtypes its kernels run.
 """
 
 from __future__ import annotations
@@ -18,3 +19,12 @@ def get_target(name: str):
     if name not in TARGET_NAMES:
         raise RecipeError(f"unknown target {name!r}; choose from {', '.join(TARGET_NAMES)}")
     return importlib.import_module(f"{__name__}.{name}").TARGET
+
+
+def act_dtype_problem(target, dtype) -> str | None:
+    """Why `target`'s kernels cannot run activations of `dtype`, else None."""
+    if dtype in target.act_dtypes:
+        return None
+    names = " or ".join(str(d).removeprefix("torch.") for d in target.act_dtypes)
+    return f"the {target.name} target runs {names} activations only, not {str(dtype).removeprefix('torch.')}" + (
+        " (oneDNN has no float32 int4 matmul; docs/xpu.md)" if target.name == "xpu" else "")

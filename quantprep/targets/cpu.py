@@ -113,6 +113,7 @@ class CpuTarget:
     name = "cpu"
     device = "cpu"
     default_act_dtype = torch.bfloat16
+    act_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     layout_version = 1
 
     def compat_key(self) -> dict:

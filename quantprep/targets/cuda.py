@@ -160,6 +160,7 @@ class CudaTarget:
     name = "cuda"
     device = "cuda"
     default_act_dtype = torch.bfloat16
+    act_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     layout_version = 1
     cpu_emulator = True  # off a GPU the modules dequantize each copy of the codes with tensor ops (verify, tests)
 

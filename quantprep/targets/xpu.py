@@ -53,6 +53,7 @@ class XpuTarget:
     name = "xpu"
     device = "xpu"
     default_act_dtype = torch.float16
+    act_dtypes = xpu_emulator.ACT_DTYPES  # oneDNN has no fp32 int4 primitive (docs/xpu.md)
     layout_version = 1
     cpu_emulator = True  # xpu_emulator runs the int4 kernel's semantics on CPU
 

@@ -7,7 +7,9 @@ target's artifacts are run through it on CPU and compared with the dense referen
   `_weight_int4pack_mm_with_scales_and_zeros(Tensor self, Tensor mat2, int qGroupSize,
   Tensor qScale, Tensor qZeros) -> Tensor`, dispatched to `_weight_int4pack_mm_xpu` only.
 - pytorch `aten/src/ATen/native/mkldnn/xpu/Blas.cpp`, `_weight_int4pack_mm_xpu` (5 arguments):
-  A is bf16/fp16/fp32, 2-D, contiguous; B is int32 2-D [N, K/8]; qZeros is int8 (kChar);
+  A is bf16/fp16/fp32 by its checks, 2-D, contiguous; but `detail/WoQMatmul.cpp` has an int4
+  primitive for f16 and bf16 only, and fp32 asserts there, so the emulator refuses fp32 as the
+  device would (docs/xpu.md); B is int32 2-D [N, K/8]; qZeros is int8 (kChar);
   qGroupSize > 1 and a multiple of 32; qScale and qZeros are 2-D with size(1) == N; the output
   is empty({M, N}) in A's dtype.
 - pytorch `aten/src/ATen/native/mkldnn/xpu/detail/WoQMatmul.cpp`, `woq_matmul_int4`: B is
@@ -18,17 +20,21 @@ target's artifacts are run through it on CPU and compared with the dense referen
   the zero point before the scale: w = (q - zero) * scale.
 - Not checked by the op but needed by oneDNN's group shape: K divisible by qGroupSize. The
   emulator checks it, so an artifact that passes here does not rely on unchecked behaviour.
+- Scales in A's dtype: the primitive's cache key omits the scale dtype, so scales of another
+  dtype could meet a primitive created for A's; the emulator refuses them.
 
 Precision: oneDNN computes half-precision inputs in f16/bf16 (fpmath mode); the emulator
 accumulates in float32 and rounds the output to A's dtype, so it may be slightly more accurate
-than the device: tolerances in tests are those of the activation dtype.
+than the device: tolerances in tests are those of the activation dtype. `dequantize_nk` is the
+emulator's internal float path (the weight the kernel would see, in float32): exactness checks of
+the layout use it instead of the op.
 """
 
 from __future__ import annotations
 
 import torch
 
-ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ACT_DTYPES = (torch.float16, torch.bfloat16)  # oneDNN's int4 primitives (WoQMatmul.cpp)
 
 
 def unpack_int4_nk(qweight: torch.Tensor) -> torch.Tensor:
@@ -37,12 +43,23 @@ def unpack_int4_nk(qweight: torch.Tensor) -> torch.Tensor:
     return ((qweight.unsqueeze(-1) >> shifts) & 0xF).reshape(qweight.shape[0], -1)
 
 
+def dequantize_nk(qweight: torch.Tensor, group_size: int, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The weight the kernel computes with, float32 [N, K]: (q - zero) * scale per group."""
+    q = unpack_int4_nk(qweight)
+    g = torch.arange(q.shape[1], device=q.device) // group_size
+    return (q - zeros.T[:, g].to(torch.int32)).float() * scales.T[:, g].float()
+
+
 def weight_int4pack_mm_with_scales_and_zeros(x: torch.Tensor, qweight: torch.Tensor, group_size: int,
                                              scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     """Same signature and semantics as the XPU op: returns x @ W.T with W[n, k] =
     (q[n, k] - zeros[k // group_size, n]) * scales[k // group_size, n], in x's dtype."""
-    if x.dtype not in ACT_DTYPES or x.dim() != 2 or not x.is_contiguous():
-        raise RuntimeError(f"_weight_int4pack_mm_xpu: A must be a contiguous 2-D bf16/fp16/fp32 tensor, got {x.dtype} {tuple(x.shape)}")
+    if x.dim() != 2 or not x.is_contiguous():
+        raise RuntimeError(f"_weight_int4pack_mm_xpu: A must be a contiguous 2-D tensor, got {x.dtype} {tuple(x.shape)}")
+    if x.dtype not in ACT_DTYPES:  # Blas.cpp lets fp32 through; oneDNN's cached path then asserts
+        raise RuntimeError(f"_weight_int4pack_mm_xpu: oneDNN has no int4 matmul for {x.dtype} activations (f16 and bf16 only)")
+    if scales.dtype != x.dtype:
+        raise RuntimeError(f"_weight_int4pack_mm_xpu: qScale must be in A's dtype {x.dtype}, got {scales.dtype}")
     if qweight.dtype != torch.int32 or qweight.dim() != 2:
         raise RuntimeError(f"_weight_int4pack_mm_xpu: B must be int32 2-D, got {qweight.dtype} {tuple(qweight.shape)}")
     if zeros.dtype != torch.int8:
@@ -55,7 +72,4 @@ def weight_int4pack_mm_with_scales_and_zeros(x: torch.Tensor, qweight: torch.Ten
     for name, t in (("qScale", scales), ("qZeros", zeros)):
         if t.dim() != 2 or t.shape != (K // group_size, N) or not t.is_contiguous():
             raise RuntimeError(f"_weight_int4pack_mm_xpu: {name} must be contiguous [{K // group_size}, {N}], got {tuple(t.shape)}")
-    q = unpack_int4_nk(qweight)
-    g = torch.arange(K, device=x.device) // group_size
-    w = (q - zeros.T[:, g].to(torch.int32)).float() * scales.T[:, g].float()  # [N, K]
-    return (x.float() @ w.T).to(x.dtype)
+    return (x.float() @ dequantize_nk(qweight, group_size, scales, zeros).T).to(x.dtype)

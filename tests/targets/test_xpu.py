@@ -1,9 +1,11 @@
 """xpu target, run through the CPU emulator of the XPU kernel (the only XPU evidence here):
-every prepacked linear vs the dense float32 reference on fresh random inputs.
+the packed layout checked exactly through the emulator's float path (`dequantize_nk`), and every
+prepacked linear vs the dense float32 reference on fresh random inputs.
 
-Tolerances (relative error of the output): float32 1e-5; float16 (the xpu default) 5e-3 and
-bfloat16 2e-2, from rounding the activations to 11 / 8 significant bits (measured ~5e-4 / ~3e-3).
-The emulator accumulates in float32; the device may round more (oneDNN f16/bf16 fpmath).
+Tolerances (relative error of the output): float16 (the xpu default) 5e-3 and bfloat16 2e-2, from
+rounding the activations to 11 / 8 significant bits (measured ~5e-4 / ~3e-3). The emulator
+accumulates in float32; the device may round more (oneDNN f16/bf16 fpmath). float32 activations
+are refused, as oneDNN refuses them (docs/xpu.md).
 """
 
 import itertools
@@ -19,9 +21,11 @@ from quantprep.source import QuantConfig
 from quantprep.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
 from quantprep.targets.xpu import pack_int4_nk
+from quantprep.targets.xpu_emulator import dequantize_nk
 from quantprep.targets.xpu_emulator import weight_int4pack_mm_with_scales_and_zeros as emulated_mm
 
-TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+TOL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
+VARIANTS = list(itertools.product([4, 8], [-1, 32, 64, 128], [True, False], [True, False], [True, False]))
 XPU = get_target("xpu")
 
 
@@ -29,8 +33,21 @@ def _module_for(raw, q, dtype):
     return prepacked_module("xpu", raw, q, dtype)
 
 
-@pytest.mark.parametrize("bits,group_size,sym,act_order,v1", list(itertools.product([4, 8], [-1, 32, 64, 128], [True, False], [True, False], [True, False])))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group_size,sym,act_order,v1", [v[1:] for v in VARIANTS if v[0] == 4])
+def test_int4_layout_is_exact(group_size, sym, act_order, v1):
+    """The weight the kernel reads (emulator's float path, float16 scales as in the source) equals
+    the GPTQ dequantized weight bit for bit, in the kernel's K order, padding excluded."""
+    K, N = 576, 200
+    gen = torch.Generator().manual_seed(hash((group_size, sym, act_order, v1)) % 2**31)
+    raw = random_gptq_tensors(K, N, 4, group_size, sym, act_order, v1, generator=gen)
+    layer, module, meta = _module_for(raw, QuantConfig(4, group_size, sym, act_order, "gptq" if v1 else "gptq_v2"), torch.float16)
+    w = dequantize_nk(module.qweight, meta["kernel_group_size"], module.scales, module.qzeros)[:, :K].T
+    ref = layer.dequantize()
+    assert torch.equal(w, ref if module.perm is None else ref[module.perm.long()])
+
+
+@pytest.mark.parametrize("bits,group_size,sym,act_order,v1", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_prepacked_linear_matches_dense(bits, group_size, sym, act_order, v1, dtype):
     K, N = 576, 200  # partial last group at 128; N needs no alignment on xpu
     gen = torch.Generator().manual_seed(hash((bits, group_size, sym, act_order, v1)) % 2**31)
@@ -43,7 +60,7 @@ def test_prepacked_linear_matches_dense(bits, group_size, sym, act_order, v1, dt
         y = module(x.to(dtype)).float()
     rel = ((y - ref).norm() / ref.norm()).item()
     assert rel < TOL[dtype], f"rel err {rel:.2e}"
-    assert (y.argmax(-1) == ref.argmax(-1)).float().mean().item() >= (0.99 if dtype == torch.float32 else 0.9)
+    assert (y.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
 
 
 def test_weight_is_gptq_qweight_transposed():
@@ -60,7 +77,9 @@ def test_emulator_refuses_what_the_kernel_refuses():
     assert emulated_mm(x, w, 64, s, z).shape == (2, 16)
     for args, needle in [((x, w, 64, s, z.to(torch.uint8)), "int8"), ((x, w, 48, s, z), "multiple of 32"),
                          ((x[:, :64].contiguous(), w, 64, s, z), "K=64"), ((x, w, 64, s[:1], z), "qScale"),
-                         ((x.T.contiguous().T, w, 64, s, z), "contiguous")]:
+                         ((x.T.contiguous().T, w, 64, s, z), "contiguous"),
+                         ((x.float(), w, 64, s.float(), z), "no int4 matmul for torch.float32"),  # as oneDNN asserts
+                         ((x, w, 64, s.bfloat16(), z), "qScale must be in A's dtype")]:
         with pytest.raises(RuntimeError, match=needle):
             emulated_mm(*args)
 
@@ -68,11 +87,12 @@ def test_emulator_refuses_what_the_kernel_refuses():
 def test_a_wrong_zero_is_caught():
     gen = torch.Generator().manual_seed(3)
     q = QuantConfig(4, 32, False, True, "gptq_v2")
-    layer, module, _ = _module_for(random_gptq_tensors(256, 64, 4, 32, False, True, False, generator=gen), q, torch.float32)
-    module.qzeros[0] += 1
+    layer, module, _ = _module_for(random_gptq_tensors(256, 64, 4, 32, False, True, False, generator=gen), q, torch.float16)
     x = torch.randn(4, 256)
     ref = x @ layer.dequantize()
-    assert ((module(x) - ref).norm() / ref.norm()).item() > 1e-2
+    assert ((module(x.half()).float() - ref).norm() / ref.norm()).item() < TOL[torch.float16]
+    module.qzeros[0] += 1
+    assert ((module(x.half()).float() - ref).norm() / ref.norm()).item() > 1e-2
 
 
 def test_whole_model_through_emulator_and_refused_without_xpu(tmp_path):
@@ -85,14 +105,17 @@ def test_whole_model_through_emulator_and_refused_without_xpu(tmp_path):
     cfg = {"model_type": "qwen2", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}
     gptq = write_random_checkpoint(tmp_path / "gptq", cfg, bits=4, group_size=128, desc_act=True, sym=True)
-    build_artifacts(gptq, {"path": str(gptq)}, ["xpu"], lambda t: tmp_path / "xpu", "float32", progress=False)
+    build_artifacts(gptq, {"path": str(gptq)}, ["xpu"], lambda t: tmp_path / "xpu", progress=False)  # float16
     with pytest.raises(ArtifactMismatch, match="no XPU device"):
         quantprep.load(tmp_path / "xpu")
+    with pytest.raises(ArtifactMismatch, match="runs float16 or bfloat16 activations only, not float32"):
+        quantprep.load(tmp_path / "xpu", device="cpu", dtype=torch.float32)
     model = quantprep.load(tmp_path / "xpu", device="cpu")
     ids = torch.randint(0, 512, (2, 24))
     with torch.no_grad():
         got, ref = model(input_ids=ids).logits, dense_reference_model(gptq)(input_ids=ids).logits
-    assert rel_err(got, ref) < 1e-5 and top1(got, ref) >= 0.99
+    print(f"float16 whole model vs float32 dense: rel err {rel_err(got, ref):.2e}, top-1 {top1(got, ref):.3f}")
+    assert rel_err(got, ref) < 5e-3 and top1(got, ref) >= 0.95
     report = verify_artifact(tmp_path / "xpu")
     assert report["emulated"] and report["numeric"] == "passed" and all(r["ok"] for r in report["probes"])
 
@@ -105,3 +128,32 @@ def test_load_warns_when_torch_has_no_aot_kernels_for_the_card():
     assert arch_warning(a770, ["dg2-g10", "bmg"]) is None
     assert "no AOT build for the B580" in arch_warning(b580, ["dg2"])
     assert arch_warning("Intel(R) Data Center GPU Max 1100", []) is None  # not a card we know the arch names of
+
+
+def test_float32_xpu_build_is_refused_before_any_work(random_gptq, tmp_path, capsys):
+    """oneDNN has no float32 int4 primitive: refused in one line, exit 2, nothing written."""
+    from quantprep.cli import main
+
+    out = tmp_path / "xpu32"
+    assert main(["prepack", str(random_gptq), "--target", "xpu", "--act-dtype", "float32", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "act dtype float32" in err[0] and "float16 or bfloat16" in err[0], err
+    assert not out.exists()
+
+
+def test_a_float32_xpu_artifact_is_refused_at_load(random_gptq, tmp_path):
+    """An xpu artifact that says float32 (built before the refusal, or edited and re-signed)."""
+    import json
+
+    from quantprep.artifact import MANIFEST, manifest_digest
+    from quantprep.build import build_artifacts
+    from quantprep.errors import ArtifactError
+
+    art = tmp_path / "xpu"
+    build_artifacts(random_gptq, {"path": str(random_gptq)}, ["xpu"], lambda t: art, progress=False)
+    m = json.loads((art / MANIFEST).read_text())
+    m["target"]["act_dtype"] = "float32"
+    m["manifest_sha256"] = manifest_digest(m)
+    (art / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match="packed for torch.float32 activations.*rebuild the artifact with --act-dtype float16"):
+        quantprep.load(art, device="cpu")
