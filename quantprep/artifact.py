@@ -346,7 +346,8 @@ def _valid_aot(entries, files: dict) -> bool:
 
 def _valid_kcache(k) -> bool:
     if not (isinstance(k, dict) and isinstance(k.get("key"), dict) and _is_shape_list(k.get("shapes"))
-            and isinstance(k.get("compile"), bool) and isinstance(k.get("files"), dict)):
+            and isinstance(k.get("compile"), bool) and isinstance(k.get("files"), dict)
+            and isinstance(k.get("triton_native_code", False), bool)):
         return False
     return all(isinstance(rel, str) and rel and not rel.startswith("/") and ".." not in rel.split("/")
                and isinstance(f, dict) and isinstance(f.get("size"), int) and isinstance(f.get("sha256"), str)

@@ -38,6 +38,7 @@ import torch
 
 from .artifact import read_manifest, sha256_file
 from .errors import ArtifactError
+from .intel_runtime import cache_warning, primitive_cache_env
 
 KCACHE = "kcache"
 MEGACACHE = "torch-compile.bin"  # torch.compiler.save_cache_artifacts() output
@@ -102,11 +103,11 @@ def _cuda_driver() -> str | None:
         return None
 
 
-def igc_warning(env: dict[str, str]) -> str | None:
-    igc = sorted(k for k in env if k.startswith("IGC_"))
-    if igc:
-        return f"{', '.join(igc)} set: any IGC_* variable disables the Intel driver's kernel cache; unset it to use kcache/neo"
-    return None
+def xpu_driver_version() -> str | None:
+    """The Level Zero driver version of XPU 0 (starts the device), None without an XPU."""
+    if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        return None
+    return getattr(torch.xpu.get_device_properties(), "driver_version", None)
 
 
 def kcache_problem(path: Path, manifest: dict) -> str | None:
@@ -306,6 +307,9 @@ def activate(path: Path, manifest: dict, device_type: str, compile: bool, trust:
             os.environ.update({k: v for k, v in env.items() if k.startswith(("NEO_", "SYCL_"))})
         if mismatch := key_mismatch(entry["key"], cache_key(device_type)):
             return _ignored(f"{path}: {mismatch}; {rewarm}")
+        if msg := cache_warning(dict(os.environ), xpu_driver_version()):
+            warnings.warn(f"{path}: {msg}", stacklevel=3)
+    os.environ.update(triton_native_env(entry, dict(os.environ)))
     os.environ["TRITON_CACHE_DIR"] = env["TRITON_CACHE_DIR"]  # also eager: the cuda prefill GEMM is a Triton kernel
     if compile:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = env["TORCHINDUCTOR_CACHE_DIR"]
@@ -332,6 +336,36 @@ def exec_env(path: str | os.PathLike, trust: bool = False) -> dict[str, str]:
     mismatch = key_mismatch(manifest["kcache"]["key"], cache_key(device))  # exec replaces this process: device state here is dropped
     if mismatch:
         raise ArtifactError(f"{path}: {mismatch}; re-run `quantprep warm {path}` on this machine")
-    if device == "xpu" and (msg := igc_warning(dict(os.environ))):
-        print(f"quantprep: warning: {msg}", file=sys.stderr)
-    return dict(os.environ, **cache_env(materialize(path, manifest)))
+    env = dict(os.environ, **cache_env(materialize(path, manifest)))
+    if device == "xpu":
+        env.update(xpu_primitive_env(manifest, env) | triton_native_env(manifest["kcache"], env))
+        if msg := cache_warning(env, xpu_driver_version()):
+            print(f"quantprep: warning: {msg}", file=sys.stderr)
+    return env
+
+
+def xpu_warm_env(manifest: dict, env: dict[str, str]) -> dict[str, str]:
+    """What warm's child gets on xpu beyond cache_env: the primitive cache size, and native code from
+    Triton when `ocloc` is on PATH (TRITON_XPU_GEN_NATIVE_CODE: Triton compiles SPIR-V to a zebin
+    with ocloc, so kcache/triton holds binaries instead of SPIR-V that only the driver cache could
+    keep compiled)."""
+    extra = xpu_primitive_env(manifest, env)
+    if shutil.which("ocloc", path=env.get("PATH")) and "TRITON_XPU_GEN_NATIVE_CODE" not in env:
+        extra["TRITON_XPU_GEN_NATIVE_CODE"] = "1"
+    return extra
+
+
+def triton_native_env(entry: dict, env: dict[str, str]) -> dict[str, str]:
+    """TRITON_XPU_GEN_NATIVE_CODE=1 at load when warm compiled with it (Triton's cache key holds the
+    option, so without it every shipped kernel misses) and ocloc is here for any kernel that still does."""
+    if entry.get("triton_native_code") is True and shutil.which("ocloc", path=env.get("PATH")):
+        return {"TRITON_XPU_GEN_NATIVE_CODE": "1"}
+    return {}
+
+
+def xpu_primitive_env(manifest: dict, env: dict[str, str]) -> dict[str, str]:
+    """ONEDNN_PRIMITIVE_CACHE_CAPACITY for the warmed prompt lengths x the int4 linear shapes, when
+    oneDNN's default would evict some of them (intel_runtime.primitive_cache_env)."""
+    lengths = manifest.get("kcache", manifest.get("serving", {})).get("shapes", [])
+    linears = {(m["in_features"], m["out_features"]) for m in manifest.get("modules", {}).values() if m.get("bits") == 4}
+    return primitive_cache_env(len(lengths) + 1, len(linears), env)  # + 1: decode (M=1)

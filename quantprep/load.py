@@ -23,7 +23,7 @@ from .aot import install as install_packages
 from .artifact import read_checked
 from .errors import ArtifactError, ArtifactMismatch
 from .fused import install as install_fused
-from .kcache import MEGACACHE, activate
+from .kcache import MEGACACHE, activate, xpu_primitive_env
 from .targets import act_dtype_problem, get_target
 
 DEFAULT_SHAPES = [1, 16, 128, 512]  # prefill lengths warm runs (and warmup replays) unless the recipe says otherwise
@@ -173,6 +173,8 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
         raise ArtifactMismatch(f"{path}: dtype={dtype}: {problem}; pass one of those or leave dtype out")
     if not emulate and hasattr(target, "load_warning") and (note := target.load_warning()):
         warnings.warn(f"{path}: {note}", stacklevel=2)
+    if target.device == "xpu" and not emulate:  # before the first oneDNN primitive is created
+        os.environ.update(xpu_primitive_env(manifest, dict(os.environ)))
     kcache_status = activate(path, manifest, device.type, compile, trust_kcache) if kcache else {"status": "off"}
 
     config = AutoConfig.from_pretrained(path)

@@ -1,22 +1,25 @@
 """`quantprep selftest`: on the user's own machine, run every kernel of a device on small random
 problems against the dense reference, time them at M=1 and M=512, and report what makes first
-runs slow there (for xpu: AOT arch coverage and the driver/SYCL kernel caches).
+runs slow there (for xpu: AOT arch coverage, the driver/SYCL kernel caches, and which oneDNN
+implementation runs the int4 matmul, from ONEDNN_VERBOSE).
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
 
 from .errors import QuantprepError
+from .intel_runtime import aot_name, arch_warning, int4_matmul_report, neo_cache_state
 from .prepack import unpack_layer
 from .source import QuantConfig, _validate_layer
 from .synthetic import random_gptq_tensors
 from .targets import get_target
-from .targets.xpu import XPU_ARCH_NAMES, arch_warning
 from .verify import REL_TOL
 
 CASES = [(bits, gs, act) for bits in (4, 8) for gs in (128, -1) for act in (True, False)]
@@ -68,30 +71,59 @@ def time_ms(module, K: int, M: int, dtype: torch.dtype, device: str, reps: int =
     return {"first_ms": first * 1e3, "median_ms": statistics.median(times) * 1e3}
 
 
-def xpu_cache_report(env: dict[str, str], arch_list: list[str], device_name: str) -> list[str]:
-    """What will make first runs slow on this XPU machine, and how to fix it."""
+def xpu_cache_report(env: dict[str, str], arch_list: list[str], device_name: str, architecture: int | None = None,
+                     driver_version: str | None = None) -> list[str]:
+    """What will make first runs slow on this XPU machine, and how to fix it (intel_runtime.py)."""
     notes = []
-    card = next((c for c in XPU_ARCH_NAMES if c in device_name), None)
-    if card is None:
-        notes.append(f"device {device_name!r} is not an A770 or B580; arch coverage not checked")
-    elif warning := arch_warning(device_name, arch_list):
+    aot = aot_name(architecture, device_name)
+    if warning := arch_warning(device_name, arch_list, architecture):
         notes.append(warning)
     else:
-        notes.append(f"torch has AOT kernels for the {card} ({', '.join(a for a in arch_list if a in XPU_ARCH_NAMES[card])})")
-    igc = sorted(k for k in env if k.startswith("IGC_"))
-    if igc:
-        notes.append(f"driver kernel cache DISABLED: {', '.join(igc)} set (any IGC_* variable turns it off); unset them")
-    elif env.get("NEO_CACHE_PERSISTENT") == "0":
-        notes.append("driver kernel cache DISABLED: NEO_CACHE_PERSISTENT=0; unset it")
+        notes.append(f"torch has AOT kernels for {device_name} ({aot})")
+    cache = neo_cache_state(env, driver_version)
+    if cache["enabled"]:
+        notes.append(f"driver kernel cache {cache['why']}, at {cache['dir']} (driver {driver_version or 'version unknown'})")
     else:
-        where = env.get("NEO_CACHE_DIR") or os.path.join(env.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "neo_compiler_cache")
-        notes.append(f"driver kernel cache on (NEO_CACHE_PERSISTENT default 1), at {where}")
+        notes.append(f"driver kernel cache {'OFF' if cache['enabled'] is False else 'MAYBE OFF'}: {cache['why']}")
     if env.get("SYCL_CACHE_PERSISTENT") != "1":
         notes.append("SYCL program cache off: set SYCL_CACHE_PERSISTENT=1 (and SYCL_CACHE_DIR) to keep JIT results across processes")
     else:
         notes.append(f"SYCL program cache on, at {env.get('SYCL_CACHE_DIR', '~/.cache/libsycl_cache')}")
-    notes.append("oneDNN primitives are not cached across processes: warm the serving shapes in-process after load")
+    notes.append("oneDNN builds one int4 primitive per prompt length, per thread, and keeps none across processes: "
+                 "warm the serving lengths with load(warmup=True) in the serving thread, and pad prompts to them (quantprep.serving)")
     return notes
+
+
+def onednn_notes(problems: list[dict]) -> list[str]:
+    """Plain words for intel_runtime.int4_matmul_report: which implementation ran each int4 matmul."""
+    if not problems:
+        return ["oneDNN verbose showed no int4 matmul (is ONEDNN_VERBOSE supported by this torch build?)"]
+    notes = []
+    for p in problems:
+        create = f"created in {p['create_ms']:.1f} ms" if p["create_ms"] is not None else "creation not logged"
+        run = f", runs in {sorted(p['exec_ms'])[len(p['exec_ms']) // 2]:.3f} ms" if p["exec_ms"] else ""
+        slow = " -- a REFERENCE kernel: this card takes oneDNN's slow fallback path" if p["reference"] else ""
+        notes.append(f"int4 matmul {p['problem']}: {p['impl']}, {create}{run}{slow}")
+    return notes
+
+
+def _onednn_child() -> None:
+    """In a fresh process with ONEDNN_VERBOSE set: run the xpu int4 module at M = 1 and 512."""
+    target = get_target("xpu")
+    for M in (1, 512):
+        _, module, dtype = _module(target, 1024, 1024, 4, 128, True, "xpu")
+        time_ms(module, 1024, M, dtype, "xpu", reps=3)
+
+
+def onednn_verbose_report() -> list[dict]:
+    """Run the int4 matmuls in a fresh process with oneDNN's verbose output on (legacy level 2:
+    creation and execution, understood by every oneDNN 3.x) and parse what it printed."""
+    env = dict(os.environ, ONEDNN_VERBOSE="2")
+    proc = subprocess.run([sys.executable, "-c", "from quantprep.selftest import _onednn_child; _onednn_child()"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise QuantprepError(f"selftest --device xpu: the oneDNN verbose run failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return int4_matmul_report(proc.stdout.splitlines())
 
 
 def environment(device: str) -> dict:
@@ -109,9 +141,9 @@ def environment(device: str) -> dict:
             info["triton"] = None
     elif device == "xpu":
         props = torch.xpu.get_device_properties()
-        arch = torch.xpu.get_arch_list()
-        info.update(name=props.name, driver=getattr(props, "driver_version", "?"), arch_list=arch,
-                    notes=xpu_cache_report(dict(os.environ), arch, props.name))
+        arch, architecture, driver = torch.xpu.get_arch_list(), getattr(props, "architecture", None), getattr(props, "driver_version", None)
+        info.update(name=props.name, driver=driver, architecture=architecture, aot_name=aot_name(architecture, props.name),
+                    arch_list=arch, notes=xpu_cache_report(dict(os.environ), arch, props.name, architecture, driver))
     return info
 
 
@@ -130,5 +162,8 @@ def run_selftest(device: str, K: int = 1024, N: int = 1024) -> dict:
         _, module, dtype = _module(target, K, N, bits, 128, True, device)
         for M in (1, 512):
             report["timings"].append({"bits": bits, "K": K, "N": N, "M": M} | time_ms(module, K, M, dtype, device))
+    if device == "xpu":
+        report["onednn"] = onednn_verbose_report()
+        report["environment"]["notes"] += onednn_notes(report["onednn"])
     report["ok"] = all(c["ok"] for c in report["checks"])
     return report

@@ -25,7 +25,8 @@ import torch
 from .aot import compile_regions
 from .artifact import read_checked, republish, sha256_file
 from .errors import QuantprepError
-from .kcache import KCACHE, MEGACACHE, cache_env, cache_key, igc_warning, record_trust
+from .intel_runtime import cache_warning
+from .kcache import KCACHE, MEGACACHE, cache_env, cache_key, record_trust, xpu_driver_version, xpu_warm_env
 from .load import DECODE_STEPS, DEFAULT_SHAPES, run_shapes, usable_shapes
 
 AOT_TIMEOUT_S = 1800  # per phase of warm that builds or checks compiled MLP packages
@@ -101,12 +102,14 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
     aot = serving.get("aot", True) if aot is None else aot
     if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in shapes):
         raise QuantprepError(f"--shapes must be positive prefill lengths, got {shapes}")
-    if device == "xpu" and (msg := igc_warning(dict(os.environ))):
-        print(f"quantprep: warning: {msg}", file=sys.stderr)
 
     with tempfile.TemporaryDirectory(prefix="quantprep-warm-") as tmp:
         scratch = Path(tmp)
         env = dict(os.environ, **cache_env(scratch))
+        if device == "xpu":
+            env.update(xpu_warm_env(manifest, env))
+            if msg := cache_warning(env, xpu_driver_version()):
+                print(f"quantprep: warning: {msg}; kcache/neo stays empty", file=sys.stderr)
         if progress:
             print(f"warm {path} on {device}: prefill {shapes} + {DECODE_STEPS} decode steps"
                   f"{', torch.compile' if compile else ''}{' + compiled MLP packages' if compile and aot else ''} (fresh processes)",
@@ -120,6 +123,8 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
         files = _collect(scratch)
         entry = {"key": key, "shapes": report["shapes"], "compile": compile, "files": files,
                  "megacache": report.get("megacache", {}), "aot": report["aot"]}
+        if env.get("TRITON_XPU_GEN_NATIVE_CODE") == "1":  # part of Triton's cache key: load must set it too
+            entry["triton_native_code"] = True
         republish(path, scratch, KCACHE, [*files], {"kcache": entry})
         record_trust(entry)
     return dict(report, path=str(path), files=len(files), bytes=sum(f["size"] for f in files.values()), key=key)

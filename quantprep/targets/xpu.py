@@ -1,4 +1,4 @@
-"""xpu target (Intel Arc A770 / B580), through upstream torch ops only (no IPEX).
+"""xpu target (Intel Arc A-series and B-series, Xe iGPUs), through upstream torch ops only (no IPEX).
 
 int4: `aten._weight_int4pack_mm_with_scales_and_zeros` (torch >= 2.8, XPU only). It takes the
 weight as int32 [N, K/8] with element k at bits 4*(k%8), which is GPTQ's `qweight.T` once K is in
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..intel_runtime import arch_warning
 from . import xpu_emulator
 from .common import PackedLinear, base_meta, make_int8_module, optional_tensors, pack_int8, regroup, torch_base_version
 
@@ -63,8 +64,8 @@ class XpuTarget:
     def load_warning(self) -> str | None:
         """Checked at every load on a real XPU: a card torch has no AOT kernels for works, but
         JIT-compiles every kernel on first use (minutes)."""
-        name = torch.xpu.get_device_properties().name
-        return arch_warning(name, torch.xpu.get_arch_list())
+        props = torch.xpu.get_device_properties()
+        return arch_warning(props.name, torch.xpu.get_arch_list(), getattr(props, "architecture", None))
 
     def runtime_problem(self) -> str | None:
         if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8):
@@ -95,15 +96,3 @@ class XpuTarget:
 
 TARGET = XpuTarget()
 
-
-# AOT targets in torch.xpu.get_arch_list() that cover each card (else kernels JIT-compile on first use).
-XPU_ARCH_NAMES = {"A770": ("dg2", "acm-g10", "ats-m150", "dg2-g10"), "B580": ("bmg", "bmg-g21")}
-
-
-def arch_warning(device_name: str, arch_list: list[str]) -> str | None:
-    card = next((c for c in XPU_ARCH_NAMES if c in device_name), None)
-    if card is None or any(a in arch_list for a in XPU_ARCH_NAMES[card]):
-        return None
-    return (f"torch.xpu.get_arch_list() = {arch_list} has no AOT build for the {card} "
-            f"({'/'.join(XPU_ARCH_NAMES[card])}): every kernel is JIT-compiled on first use (minutes). "
-            f"Install a torch XPU wheel built for it, and keep the driver cache on so it happens once")
