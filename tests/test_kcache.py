@@ -201,3 +201,68 @@ def test_exec_env_creates_the_dirs_it_names(warmed_aot, tmp_path, monkeypatch):
     monkeypatch.setenv("QUANTPREP_KCACHE_DIR", str(tmp_path / "rt"))
     env = exec_env(warmed_aot[0])
     assert all(os.path.isdir(env[v]) for v in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "NEO_CACHE_DIR", "SYCL_CACHE_DIR"))
+
+
+# Logs, at the start of every Python process, each cache variable it was given and whether that dir exists.
+DIR_LOG = """
+import json, os
+log = os.environ.get("QUANTPREP_TEST_DIR_LOG")
+if log:
+    seen = {v: os.path.isdir(os.environ[v]) for v in
+            ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "NEO_CACHE_DIR", "SYCL_CACHE_DIR") if v in os.environ}
+    with open(log, "a") as f:
+        f.write(json.dumps(seen) + "\\n")
+"""
+
+
+def test_every_process_sees_existing_dirs_for_the_cache_variables_it_gets(tmp_path, random_artifact):
+    """Issue 14: Intel's driver turns its cache off when NEO_CACHE_DIR names a missing dir. warm's
+    child, `quantprep exec`'s command and `load` get only existing dirs, checked in each process."""
+    site, log = tmp_path / "site", tmp_path / "dirs.jsonl"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(DIR_LOG)
+    env = dict(os.environ, QUANTPREP_TEST_DIR_LOG=str(log), QUANTPREP_KCACHE_DIR=str(tmp_path / "rt"),
+               PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+
+    def quantprep(*args):
+        proc = subprocess.run([sys.executable, "-m", "quantprep", *args], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    warm_seen = quantprep("warm", str(random_artifact), "--shapes", "1,4")
+    assert any("NEO_CACHE_DIR" in s for s in warm_seen), warm_seen  # the warm child got the driver's variables
+    log.unlink()
+    exec_seen = quantprep("exec", str(random_artifact), "--", sys.executable, "-c", "pass")
+    assert any("NEO_CACHE_DIR" in s for s in exec_seen), exec_seen
+    for seen in warm_seen + exec_seen:
+        assert all(seen.values()), seen
+    load_code = ("import os, json, sys, quantprep\n"
+                 "m = quantprep.load(sys.argv[1], compile=True)\n"
+                 "print(json.dumps([{v: os.path.isdir(os.environ[v]) for v in ('TORCHINDUCTOR_CACHE_DIR', 'TRITON_CACHE_DIR') "
+                 "if v in os.environ}, m.quantprep_kcache['status']]))")
+    proc = subprocess.run([sys.executable, "-c", load_code, str(random_artifact)], env=dict(env, QUANTPREP_TEST_DIR_LOG=""),
+                          capture_output=True, text=True, timeout=600)
+    seen, status = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert status == "used" and seen == {"TORCHINDUCTOR_CACHE_DIR": True, "TRITON_CACHE_DIR": True}, (seen, status)
+
+
+def test_xpu_warm_asks_triton_for_native_code_only_with_ocloc(tmp_path):
+    """Issue 14 item 7: with `ocloc` on PATH, warm's child gets TRITON_XPU_GEN_NATIVE_CODE=1 (Triton then
+    ships zebins, not SPIR-V); load sets it again only when the kcache was warmed so and ocloc is here.
+    The ocloc here is an empty stand-in: only its presence on PATH is read."""
+    from quantprep.kcache import triton_native_env, xpu_warm_env
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    manifest = {"serving": {"shapes": [1, 16]}, "modules": {"a": {"bits": 4, "in_features": 8, "out_features": 8}}}
+    assert xpu_warm_env(manifest, {"PATH": str(bin_dir)}) == {}
+    (bin_dir / "ocloc").write_text("#!/bin/sh\n")
+    (bin_dir / "ocloc").chmod(0o755)
+    assert xpu_warm_env(manifest, {"PATH": str(bin_dir)}) == {"TRITON_XPU_GEN_NATIVE_CODE": "1"}
+    assert xpu_warm_env(manifest, {"PATH": str(bin_dir), "TRITON_XPU_GEN_NATIVE_CODE": "0"}) == {}  # the user's choice stands
+    assert triton_native_env({"triton_native_code": True}, {"PATH": str(bin_dir)}) == {"TRITON_XPU_GEN_NATIVE_CODE": "1"}
+    assert triton_native_env({"triton_native_code": True}, {"PATH": str(tmp_path)}) == {}
+    assert triton_native_env({}, {"PATH": str(bin_dir)}) == {}
+    linears = {f"m{i}": {"bits": 4, "in_features": 8, "out_features": 8 * (i + 1)} for i in range(4)}
+    many = {"serving": {"shapes": list(range(1, 300))}, "modules": linears | {"i8": {"bits": 8, "in_features": 8, "out_features": 64}}}
+    assert xpu_warm_env(many, {"PATH": ""}) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1200"}  # (299 + decode) x 4 linears
