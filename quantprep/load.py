@@ -235,8 +235,9 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
         if prefetch:
             prefetch.join()
         compile_model(model, manifest, kcache_status, dtype)
-    if warmup:
-        shapes = manifest.get("kcache", manifest.get("serving", {})).get("shapes", DEFAULT_SHAPES)
-        model.quantprep_warmup = run_shapes(model, usable_shapes(model, shapes))
+    # the prefill lengths warm ran: quantprep.serving pads prompts to them
+    model.quantprep_buckets = usable_shapes(model, manifest.get("kcache", manifest.get("serving", {})).get("shapes", DEFAULT_SHAPES))
+    if warmup:  # in the thread that will serve: PyTorch's oneDNN primitive cache on xpu is per thread
+        model.quantprep_warmup = run_shapes(model, model.quantprep_buckets)
     model.quantprep_kcache = kcache_status
     return model
