@@ -307,8 +307,6 @@ def activate(path: Path, manifest: dict, device_type: str, compile: bool, trust:
             os.environ.update({k: v for k, v in env.items() if k.startswith(("NEO_", "SYCL_"))})
         if mismatch := key_mismatch(entry["key"], cache_key(device_type)):
             return _ignored(f"{path}: {mismatch}; {rewarm}")
-        if msg := cache_warning(dict(os.environ), xpu_driver_version()):
-            warnings.warn(f"{path}: {msg}", stacklevel=3)
     os.environ.update(triton_native_env(entry, dict(os.environ)))
     os.environ["TRITON_CACHE_DIR"] = env["TRITON_CACHE_DIR"]  # also eager: the cuda prefill GEMM is a Triton kernel
     if compile:

@@ -23,7 +23,8 @@ from .aot import install as install_packages
 from .artifact import read_checked
 from .errors import ArtifactError, ArtifactMismatch
 from .fused import install as install_fused
-from .kcache import MEGACACHE, activate, xpu_primitive_env
+from .intel_runtime import cache_warning
+from .kcache import MEGACACHE, activate, xpu_driver_version, xpu_primitive_env
 from .targets import act_dtype_problem, get_target
 
 DEFAULT_SHAPES = [1, 16, 128, 512]  # prefill lengths warm runs (and warmup replays) unless the recipe says otherwise
@@ -176,6 +177,8 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     if target.device == "xpu" and not emulate:  # before the first oneDNN primitive is created
         os.environ.update(xpu_primitive_env(manifest, dict(os.environ)))
     kcache_status = activate(path, manifest, device.type, compile, trust_kcache) if kcache else {"status": "off"}
+    if target.device == "xpu" and not emulate and (msg := cache_warning(dict(os.environ), xpu_driver_version())):
+        warnings.warn(f"{path}: {msg}", stacklevel=2)
 
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):
