@@ -144,15 +144,16 @@ class DequantInt8Linear(PackedLinear):
 
 
 class Int8PerChannelLinear(PackedLinear):
-    """int8 weight [N, K] times a per-output-channel scale (cpu and cuda). Below DEQUANT_MIN_M rows
-    `aten._weight_int8pack_mm`; from there dequantizing once per call and a dense matmul. kernel /
-    dequantize time on the 2-core AVX2 machine over the Qwen2.5-1.5B and SmolLM2 shapes
-    (benchmarks/cpu_prefill.py, cpu-prefill-avx2.json): 0.29-0.66 at M=32, 0.38-0.80 at 48,
-    0.50-1.02 at 64, 0.81-1.27 at 128; on an AVX512 machine at 1536x8960: 0.5 vs 9.4 ms at M=1,
-    27 vs 12.6 ms at M=128 (BENCHMARKS.md, CPU kernels). The crossover on AVX512 and on cuda is not
-    measured across M."""
+    """int8 weight [N, K] times a per-output-channel scale (cpu and cuda). On the CPU below
+    DEQUANT_MIN_M rows `aten._weight_int8pack_mm`, from there dequantizing once per call and a dense
+    matmul; on cuda always the latter. kernel / dequantize time across M (benchmarks/int8_switch.py,
+    benchmarks/cpu_prefill.py; BENCHMARKS.md): 2-core AVX2 (cpu-prefill-avx2.json) 0.29-0.66 at
+    M=32, 0.50-1.02 at 64, 0.81-1.27 at 128; 16-core AVX512 Xeon (int8-switch-cpu-avx512-xeon16.json)
+    0.32-0.76 at 32, 0.40-1.41 at 64, 0.88-2.04 at 128; H100 (int8-switch-cuda-h100.json) 1.1-3.6
+    at M=1 on the Qwen2.5-1.5B shapes and 5-150x from M=16: torch's cuda int8 kernel is the slow one."""
 
-    DEQUANT_MIN_M = 128
+    DEQUANT_MIN_M = 128  # cpu
+    DEQUANT_MIN_M_BY_DEVICE = {"cuda": 1}
 
     def __init__(self, meta: dict, act_dtype: torch.dtype):
         super().__init__(meta, act_dtype)
@@ -161,7 +162,7 @@ class Int8PerChannelLinear(PackedLinear):
         self.register_buffer("scales", torch.empty(self.out_features, dtype=act_dtype, device=dev))
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= self.DEQUANT_MIN_M:
+        if x.shape[0] >= self.DEQUANT_MIN_M_BY_DEVICE.get(x.device.type, self.DEQUANT_MIN_M):
             return dense_matmul(x, (self.qweight.to(self.act_dtype) * self.scales[:, None]).T)
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 

@@ -15,7 +15,8 @@ copy of the codes in GPTQ's [K/8, N] words (`qweight_kn`, coalesced along N; rea
 tiles from Triton was 10-50x slower, measured): +0.5 byte per weight. Without Triton, and off a
 GPU (tests, verify on CPU), the weight is dequantized to bf16 with tensor ops instead.
 
-int8: `aten._weight_int8pack_mm` where it is exact, otherwise dequantize (`common.pack_int8`).
+int8: dequantize + a dense matmul (`common.pack_int8`): torch's cuda `_weight_int8pack_mm` measured
+1.1-150x slower than it on an H100 (common.Int8PerChannelLinear).
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ class CudaTarget:
         return None if torch.cuda.is_available() else "no CUDA device here (torch.cuda.is_available() is False)"
 
     def kernel(self, bits: int) -> str:
-        return "aten._weight_int4pack_mm+dequant-bf16-matmul" if bits == 4 else "aten._weight_int8pack_mm|dequant-int8-matmul"
+        return "aten._weight_int4pack_mm+dequant-bf16-matmul" if bits == 4 else "dequant-int8-matmul"
 
     def pack(self, layer: UnpackedLayer, act_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
         if act_dtype != torch.bfloat16:

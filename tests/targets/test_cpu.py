@@ -142,10 +142,10 @@ print(cap)
     assert proc.stdout.strip() == isa.upper()
 
 
-@pytest.mark.parametrize("M", [1, 8, 64])
+@pytest.mark.parametrize("M", [1, 8, Int8PerChannelLinear.DEQUANT_MIN_M - 1, Int8PerChannelLinear.DEQUANT_MIN_M, 200])
 def test_int8_per_channel_both_paths(M):
-    """Symmetric int8 with one group per column runs `_weight_int8pack_mm` below M=32 and a
-    dequantized matmul above: both must equal the dense reference."""
+    """Symmetric int8 with one group per column runs `_weight_int8pack_mm` below DEQUANT_MIN_M rows
+    on the CPU and a dequantized matmul from there: both must equal the dense reference."""
     gen = torch.Generator().manual_seed(M)
     layer, module, meta = _module_for(random_gptq_tensors(576, 200, 8, -1, True, True, True, bias=True, generator=gen),
                                       QuantConfig(8, -1, True, True, "gptq"), torch.bfloat16)
