@@ -1,8 +1,8 @@
 """What prefill bucketing (quantprep/serving.py) costs: prefill time of a prompt padded up to its
 bucket against the same prompt unpadded, side by side in one process, interleaved, medians.
 
-Bucket sets: every 32 tokens up to 512 (what a server would warm: 17 lengths with decode), powers
-of two, and the default warm shapes (1, 16, 128, 512). Prompt lengths spread over 8-512 tokens; the
+Bucket sets: lengths 10% apart (serving.PREFILL_BUCKETS, 27 lengths), every 16 or 32 tokens up to
+512, powers of two, and the default warm shapes (1, 16, 128, 512). Prompt lengths spread over 8-512 tokens; the
 median prompt is the median of those lengths.
 
     python benchmarks/bucketing.py [--artifact artifacts/smollm2-135m/cpu] [--out benchmarks/results/bucketing-cpu.json]
@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 import quantprep
-from quantprep.serving import bucket_for, prefill
+from quantprep.serving import PREFILL_BUCKETS, bucket_for, prefill
 
-BUCKET_SETS = {"every 32": list(range(32, 513, 32)), "powers of 2": [2 ** i for i in range(3, 10)], "default warm shapes": [1, 16, 128, 512]}
+BUCKET_SETS = {"10% apart (PREFILL_BUCKETS)": PREFILL_BUCKETS, "every 16": list(range(16, 513, 16)), "every 32": list(range(32, 513, 32)),
+               "powers of 2": [2 ** i for i in range(3, 10)], "default warm shapes": [1, 16, 128, 512]}
 LENGTHS = [24, 72, 140, 200, 270, 390, 470]
 
 

@@ -11,7 +11,21 @@ so decoding continues as if the prompt had run unpadded. Decode runs at M = 1, w
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+
+def geometric_buckets(lo: int = 16, hi: int = 512, step: float = 1.1, multiple: int = 8) -> list[int]:
+    """Prefill lengths from lo to hi, each at most `step` times the last (rounded up to a multiple
+    of `multiple`): a prompt pads by at most ~10% plus a few tokens. Warm these for bucketing."""
+    out = [lo]
+    while out[-1] < hi:
+        out.append(min(hi, multiple * math.ceil(out[-1] * step / multiple)))
+    return [1, *out]
+
+
+PREFILL_BUCKETS = geometric_buckets()
 
 
 def buckets_of(model) -> list[int]:
