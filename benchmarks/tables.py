@@ -198,6 +198,23 @@ def fusion_cpu_model(r: dict) -> str:
                       f"| prefill 128 tokens | {f['prefill128_ms']:.0f} ms | {u['prefill128_ms']:.0f} ms |"])
 
 
+def bucketing(r: dict) -> str:
+    """Prefill padded to its bucket against unpadded, per prompt length (benchmarks/bucketing.py)."""
+    sets = list(r["bucket_sets"])
+    cell = {(x["length"], x["buckets"]): x for x in r["rows"]}
+    lengths = sorted({x["length"] for x in r["rows"]})
+    out = [f"{_machine(r)}, torch {r['torch']}, {r['artifact']} ({r['act_dtype']}); median of {r['rounds']} interleaved rounds", "",
+           "| prompt | unpadded | " + " | ".join(sets) + " |", "| --- | --- |" + " --- |" * len(sets)]
+    for n in lengths:
+        out.append(f"| {n} | {cell[n, sets[0]]['unpadded_ms']:.0f} ms | " + " | ".join(
+            f"-> {cell[n, b]['padded_to']}: {cell[n, b]['overhead'] * 100:+.1f}%" for b in sets) + " |")
+    med = r["median_prompt"]
+    out.append("| median over lengths | | " + " | ".join(
+        f"{statistics.median(cell[n, b]['overhead'] for n in lengths) * 100:+.1f}%" for b in sets) + " |")
+    out += ["", f"The median prompt of these lengths is {med:g} tokens."]
+    return "\n".join(out)
+
+
 GEMM_SHAPES = ("q_proj", "qkv_fused", "gate_up_fused", "down_proj")
 
 
@@ -245,6 +262,7 @@ RENDERERS = {
     "cpu-kernel-dtypes": cpu_kernel_dtypes,
     "cuda-model": cuda_model,
     "fusion-cpu-model": fusion_cpu_model,
+    "bucketing": bucketing,
 }
 
 

@@ -62,9 +62,10 @@ def _warm_text(w: dict | None) -> str:
 
 
 def cmd_warm(args) -> int:
+    from .serving import PREFILL_BUCKETS
     from .warm import warm
 
-    shapes = _int_list("--shapes", args.shapes) if args.shapes else None
+    shapes = (PREFILL_BUCKETS if args.shapes == "buckets" else _int_list("--shapes", args.shapes)) if args.shapes else None
     r = warm(Path(args.dir), device=args.device, shapes=shapes, compile=args.compile, aot=args.aot, progress=not args.json)
     _print_json_or(args, r, f"warmed {r['path']} on {r['key']['device']}: prefill {r['shapes']}, {r['compiled_regions']} compiled "
                             f"regions, {len(r['aot'])} compiled MLP packages, {r['s']:.1f} s; kcache {r['files']} files, "
@@ -267,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("warm", help="run the serving shapes and ship the kernel caches in DIR/kcache/")
     w.add_argument("dir")
     w.add_argument("--device", help="default: the artifact's target device")
-    w.add_argument("--shapes", help="comma-separated prefill lengths (default: the manifest's, else 1,16,128,512)")
+    w.add_argument("--shapes", help="comma-separated prefill lengths, or `buckets` for quantprep.serving.PREFILL_BUCKETS "
+                                    "(default: the manifest's, else 1,16,128,512)")
     w.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile and ship its cache (default: the recipe's choice recorded in the manifest)")
     w.add_argument("--aot", action=argparse.BooleanOptionalAction, default=None,

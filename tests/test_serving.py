@@ -46,3 +46,11 @@ def test_a_bucketed_artifact_generates_the_same_tokens(random_gptq, tmp_path):
     assert rel_err(got, ref) < 1e-5
     plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(generate(model, ids, BUCKETS, max_new_tokens=12, do_sample=False, pad_token_id=0), plain)
+
+
+def test_the_qwen_recipe_warms_the_prefill_buckets():
+    from quantprep.recipes import find_recipe
+    from quantprep.serving import PREFILL_BUCKETS
+
+    assert find_recipe("qwen2.5-1.5b").warm_shapes == PREFILL_BUCKETS
+    assert all(b / a <= 1.1 + 8 / a for a, b in zip(PREFILL_BUCKETS[1:], PREFILL_BUCKETS[2:], strict=False))  # <= 10% + rounding
