@@ -177,7 +177,7 @@ def _write_locked(out: Path, tensors: dict[str, torch.Tensor], manifest: dict, s
             follow_umask(p)
             _fsync(p)
             files[p.name] = {"sha256": sha256_file(p), "size": p.stat().st_size}
-        manifest = dict(manifest, created=datetime.now(UTC).isoformat(timespec="seconds"),
+        manifest = dict(manifest, created=build_time().isoformat(timespec="seconds"),
                         shards=names, files=files)
         manifest["manifest_sha256"] = manifest_digest(manifest)
         write_json_durably(tmp / MANIFEST, manifest)
@@ -220,6 +220,17 @@ def republish(out: Path, add_from: Path, add_as: str, add_files: list[str], mani
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+
+def build_time() -> datetime:
+    """SOURCE_DATE_EPOCH when set (reproducible builds: reproducible-builds.org/specs/source-date-epoch), else now."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
+    if not epoch:
+        return datetime.now(UTC)
+    try:
+        return datetime.fromtimestamp(int(epoch), UTC)
+    except (ValueError, OverflowError, OSError):
+        raise QuantprepError(f"SOURCE_DATE_EPOCH={epoch!r}: expected a Unix timestamp (whole seconds)") from None
 
 
 def manifest_digest(manifest: dict) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .artifact import FORMAT, FORMAT_VERSION, check_out_dir, sha256_file, write_artifact
+from .artifact import FORMAT, FORMAT_VERSION, build_time, check_out_dir, sha256_file, write_artifact
 from .errors import RecipeError, SourceError
 from .load import DEFAULT_SHAPES
 from .prepack import prepack_checkpoint
@@ -117,7 +117,8 @@ def build_manifest(ckpt: GPTQCheckpoint, target, act_dtype: torch.dtype, modules
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "quantprep_version": __version__,
-        "source": dict(identity, gptq_path=str(ckpt.path.absolute()), sha256=ckpt.sha256, files=ckpt.tensor_files),
+        # No build-machine paths: the same checkpoint gives the same manifest anywhere (reproducible builds)
+        "source": dict({k: v for k, v in identity.items() if k != "path"}, sha256=ckpt.sha256, files=ckpt.tensor_files),
         "quant": ckpt.quant.to_json(),
         "target": {"name": target.name, "device": target.device, "kernels": {str(b): target.kernel(b) for b in bits},
                    "layout_version": target.layout_version, "act_dtype": str(act_dtype).removeprefix("torch.")},
@@ -134,6 +135,7 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
     serving: the shapes (and compile flag) `warm` will run; warm_here: warm each artifact whose
     device is present on this machine; fuse: prepack q/k/v and gate/up as one matmul where exact;
     force: replace an output directory that is not an artifact (never the source)."""
+    build_time()  # a malformed SOURCE_DATE_EPOCH fails before any work
     resolved = [get_target(t) for t in targets]  # unknown target names fail before any work
     for target in resolved:  # as do activation dtypes a target's kernels cannot run
         if problem := act_dtype_problem(target, getattr(torch, act_dtype) if act_dtype else target.default_act_dtype):

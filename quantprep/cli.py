@@ -134,7 +134,7 @@ def cmd_inspect(args) -> int:
     t, q = m["target"], m["quant"]
     size = sum(f["size"] for f in m["files"].values())
     print(f"artifact   {args.dir}")
-    print(f"source     {m['source'].get('id') or m['source'].get('path')} (sha256 {m['source']['sha256'][:16]}...)")
+    print(f"source     {m['source'].get('id') or 'a local GPTQ checkpoint'} (sha256 {m['source']['sha256'][:16]}...)")
     print(f"quant      {q['bits']}-bit, group {q['group_size']}, desc_act={q['desc_act']}, sym={q['sym']}, from {q['checkpoint_format']}")
     print(f"target     {t['name']} ({', '.join(t['kernels'].values())}), layout v{t['layout_version']}, act {t['act_dtype']}")
     print(f"compat     {', '.join(f'{k}={v}' for k, v in m['compat'].items())}")

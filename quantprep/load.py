@@ -53,7 +53,8 @@ def params_on_meta():
 
 
 def rebuild_command(manifest: dict, target: str | None = None) -> str:
-    source = manifest["source"].get("gptq_path") or manifest["source"].get("path") or "<gptq-dir>"
+    src = manifest["source"]
+    source = src.get("id") or f"<the GPTQ checkpoint with sha256 {str(src.get('sha256', '?'))[:16]}...>"
     return f"quantprep prepack {source} --target {target or manifest['target']['name']} --out <dir>"
 
 

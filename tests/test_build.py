@@ -38,3 +38,34 @@ def test_quant_key_changes_with_every_input(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", lambda d: "0.0.1" if d == "gptqmodel" else real_version(d))
     variants.append(quant_key(recipe, "a" * 64, texts))
     assert len({base, *variants}) == len(variants) + 1
+
+
+def test_builds_are_reproducible(random_gptq, tmp_path, monkeypatch):
+    """Issue 15 item 4: the same checkpoint, quantprep version and target give byte-identical files,
+    manifest included, wherever the checkpoint and the output live (SOURCE_DATE_EPOCH sets `created`)."""
+    import shutil
+
+    from quantprep.build import build_artifacts
+
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1767225600")
+    moved = shutil.copytree(random_gptq, tmp_path / "elsewhere" / "checkpoint")
+    for target in ("cpu", "xpu"):
+        a, b = tmp_path / f"a-{target}", tmp_path / "deeper" / f"b-{target}"
+        build_artifacts(random_gptq, {"path": str(random_gptq)}, [target], lambda t, a=a: a, progress=False)
+        build_artifacts(moved, {"path": str(moved)}, [target], lambda t, b=b: b, progress=False)
+        files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+        assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+        for rel in files:
+            assert (a / rel).read_bytes() == (b / rel).read_bytes(), f"{target}: {rel} differs"
+        manifest = (a / "manifest.json").read_text()
+        assert "2026-01-01T00:00:00" in manifest and str(tmp_path) not in manifest
+
+
+def test_a_bad_source_date_epoch_is_one_line(random_gptq, tmp_path, capsys, monkeypatch):
+    from quantprep.cli import main
+
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "yesterday")
+    assert main(["prepack", str(random_gptq), "--target", "cpu", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "SOURCE_DATE_EPOCH='yesterday'" in err[0], err
+    assert not (tmp_path / "o").exists()

@@ -286,8 +286,8 @@ def test_a_reader_racing_a_writer_sees_the_new_artifact_not_an_error(tmp_path):
 
     art = _build(tmp_path)
     stale = read_manifest(art)
-    gptq = stale["source"]["gptq_path"]
-    build_artifacts(gptq, {"path": gptq}, ["cpu"], lambda t: art, "float32", progress=False)  # other shard sizes
+    gptq = tmp_path / "gptq"  # where _build wrote the checkpoint
+    build_artifacts(gptq, {"path": str(gptq)}, ["cpu"], lambda t: art, "float32", progress=False)  # other shard sizes
     with pytest.raises(ArtifactError, match="size"):
         check_files(art, stale, full_hash=False)
     assert read_checked(art, manifest=stale)["target"]["act_dtype"] == "float32"
