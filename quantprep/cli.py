@@ -195,6 +195,24 @@ def cmd_selftest(args) -> int:
     return 0 if report["ok"] else 1
 
 
+def cmd_publish(args) -> int:
+    from .publish import publish
+
+    plan = publish(args.dirs, args.to, dry_run=args.dry_run)
+    lines = [f"{'would publish' if args.dry_run else 'published'} {len(plan['variants'])} variant(s) to {plan['to']}"]
+    lines += [f"  {v['name']}: {v['from']} ({v['files']} files, {v['bytes'] / 2**20:.1f} MiB)" for v in plan["variants"]]
+    _print_json_or(args, plan, "\n".join(lines))
+    return 0
+
+
+def cmd_pull(args) -> int:
+    from .publish import pull
+
+    path = pull(args.ref, out=args.out, target=args.target)
+    _print_json_or(args, {"ref": args.ref, "path": str(path)}, f"pulled {args.ref} -> {path} (every file's sha256 checked)")
+    return 0
+
+
 def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     import torch
@@ -293,6 +311,20 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--device", choices=["cpu", "xpu", "cuda"], help="default: cuda, else xpu, else cpu")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_selftest)
+
+    pb = sub.add_parser("publish", help="publish artifacts as the variants of one reference (a directory or file:// URL)")
+    pb.add_argument("dirs", nargs="+", metavar="DIR")
+    pb.add_argument("--to", required=True, metavar="REF")
+    pb.add_argument("--dry-run", action="store_true", help="print what would be published; write nothing")
+    pb.add_argument("--json", action="store_true")
+    pb.set_defaults(func=cmd_publish)
+
+    pl = sub.add_parser("pull", help="copy and verify the variant of a published reference that fits this machine")
+    pl.add_argument("ref")
+    pl.add_argument("--out", help="default: the local cache (~/.cache/quantprep/pulled, or QUANTPREP_PULL_CACHE)")
+    pl.add_argument("--target", choices=["cpu", "xpu", "cuda"], help="take this target's variant whatever this machine has")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_pull)
 
     g = sub.add_parser("generate", help="load an artifact and generate a greedy completion")
     g.add_argument("dir")

@@ -132,10 +132,20 @@ def compile_model(model, manifest: dict, status: dict, dtype: torch.dtype) -> No
         status["loaded"] = {kind: len(items) for kind, items in info.artifacts.items()} if info else {}
 
 
+def is_reference(path: str | os.PathLike) -> bool:
+    """A URL, or a directory that `quantprep publish` wrote (an index, no manifest)."""
+    text = str(path)
+    return "://" in text or (Path(text, "index.json").is_file() and not Path(text, "manifest.json").exists())
+
+
 def load(path: str | os.PathLike, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
          verify: bool = False, compile: bool = False, warmup: bool = False, kcache: bool = True,
          trust_kcache: bool = False):
     """Load an artifact as a transformers `PreTrainedModel` in eval mode.
+
+    path: an artifact directory, or a published reference (a directory `quantprep publish` wrote, or
+    a file:// URL): the variant that fits this machine is pulled into the local cache first, every
+    file checked against its sha256 (publish.py); a second load reads the cache.
 
     device: defaults to the target's device; `device="cpu"` for an xpu artifact runs it through
     the CPU emulator of the XPU kernel (slow; for checking, not serving). dtype: activation dtype
@@ -154,6 +164,10 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     """
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    if is_reference(path):  # a published reference: pull the variant that fits (verified) into the cache first
+        from .publish import pull
+
+        path = pull(str(path))
     path = Path(path)
     manifest = read_checked(path, full_hash=verify)
     try:

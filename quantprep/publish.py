@@ -1,0 +1,252 @@
+"""Publishing artifacts and pulling the variant that fits this machine (docs/publishing.md).
+
+A publish holds several artifacts of one model, the variants (one per target and compatibility
+key: cpu AVX2, cpu AVX512, xpu, cuda...), under one reference, with an index:
+
+    REF/index.json          {"format": "quantprep-index", "format_version": 1, "variants": [...]}
+    REF/<variant>/...        the artifact's files, as built (manifest.json, shards, kcache/, ...)
+
+`pull` reads the index, picks the variant this machine can run the way pip picks a wheel (device
+present, compatibility key equal; an accelerator before the CPU), copies its files while hashing
+them, checks every one against the manifest's sha256 (and the manifest against the index), and
+only then publishes the copy atomically into the local cache: nothing unverified is ever loadable,
+and a second pull of the same reference reads the cache, offline. The index is untrusted input
+like everything pulled: parsed with limits, every path checked, every file hashed.
+
+Destinations here: a directory or a file:// URL (a shared filesystem or an object-store mount).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from urllib.parse import urlparse
+
+from .artifact import (
+    MANIFEST,
+    _fsync,
+    clean_stale_partials,
+    publish_lock,
+    read_checked,
+    read_manifest,
+)
+from .artifact import publish as swap_into_place
+from .errors import ArtifactError, ArtifactMismatch, QuantprepError
+
+INDEX = "index.json"
+INDEX_FORMAT = "quantprep-index"
+INDEX_VERSION = 1
+MAX_INDEX_BYTES = 1 << 20
+DEVICE_PREFERENCE = ("xpu", "cuda", "cpu")  # an accelerator's variant before the CPU's
+
+
+def variant_name(manifest: dict) -> str:
+    """cpu-avx2, cpu-avx512, xpu, cuda[-sm_90]: the target, plus what its packed layout or kcache depends on."""
+    target = manifest["target"]["name"]
+    parts = [target]
+    if cap := manifest["compat"].get("cpu_capability"):
+        parts.append(str(cap).lower())
+    if (kcap := manifest.get("kcache", {}).get("key", {}).get("capability")) and target == "cuda":
+        parts.append(str(kcap))
+    return "-".join(parts)
+
+
+def destination(ref: str) -> Path:
+    """A directory or file:// reference -> its path; any other scheme is refused in one line."""
+    parsed = urlparse(ref)
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise QuantprepError(f"{ref}: file:// URLs name a local path (file:///srv/models/x), not host {parsed.netloc!r}")
+        return Path(parsed.path)
+    if "://" in ref:
+        raise QuantprepError(f"{ref}: unsupported reference scheme {parsed.scheme!r}; use a directory or file:///path")
+    return Path(ref)
+
+
+def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False) -> dict:
+    """Publish the artifacts in `dirs` as the variants of one reference. Each is verified first
+    (every file's sha256). The reference is replaced as a whole and atomically."""
+    dest = destination(to).absolute()
+    variants, names = [], set()
+    for d in map(Path, dirs):
+        manifest = read_checked(d, full_hash=True)
+        name = variant_name(manifest)
+        if name in names:
+            raise QuantprepError(f"{d}: a second {name} variant in one publish; pass one artifact per target and compatibility key")
+        names.add(name)
+        variants.append((d, manifest, name))
+    index = {"format": INDEX_FORMAT, "format_version": INDEX_VERSION, "variants": [
+        {"name": name, "target": m["target"]["name"], "device": m["target"]["device"], "compat": m["compat"],
+         "manifest_sha256": hashlib.sha256((d / MANIFEST).read_bytes()).hexdigest(),
+         "kcache_key": m.get("kcache", {}).get("key")} for d, m, name in variants]}
+    plan = {"to": str(dest), "variants": [{"name": n, "from": str(d), "files": len(_files(m)), "bytes": sum(f["size"] for f in _files(m).values())}
+                                          for d, m, n in variants]}
+    if dry_run:
+        return plan
+    if dest.exists() and any(dest.iterdir()) and not (dest / INDEX).is_file():
+        raise QuantprepError(f"{dest}: exists and is not a published reference (no {INDEX}); choose another destination")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with publish_lock(dest):
+        clean_stale_partials(dest)
+        tmp = dest.parent / f".{dest.name}.partial-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            for d, m, name in variants:
+                for rel in [MANIFEST, *_files(m)]:
+                    (tmp / name / rel).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(d / rel, tmp / name / rel)
+            (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+            _fsync(tmp)
+            swap_into_place(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return plan
+
+
+def _files(manifest: dict) -> dict[str, dict]:
+    """Every file of an artifact but the manifest: path relative to the artifact -> {sha256, size}."""
+    files = dict(manifest["files"])
+    files.update({f"kcache/{rel}": f for rel, f in manifest.get("kcache", {}).get("files", {}).items()})
+    return files
+
+
+def read_index(root: Path, ref: str) -> dict:
+    path = root / INDEX
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_INDEX_BYTES + 1)
+    except FileNotFoundError:
+        raise QuantprepError(f"{ref}: no {INDEX}; not a published reference (quantprep publish writes one)") from None
+    if len(raw) > MAX_INDEX_BYTES:
+        raise ArtifactError(f"{path}: larger than {MAX_INDEX_BYTES} bytes; not a quantprep index")
+    try:
+        index = json.loads(raw)
+    except ValueError:
+        raise ArtifactError(f"{path}: not valid JSON; the published reference is corrupt") from None
+    ok = (isinstance(index, dict) and index.get("format") == INDEX_FORMAT and isinstance(index.get("variants"), list)
+          and all(isinstance(v, dict) and isinstance(v.get("name"), str) and _safe_name(v["name"])
+                  and isinstance(v.get("target"), str) and isinstance(v.get("compat"), dict)
+                  and isinstance(v.get("manifest_sha256"), str) for v in index["variants"]))
+    if not ok:
+        raise ArtifactError(f"{path}: not a quantprep index (format {INDEX_FORMAT!r} with a list of variants)")
+    if index.get("format_version") != INDEX_VERSION:
+        raise ArtifactError(f"{path}: index format_version {index.get('format_version')!r}; this quantprep reads {INDEX_VERSION}: upgrade it")
+    return index
+
+
+def _safe_name(name: str) -> bool:
+    return bool(name) and all(c.isalnum() or c in "-_." for c in name) and name not in (".", "..")
+
+
+def machine_summary() -> str:
+    from .targets import TARGET_NAMES, get_target
+
+    have = []
+    for t in map(get_target, TARGET_NAMES):
+        if t.runtime_problem() is None:
+            have.append(f"{t.name} {', '.join(f'{k}={v}' for k, v in t.compat_key().items())}")
+    return "; ".join(have)
+
+
+def fits(variant: dict) -> bool:
+    """This machine can run the variant: its device is present and its compatibility key is ours."""
+    from .targets import TARGET_NAMES, get_target
+
+    if variant["target"] not in TARGET_NAMES:
+        return False
+    target = get_target(variant["target"])
+    return target.runtime_problem() is None and target.compat_key() == variant["compat"]
+
+
+def choose_variant(index: dict, ref: str, target: str | None = None) -> dict:
+    variants = index["variants"]
+    if target:
+        chosen = [v for v in variants if v["target"] == target]
+        if not chosen:
+            raise ArtifactMismatch(f"{ref}: no {target} variant; on offer: {', '.join(v['name'] for v in variants) or 'none'}")
+        return next((v for v in chosen if fits(v)), chosen[0])
+    for device in DEVICE_PREFERENCE:
+        for v in variants:
+            if v.get("device", v["target"]) == device and fits(v):
+                return v
+    offer = ", ".join(f"{v['name']} ({', '.join(f'{k}={x}' for k, x in v['compat'].items())})" for v in variants) or "none"
+    raise ArtifactMismatch(f"{ref}: no variant fits this machine; on offer: {offer}; this machine has: {machine_summary()}")
+
+
+def cache_root() -> Path:
+    base = os.environ.get("QUANTPREP_PULL_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                                                 "quantprep", "pulled")
+    return Path(base)
+
+
+def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = None) -> Path:
+    """The variant of `ref` that fits this machine (or `target`), verified, in the local cache or
+    `out`. Returns the artifact's directory. An unchanged reference is not copied again."""
+    src = destination(ref)
+    if not src.is_dir():
+        raise QuantprepError(f"{ref}: no such directory; pass a published reference (quantprep publish ... --to DIR)")
+    index = read_index(src, ref)
+    variant = choose_variant(index, ref, target)
+    vdir = src / variant["name"]
+    key = hashlib.sha256(str(src.absolute()).encode()).hexdigest()[:16]
+    dest = Path(out).absolute() if out else cache_root() / key / variant["name"]
+    if _is_copy_of(dest, variant):
+        return dest
+    if dest.exists() and any(dest.iterdir()) and not (dest / MANIFEST).is_file():
+        raise QuantprepError(f"{dest}: exists and is not an artifact; choose another --out")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with publish_lock(dest):
+        clean_stale_partials(dest)
+        tmp = dest.parent / f".{dest.name}.partial-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(mode=0o700)
+        try:
+            _copy_verified(vdir / MANIFEST, tmp / MANIFEST, variant["manifest_sha256"], None, ref)
+            manifest = read_manifest(tmp)  # structure and self-digest; names every file with its sha256
+            for rel, f in _files(manifest).items():
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                _copy_verified(vdir / rel, tmp / rel, f["sha256"], f["size"], ref)
+            read_checked(tmp)  # nothing unlisted, every size right
+            _fsync(tmp)
+            swap_into_place(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return dest
+
+
+def _is_copy_of(dest: Path, variant: dict) -> bool:
+    """A finished pull of this variant: its manifest is the one the index names and its files check."""
+    try:
+        if hashlib.sha256((dest / MANIFEST).read_bytes()).hexdigest() != variant["manifest_sha256"]:
+            return False
+        read_checked(dest)
+        return True
+    except (OSError, ArtifactError):
+        return False
+
+
+def _copy_verified(src: Path, dest: Path, sha256: str, size: int | None, ref: str) -> None:
+    """Copy while hashing; stop at one byte past the expected size. Refuses a missing, truncated,
+    oversized or altered file in one line naming it."""
+    h, n = hashlib.sha256(), 0
+    limit = MAX_INDEX_BYTES * 64 if size is None else size  # the manifest: at most 64 MiB, as read_manifest allows
+    try:
+        with open(src, "rb") as fin, open(dest, "wb") as fout:
+            while chunk := fin.read(min(8 << 20, limit + 1 - n)):
+                n += len(chunk)
+                if n > limit:
+                    break
+                h.update(chunk)
+                fout.write(chunk)
+    except FileNotFoundError:
+        raise ArtifactError(f"{ref}: {src.name} is listed but missing from the published reference; it is incomplete: publish it again") from None
+    if size is not None and n != size:
+        raise ArtifactError(f"{ref}: {src} is {'larger' if n > size else 'smaller'} than the {size} bytes its manifest lists; refusing it")
+    if h.hexdigest() != sha256:
+        raise ArtifactError(f"{ref}: {src} does not match the sha256 its manifest (or the index) lists; the published copy is corrupt or altered")
