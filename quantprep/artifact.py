@@ -32,6 +32,7 @@ from .version import __version__
 FORMAT = "quantprep-artifact"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+SIGNATURE = "model.sig"  # written by `quantprep sign` / `publish --sign-key` (signing.py); covers every other file
 MAX_MANIFEST_BYTES = 64 << 20
 SHARD_BYTES = 2 << 30
 PROBES_FILE = "probes.safetensors"  # see verify.py
@@ -368,7 +369,7 @@ def _valid_kcache(k) -> bool:
 def check_files(path: Path, manifest: dict, full_hash: bool) -> None:
     """Sizes always (cheap, catches truncation); sha256 of every file when `full_hash`."""
     path = Path(path)
-    listed = set(manifest["files"]) | {MANIFEST} | ({"kcache"} if "kcache" in manifest else set())  # kcache/: warm.py
+    listed = set(manifest["files"]) | {MANIFEST, SIGNATURE} | ({"kcache"} if "kcache" in manifest else set())  # kcache/: warm.py
     for p in path.iterdir():
         if p.name not in listed:
             raise ArtifactError(f"{p}: unknown file in the artifact (not in manifest.json); remove it or rebuild")

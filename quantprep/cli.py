@@ -198,17 +198,26 @@ def cmd_selftest(args) -> int:
 def cmd_publish(args) -> int:
     from .publish import publish
 
-    plan = publish(args.dirs, args.to, dry_run=args.dry_run)
+    plan = publish(args.dirs, args.to, dry_run=args.dry_run, sign_key=args.sign_key)
     lines = [f"{'would publish' if args.dry_run else 'published'} {len(plan['variants'])} variant(s) to {plan['to']}"]
     lines += [f"  {v['name']}: {v['from']} ({v['files']} files, {v['bytes'] / 2**20:.1f} MiB)" for v in plan["variants"]]
     _print_json_or(args, plan, "\n".join(lines))
     return 0
 
 
+def cmd_sign(args) -> int:
+    from .artifact import read_checked
+    from .signing import sign
+
+    read_checked(Path(args.dir), full_hash=True)  # sign only what verifies
+    print(f"signed {args.dir}: {sign(args.dir, args.key)}")
+    return 0
+
+
 def cmd_pull(args) -> int:
     from .publish import pull
 
-    path = pull(args.ref, out=args.out, target=args.target)
+    path = pull(args.ref, out=args.out, target=args.target, verify_key=args.verify_key)
     _print_json_or(args, {"ref": args.ref, "path": str(path)}, f"pulled {args.ref} -> {path} (every file's sha256 checked)")
     return 0
 
@@ -316,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     pb.add_argument("dirs", nargs="+", metavar="DIR")
     pb.add_argument("--to", required=True, metavar="REF")
     pb.add_argument("--dry-run", action="store_true", help="print what would be published; write nothing")
+    pb.add_argument("--sign-key", metavar="KEY", help="sign each variant with this PEM private key (model_signing)")
     pb.add_argument("--json", action="store_true")
     pb.set_defaults(func=cmd_publish)
 
@@ -323,8 +333,15 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("ref")
     pl.add_argument("--out", help="default: the local cache (~/.cache/quantprep/pulled, or QUANTPREP_PULL_CACHE)")
     pl.add_argument("--target", choices=["cpu", "xpu", "cuda"], help="take this target's variant whatever this machine has")
+    pl.add_argument("--verify-key", metavar="PUB", help="refuse unless signed and verified with this PEM public key "
+                                                        "(default: QUANTPREP_VERIFY_KEY); a verified signature makes its kcache trusted")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_pull)
+
+    sg = sub.add_parser("sign", help="sign every file of an artifact (model_signing, key mode): writes DIR/model.sig")
+    sg.add_argument("dir")
+    sg.add_argument("--key", required=True, help="PEM elliptic-curve private key")
+    sg.set_defaults(func=cmd_sign)
 
     g = sub.add_parser("generate", help="load an artifact and generate a greedy completion")
     g.add_argument("dir")

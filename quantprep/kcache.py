@@ -36,9 +36,10 @@ from pathlib import Path
 
 import torch
 
-from .artifact import read_manifest, sha256_file
-from .errors import ArtifactError
+from .artifact import SIGNATURE, read_manifest, sha256_file
+from .errors import ArtifactError, QuantprepError
 from .intel_runtime import cache_warning, primitive_cache_env
+from .signing import configured_key, verify
 
 KCACHE = "kcache"
 MEGACACHE = "torch-compile.bin"  # torch.compiler.save_cache_artifacts() output
@@ -174,16 +175,26 @@ def record_trust(entry: dict) -> None:
     (store / kcache_digest(entry)).touch()
 
 
-def trusted_by_signature(path: Path, manifest: dict) -> bool:
-    """Hook for signed artifacts (the publishing issue): True when the artifact's signature
-    verifies against a key the user configured. No artifact carries a signature yet."""
-    return False
+def trusted_by_signature(path: Path) -> bool:
+    """The artifact carries a signature that verifies against the key the user configured
+    (QUANTPREP_VERIFY_KEY; signing.py)."""
+    key = configured_key()
+    if key is None or not (path / SIGNATURE).is_file():
+        return False
+    try:
+        verify(path, key)
+    except QuantprepError as e:
+        warnings.warn(f"kernel cache not trusted by signature: {e}", stacklevel=3)
+        return False
+    return True
 
 
-def trust_reason(path: Path, manifest: dict, trust: bool = False) -> str | None:
-    """Why this kcache may run here, or None."""
+def trust_reason(path: Path, manifest: dict, trust: bool = False, signed: bool = False) -> str | None:
+    """Why this kcache may run here, or None. signed: the caller verified the artifact's signature."""
     if trust:
         return "trust_kcache"
+    if signed:
+        return "signature"
     if os.environ.get(TRUST_ENV) == "1":
         return TRUST_ENV
     try:
@@ -191,7 +202,7 @@ def trust_reason(path: Path, manifest: dict, trust: bool = False) -> str | None:
             return "warmed here"
     except ArtifactError as e:
         warnings.warn(f"trust store ignored: {e}", stacklevel=3)
-    if trusted_by_signature(path, manifest):
+    if trusted_by_signature(path):
         return "signature"
     return None
 
@@ -271,9 +282,10 @@ def _repointed(kcache: Path, rel: str, final: Path) -> bytes:
 
 # --- activation -----------------------------------------------------------------------------------
 
-def activate(path: Path, manifest: dict, device_type: str, compile: bool, trust: bool = False) -> dict:
+def activate(path: Path, manifest: dict, device_type: str, compile: bool, trust: bool = False, signed: bool = False) -> dict:
     """Point this process's kernel caches at the artifact's kcache when it is intact, trusted and
-    built for this machine. Returns a status dict; never raises for a bad cache (it warns)."""
+    built for this machine. Returns a status dict; never raises for a bad cache (it warns).
+    signed: the caller verified the artifact's signature against the user's key."""
     if "kcache" not in manifest:
         return {"status": "absent"}
     if not compile and device_type == "cpu":
@@ -284,7 +296,7 @@ def activate(path: Path, manifest: dict, device_type: str, compile: bool, trust:
     entry = manifest["kcache"]
     if entry["key"].get("device") != device_type:
         return _ignored(f"{path}: kernel cache was warmed on {entry['key'].get('device')}, loading on {device_type}; ignoring it")
-    reason = trust_reason(path, manifest, trust)
+    reason = trust_reason(path, manifest, trust, signed)
     if reason is None:
         warnings.warn(untrusted_message(path), stacklevel=3)
         return {"status": "untrusted"}

@@ -25,6 +25,8 @@ from .errors import ArtifactError, ArtifactMismatch
 from .fused import install as install_fused
 from .intel_runtime import cache_warning
 from .kcache import MEGACACHE, activate, xpu_driver_version, xpu_primitive_env
+from .signing import configured_key
+from .signing import verify as verify_signature
 from .targets import act_dtype_problem, get_target
 
 DEFAULT_SHAPES = [1, 16, 128, 512]  # prefill lengths warm runs (and warmup replays) unless the recipe says otherwise
@@ -140,7 +142,7 @@ def is_reference(path: str | os.PathLike) -> bool:
 
 def load(path: str | os.PathLike, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
          verify: bool = False, compile: bool = False, warmup: bool = False, kcache: bool = True,
-         trust_kcache: bool = False):
+         trust_kcache: bool = False, verify_key: str | os.PathLike | None = None):
     """Load an artifact as a transformers `PreTrainedModel` in eval mode.
 
     path: an artifact directory, or a published reference (a directory `quantprep publish` wrote, or
@@ -160,16 +162,21 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     foreign or corrupt one is ignored with a warning); using it sets TRITON_CACHE_DIR,
     TORCHINDUCTOR_CACHE_DIR (with compile) and, on xpu, NEO_/SYCL_CACHE_* for this process (cpu
     without compile: nothing to use). `model.quantprep_kcache` says what happened.
+    verify_key: a PEM public key (default: QUANTPREP_VERIFY_KEY): the artifact must carry a
+    signature (`quantprep sign`) that verifies with it, and its kcache is then trusted.
     Raises ArtifactMismatch for an artifact built for another machine, ArtifactError if corrupt.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    key = configured_key(verify_key)
     if is_reference(path):  # a published reference: pull the variant that fits (verified) into the cache first
         from .publish import pull
 
-        path = pull(str(path))
+        path = pull(str(path), verify_key=key)
     path = Path(path)
     manifest = read_checked(path, full_hash=verify)
+    if key is not None:
+        verify_signature(path, key)  # unsigned or wrongly signed: refused before anything is read
     try:
         target = get_target(manifest["target"]["name"])
     except Exception:
@@ -191,7 +198,7 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
         warnings.warn(f"{path}: {note}", stacklevel=2)
     if target.device == "xpu" and not emulate:  # before the first oneDNN primitive is created
         os.environ.update(xpu_primitive_env(manifest, dict(os.environ)))
-    kcache_status = activate(path, manifest, device.type, compile, trust_kcache) if kcache else {"status": "off"}
+    kcache_status = activate(path, manifest, device.type, compile, trust_kcache, signed=key is not None) if kcache else {"status": "off"}
     if target.device == "xpu" and not emulate and (msg := cache_warning(dict(os.environ), xpu_driver_version())):
         warnings.warn(f"{path}: {msg}", stacklevel=2)
 

@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 
 from .artifact import (
     MANIFEST,
+    SIGNATURE,
     _fsync,
     clean_stale_partials,
     publish_lock,
@@ -35,6 +36,7 @@ from .artifact import (
 )
 from .artifact import publish as swap_into_place
 from .errors import ArtifactError, ArtifactMismatch, QuantprepError
+from .signing import configured_key, sign, verify
 
 INDEX = "index.json"
 INDEX_FORMAT = "quantprep-index"
@@ -66,9 +68,10 @@ def destination(ref: str) -> Path:
     return Path(ref)
 
 
-def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False) -> dict:
+def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False, sign_key: str | os.PathLike | None = None) -> dict:
     """Publish the artifacts in `dirs` as the variants of one reference. Each is verified first
-    (every file's sha256). The reference is replaced as a whole and atomically."""
+    (every file's sha256). The reference is replaced as a whole and atomically. sign_key: sign
+    each published variant (signing.py; the source directories are not modified)."""
     dest = destination(to).absolute()
     variants, names = [], set()
     for d in map(Path, dirs):
@@ -82,6 +85,8 @@ def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False) -> di
         {"name": name, "target": m["target"]["name"], "device": m["target"]["device"], "compat": m["compat"],
          "manifest_sha256": hashlib.sha256((d / MANIFEST).read_bytes()).hexdigest(),
          "kcache_key": m.get("kcache", {}).get("key")} for d, m, name in variants]}
+    if sign_key is not None and not Path(sign_key).is_file():
+        raise QuantprepError(f"{sign_key}: no such key file; pass a PEM elliptic-curve private key")
     plan = {"to": str(dest), "variants": [{"name": n, "from": str(d), "files": len(_files(m)), "bytes": sum(f["size"] for f in _files(m).values())}
                                           for d, m, n in variants]}
     if dry_run:
@@ -95,10 +100,12 @@ def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False) -> di
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            for d, m, name in variants:
+            for (d, m, name), entry in zip(variants, index["variants"], strict=True):
                 for rel in [MANIFEST, *_files(m)]:
                     (tmp / name / rel).parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(d / rel, tmp / name / rel)
+                if sign_key is not None:
+                    entry["signature_sha256"] = hashlib.sha256(sign(tmp / name, sign_key).read_bytes()).hexdigest()
             (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
             _fsync(tmp)
             swap_into_place(tmp, dest)
@@ -184,18 +191,23 @@ def cache_root() -> Path:
     return Path(base)
 
 
-def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = None) -> Path:
+def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = None,
+         verify_key: str | os.PathLike | None = None) -> Path:
     """The variant of `ref` that fits this machine (or `target`), verified, in the local cache or
-    `out`. Returns the artifact's directory. An unchanged reference is not copied again."""
+    `out`. Returns the artifact's directory. An unchanged reference is not copied again.
+    verify_key (default: QUANTPREP_VERIFY_KEY): the variant must be signed, and verify with it."""
+    key = configured_key(verify_key)
     src = destination(ref)
     if not src.is_dir():
         raise QuantprepError(f"{ref}: no such directory; pass a published reference (quantprep publish ... --to DIR)")
     index = read_index(src, ref)
     variant = choose_variant(index, ref, target)
     vdir = src / variant["name"]
-    key = hashlib.sha256(str(src.absolute()).encode()).hexdigest()[:16]
-    dest = Path(out).absolute() if out else cache_root() / key / variant["name"]
+    ref_dir = hashlib.sha256(str(src.absolute()).encode()).hexdigest()[:16]
+    dest = Path(out).absolute() if out else cache_root() / ref_dir / variant["name"]
     if _is_copy_of(dest, variant):
+        if key is not None:
+            verify(dest, key)
         return dest
     if dest.exists() and any(dest.iterdir()) and not (dest / MANIFEST).is_file():
         raise QuantprepError(f"{dest}: exists and is not an artifact; choose another --out")
@@ -211,7 +223,11 @@ def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = No
             for rel, f in _files(manifest).items():
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 _copy_verified(vdir / rel, tmp / rel, f["sha256"], f["size"], ref)
+            if "signature_sha256" in variant:
+                _copy_verified(vdir / SIGNATURE, tmp / SIGNATURE, variant["signature_sha256"], None, ref)
             read_checked(tmp)  # nothing unlisted, every size right
+            if key is not None:
+                verify(tmp, key)
             _fsync(tmp)
             swap_into_place(tmp, dest)
         except BaseException:
@@ -221,9 +237,11 @@ def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = No
 
 
 def _is_copy_of(dest: Path, variant: dict) -> bool:
-    """A finished pull of this variant: its manifest is the one the index names and its files check."""
+    """A finished pull of this variant: its manifest (and signature) are the ones the index names and its files check."""
     try:
         if hashlib.sha256((dest / MANIFEST).read_bytes()).hexdigest() != variant["manifest_sha256"]:
+            return False
+        if "signature_sha256" in variant and hashlib.sha256((dest / SIGNATURE).read_bytes()).hexdigest() != variant["signature_sha256"]:
             return False
         read_checked(dest)
         return True

@@ -116,3 +116,77 @@ def test_bad_references_and_destinations(built, cache, tmp_path, capsys):
         publish([broken], str(tmp_path / "ref2"))  # a corrupt artifact is never published
     assert not (tmp_path / "ref2").exists()
     capsys.readouterr()
+
+
+def _keypair(path):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                     serialization.NoEncryption()))
+    (path / "pub.pem").write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                                 serialization.PublicFormat.SubjectPublicKeyInfo))
+    return path / "key.pem", path / "pub.pem"
+
+
+def test_signed_publish_pull_and_load(built, cache, tmp_path, capsys, monkeypatch):
+    """Issue 15 item 3: publish --sign-key signs each variant; pull/load with a verify key refuse
+    unsigned and wrongly signed artifacts and a file changed after signing (its manifest re-signed
+    as anyone can, so every sha256 check passes but the signature's)."""
+    key, pub = _keypair(tmp_path / "keys")
+    _, other_pub = _keypair(tmp_path / "other")
+    signed, unsigned = tmp_path / "signed", tmp_path / "unsigned"
+    assert main(["publish", str(built / "cpu"), "--to", str(signed), "--sign-key", str(key)]) == 0
+    publish([built / "cpu"], str(unsigned))
+    assert not (built / "cpu" / "model.sig").exists()  # the source directory is not modified
+    got = pull(str(signed), verify_key=pub)
+    assert (got / "model.sig").is_file()
+    quantprep.load(got, verify_key=pub)
+    for ref, pubkey, needle in ((unsigned, pub, "unsigned"), (signed, other_pub, "does not verify")):
+        with pytest.raises(ArtifactError, match=needle):
+            pull(str(ref), out=tmp_path / "x", verify_key=pubkey)
+        assert not (tmp_path / "x").exists()
+    monkeypatch.setenv("QUANTPREP_VERIFY_KEY", str(other_pub))
+    assert main(["pull", str(signed), "--out", str(tmp_path / "y")]) == 2  # the environment's key applies
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1 and not (tmp_path / "y").exists()
+    with pytest.raises(ArtifactError, match="does not verify"):
+        quantprep.load(got)  # load checks the key too
+    monkeypatch.delenv("QUANTPREP_VERIFY_KEY")
+    # Tampering after signing: change a file, re-sign the manifest's digests (what an attacker can do).
+    from quantprep.artifact import manifest_digest, sha256_file
+
+    [variant] = json.loads((signed / INDEX).read_text())["variants"]
+    vdir = signed / variant["name"]
+    (vdir / "config.json").write_text((vdir / "config.json").read_text() + "\n")
+    m = json.loads((vdir / MANIFEST).read_text())
+    m["files"]["config.json"] = {"sha256": sha256_file(vdir / "config.json"),
+                                            "size": (vdir / "config.json").stat().st_size}
+    m["manifest_sha256"] = manifest_digest(m)
+    (vdir / MANIFEST).write_text(json.dumps(m))
+    index = json.loads((signed / INDEX).read_text())
+    index["variants"][0]["manifest_sha256"] = __import__("hashlib").sha256((vdir / MANIFEST).read_bytes()).hexdigest()
+    (signed / INDEX).write_text(json.dumps(index))
+    pull(str(signed), out=tmp_path / "no-key")  # without a key, hashes are all it can check
+    with pytest.raises(ArtifactError, match="does not verify"):
+        pull(str(signed), out=tmp_path / "z", verify_key=pub)
+    assert not (tmp_path / "z").exists()
+
+
+def test_a_verified_signature_trusts_the_kcache(cache, tmp_path, monkeypatch):
+    """Rule (b) of the trust boundary: a pulled kcache runs when its signature verifies with the
+    user's key, and not otherwise (another user: an empty trust store)."""
+    from test_warm import _build
+
+    from quantprep.warm import warm
+
+    key, pub = _keypair(tmp_path / "keys")
+    art = _build(tmp_path / "b")
+    warm(art, shapes=[1, 4], progress=False)
+    publish([art], str(tmp_path / "ref"), sign_key=key)
+    monkeypatch.setenv("QUANTPREP_TRUST_DIR", str(tmp_path / "elsewhere-trust"))  # another user/machine
+    with pytest.warns(UserWarning, match="not trusted"):
+        assert quantprep.load(str(tmp_path / "ref"), compile=True).quantprep_kcache["status"] == "untrusted"
+    model = quantprep.load(str(tmp_path / "ref"), compile=True, verify_key=pub)
+    assert model.quantprep_kcache["status"] == "used" and model.quantprep_kcache["trusted"] == "signature"
