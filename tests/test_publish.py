@@ -190,3 +190,107 @@ def test_a_verified_signature_trusts_the_kcache(cache, tmp_path, monkeypatch):
         assert quantprep.load(str(tmp_path / "ref"), compile=True).quantprep_kcache["status"] == "untrusted"
     model = quantprep.load(str(tmp_path / "ref"), compile=True, verify_key=pub)
     assert model.quantprep_kcache["status"] == "used" and model.quantprep_kcache["trusted"] == "signature"
+
+
+# --- OCI: a real registry (CNCF distribution from Debian) on a loopback port, started by the test ---
+
+REGISTRY_BIN = "/usr/bin/docker-registry"
+
+
+@pytest.fixture
+def registry(tmp_path):
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    if not os.path.exists(REGISTRY_BIN):
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{REGISTRY_BIN} missing: `make setup` installs Debian's docker-registry when run as root")
+        pytest.skip(f"{REGISTRY_BIN} missing (apt-get install docker-registry)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    storage = tmp_path / "registry-storage"
+    config = tmp_path / "registry.yml"
+    config.write_text(f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {storage}\n"
+                      f"  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:{port}\n")
+    proc = subprocess.Popen([REGISTRY_BIN, "serve", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=1)
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"the registry did not start: {proc.stderr.read().decode()[-500:]}")
+            time.sleep(0.1)
+    try:
+        yield f"127.0.0.1:{port}", storage
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_oci_publish_and_pull_through_a_real_registry(built, cache, registry, tmp_path):
+    host, storage = registry
+    ref = f"oci://{host}/models/tiny:v1"
+    key, pub = _keypair(tmp_path / "keys")
+    publish([built / "cpu", built / "xpu"], ref, sign_key=key)
+    got = pull(ref, verify_key=pub)
+    assert got.parent.parent == cache and got.name.startswith("cpu-")
+    for p in (built / "cpu").rglob("*"):
+        if p.is_file():
+            assert (got / p.relative_to(built / "cpu")).read_bytes() == p.read_bytes()
+    assert pull(ref) == got  # unchanged: the cache
+    ids = torch.randint(0, 100, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(quantprep.load(ref)(input_ids=ids).logits, quantprep.load(built / "cpu")(input_ids=ids).logits)
+    xpu = pull(ref, out=tmp_path / "xpu", target="xpu")
+    assert (xpu / "manifest.json").read_bytes() == (built / "xpu" / "manifest.json").read_bytes()
+    # The image index and the ModelPack artifact manifests, as the registry holds them.
+    import urllib.request
+
+    req = urllib.request.Request(f"http://{host}/v2/models/tiny/manifests/v1", headers={"Accept": "application/vnd.oci.image.index.v1+json"})
+    index = json.loads(urllib.request.urlopen(req).read())
+    assert index["mediaType"] == "application/vnd.oci.image.index.v1+json" and len(index["manifests"]) == 2
+    req = urllib.request.Request(f"http://{host}/v2/models/tiny/manifests/{index['manifests'][0]['digest']}",
+                                 headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+    manifest = json.loads(urllib.request.urlopen(req).read())
+    assert manifest["artifactType"] == "application/vnd.cncf.model.manifest.v1+json"
+    assert manifest["config"]["mediaType"] == "application/vnd.cncf.model.config.v1+json"
+    paths = {x["annotations"]["org.cncf.model.filepath"]: x["mediaType"] for x in manifest["layers"]}
+    assert paths["config.json"] == "application/vnd.cncf.model.weight.config.v1.raw" and "model.sig" in paths
+    assert any(p.endswith(".safetensors") and t == "application/vnd.cncf.model.weight.v1.raw" for p, t in paths.items())
+
+
+def test_a_tampered_registry_blob_is_refused(built, cache, registry, tmp_path, capsys):
+    """Same-size bytes written over a blob in the registry's own storage: oras would not notice."""
+    host, storage = registry
+    ref = f"oci://{host}/models/tiny:v1"
+    publish([built / "cpu"], ref)
+    shard = max((p for p in storage.rglob("data") if "/blobs/" in str(p)), key=lambda p: p.stat().st_size)  # the weights
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="does not match its digest"):
+        pull(ref)
+    assert main(["pull", ref]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert not _leftovers(cache)
+
+
+def test_registry_errors_are_one_line(built, cache, registry, tmp_path, capsys):
+    host, _ = registry
+    for ref, needle in ((f"oci://{host}/models/tiny:nope", "no such tag"),
+                        ("oci://127.0.0.1:9/models/tiny:v1", "unreachable"),
+                        (f"oci://{host}/Models/tiny:v1", "lowercase"),
+                        ("ftp://x/y", "unsupported reference scheme")):
+        assert main(["pull", ref]) == 2, ref
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], (ref, err)
+    assert not _leftovers(cache)
