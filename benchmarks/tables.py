@@ -215,6 +215,20 @@ def bucketing(r: dict) -> str:
     return "\n".join(out)
 
 
+def pull_times(r: dict) -> str:
+    """quantprep.load(REF) to the first token: local dir, filled pull cache, empty cache (benchmarks/pull.py)."""
+    m = r["median_s"]
+    out = [f"{r['date'][:10]}, {r['machine']}, {r['cores']} cores; {r['artifact']} ({r['bytes'] / 2**20:.0f} MiB); "
+           f"fresh processes, median of {r['runs']}", "",
+           "| mode | spawn to first token | load (of which pull) | goal |", "| --- | --- | --- | --- |"]
+    load = {k: statistics.median(x["load_s"] for x in v) for k, v in r["raw"].items()}
+    out += [f"| local directory | {m['local']:.2f} s | {load['local']:.2f} s | |",
+            f"| oci://, pull cache filled | {m['filled']:.2f} s | {load['filled']:.2f} s | {r['filled_over_local']:.2f}x local (<= 1.1x) |",
+            f"| oci://, empty cache (pull + verify) | {m['empty']:.2f} s | {load['empty']:.2f} s | "
+            f"<= local + bytes / 500 MB/s = {r['empty_budget_s']:.2f} s: {'met' if r['empty_within_budget'] else 'NOT met'} |"]
+    return "\n".join(out)
+
+
 GEMM_SHAPES = ("q_proj", "qkv_fused", "gate_up_fused", "down_proj")
 
 
@@ -263,6 +277,7 @@ RENDERERS = {
     "cuda-model": cuda_model,
     "fusion-cpu-model": fusion_cpu_model,
     "bucketing": bucketing,
+    "pull": pull_times,
 }
 
 

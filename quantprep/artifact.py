@@ -190,6 +190,24 @@ def _write_locked(out: Path, tensors: dict[str, torch.Tensor], manifest: dict, s
     return out
 
 
+@contextlib.contextmanager
+def staged(out: Path, mode: int = 0o777):
+    """A fresh partial directory beside `out`, under the publish lock: published in one atomic step
+    when the block ends, removed when it raises (a kill leaves a partial that the next writer cleans)."""
+    with publish_lock(out):
+        clean_stale_partials(out)
+        tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(mode=mode)
+        try:
+            yield tmp
+            _fsync(tmp)
+            publish(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
 def republish(out: Path, add_from: Path, add_as: str, add_files: list[str], manifest_update: dict) -> None:
     """Publish `out` again with `add_from/<file>` copied to `add_as/<file>` (replacing any previous
     `add_as/`) and `manifest_update` merged into the manifest. The other files are hard links (no

@@ -27,17 +27,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from . import registry
-from .artifact import (
-    MANIFEST,
-    SIGNATURE,
-    _fsync,
-    clean_stale_partials,
-    publish_lock,
-    read_checked,
-    read_manifest,
-    sha256_file,
-)
-from .artifact import publish as swap_into_place
+from .artifact import MANIFEST, SIGNATURE, read_checked, read_manifest, sha256_file, staged
 from .errors import ArtifactError, ArtifactMismatch, QuantprepError
 from .signing import configured_key, sign, verify
 
@@ -103,24 +93,14 @@ def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False, sign_
     if dest.exists() and any(dest.iterdir()) and not (dest / INDEX).is_file():
         raise QuantprepError(f"{dest}: exists and is not a published reference (no {INDEX}); choose another destination")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with publish_lock(dest):
-        clean_stale_partials(dest)
-        tmp = dest.parent / f".{dest.name}.partial-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            for (d, m, name), entry in zip(variants, index["variants"], strict=True):
-                for rel in [MANIFEST, *_files(m)]:
-                    (tmp / name / rel).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(d / rel, tmp / name / rel)
-                if sign_key is not None:
-                    entry["signature_sha256"] = hashlib.sha256(sign(tmp / name, sign_key).read_bytes()).hexdigest()
-            (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-            _fsync(tmp)
-            swap_into_place(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    with staged(dest) as tmp:
+        for (d, m, name), entry in zip(variants, index["variants"], strict=True):
+            for rel in [MANIFEST, *_files(m)]:
+                (tmp / name / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(d / rel, tmp / name / rel)
+            if sign_key is not None:
+                entry["signature_sha256"] = hashlib.sha256(sign(tmp / name, sign_key).read_bytes()).hexdigest()
+        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return plan
 
 
@@ -245,29 +225,19 @@ def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = No
     if dest.exists() and any(dest.iterdir()) and not (dest / MANIFEST).is_file():
         raise QuantprepError(f"{dest}: exists and is not an artifact; choose another --out")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with publish_lock(dest):
-        clean_stale_partials(dest)
-        tmp = dest.parent / f".{dest.name}.partial-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(mode=0o700)
-        try:
-            source = _OciSource(reg, variant, ref) if ref.startswith("oci://") else _DirSource(src / variant["name"], ref)
-            source.copy(MANIFEST, tmp / MANIFEST, variant["manifest_sha256"], None)
-            manifest = read_manifest(tmp)  # structure and self-digest; names every file with its sha256
-            for rel, f in manifest["files"].items():
-                source.copy(rel, tmp / rel, f["sha256"], f["size"])
-            if manifest.get("kcache", {}).get("files"):
-                source.kcache(tmp, manifest["kcache"]["files"])
-            if "signature_sha256" in variant:
-                source.copy(SIGNATURE, tmp / SIGNATURE, variant["signature_sha256"], None)
-            read_checked(tmp)  # nothing unlisted, every size right
-            if key is not None:
-                verify(tmp, key)
-            _fsync(tmp)
-            swap_into_place(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    with staged(dest, mode=0o700) as tmp:
+        source = _OciSource(reg, variant, ref) if ref.startswith("oci://") else _DirSource(src / variant["name"], ref)
+        source.copy(MANIFEST, tmp / MANIFEST, variant["manifest_sha256"], None)
+        manifest = read_manifest(tmp)  # structure and self-digest; names every file with its sha256
+        for rel, f in manifest["files"].items():
+            source.copy(rel, tmp / rel, f["sha256"], f["size"])
+        if manifest.get("kcache", {}).get("files"):
+            source.kcache(tmp, manifest["kcache"]["files"])
+        if "signature_sha256" in variant:
+            source.copy(SIGNATURE, tmp / SIGNATURE, variant["signature_sha256"], None)
+        read_checked(tmp)  # nothing unlisted, every size right
+        if key is not None:
+            verify(tmp, key)
     return dest
 
 
