@@ -53,8 +53,11 @@ class Registry:
     """One repository on one registry, through oras's client."""
 
     def __init__(self, ref: str, plain_http: bool = False):
+        import logging
+
         import oras.provider
 
+        logging.getLogger("oras").setLevel(logging.CRITICAL)  # its errors are reported here, in one line
         self.ref = ref
         self.host, self.repo, self.tag, insecure = parse_ref(ref, plain_http)
         self.client = oras.provider.Registry(hostname=self.host, insecure=insecure)
@@ -73,10 +76,17 @@ class Registry:
     def _request(self, method: str, url: str, **kw):
         import requests
 
+        # oras's do_request without its retry decorator, which sleeps ~2 minutes over five tries
+        # before a refused login or a dead address gives up; the probe above covers the address.
+        do_request = getattr(type(self.client).do_request, "__wrapped__", type(self.client).do_request)
         try:
-            response = self.client.do_request(url, method, **kw)
+            response = do_request(self.client, url, method, **kw)
         except requests.RequestException as e:
-            raise QuantprepError(f"{self.ref}: registry {self.host} unreachable ({type(e).__name__}); check the address and that it runs") from None
+            raise QuantprepError(f"{self.ref}: lost the registry {self.host} or its token service ({type(e).__name__}); "
+                                 f"check the address, that it runs, and its auth realm") from None
+        except ValueError:  # oras: "Cannot respond to request for authentication."
+            raise QuantprepError(f"{self.ref}: the registry asks for credentials that were not accepted (HTTP 401); "
+                                 f"log in (docker login {self.host}) or check the repository's permissions") from None
         if response.status_code in (401, 403):
             raise QuantprepError(f"{self.ref}: the registry refused access (HTTP {response.status_code}); log in "
                                  f"(docker login {self.host}) or check the repository's permissions")

@@ -199,6 +199,10 @@ REGISTRY_BIN = "/usr/bin/docker-registry"
 
 @pytest.fixture
 def registry(tmp_path):
+    yield from _registry(tmp_path)
+
+
+def _registry(tmp_path, auth: str = ""):
     import socket
     import subprocess
     import time
@@ -214,12 +218,14 @@ def registry(tmp_path):
     storage = tmp_path / "registry-storage"
     config = tmp_path / "registry.yml"
     config.write_text(f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {storage}\n"
-                      f"  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:{port}\n")
+                      f"  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:{port}\n{auth.format(port=port)}")
     proc = subprocess.Popen([REGISTRY_BIN, "serve", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 20
     while True:
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=1)
+            break
+        except urllib.error.HTTPError:  # it answers (401 with auth)
             break
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -294,3 +300,39 @@ def test_registry_errors_are_one_line(built, cache, registry, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0], (ref, err)
     assert not _leftovers(cache)
+
+
+def test_a_registry_that_wants_credentials_is_one_line(built, cache, tmp_path, capsys):
+    """distribution's `silly` auth answers 401 to every request without credentials."""
+    gen = _registry(tmp_path, "auth:\n  silly:\n    realm: http://127.0.0.1:{port}/token\n    service: test\n")
+    host, _ = next(gen)
+    try:
+        for argv in (["pull", f"oci://{host}/models/tiny:v1"], ["publish", str(built / "cpu"), "--to", f"oci://{host}/models/tiny:v1"]):
+            assert main(argv) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and "HTTP 401" in err[0] and "docker login" in err[0], err
+        assert not _leftovers(cache)
+    finally:
+        gen.close()
+
+
+def test_a_full_disk_mid_pull_is_one_line_and_leaves_nothing(built, tmp_path):
+    """The pull's writes fail part-way (RLIMIT_FSIZE: each file may grow to 64 KiB only, as on a
+    disk that fills up): one line, exit 2, no directory left to load."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    publish([built / "cpu"], str(tmp_path / "ref"))
+
+    def small_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    proc = subprocess.run([sys.executable, "-m", "quantprep", "pull", str(tmp_path / "ref"), "--out", str(tmp_path / "got")],
+                          capture_output=True, text=True, preexec_fn=small_disk, timeout=300)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and "free space" in err[0], proc.stderr[-2000:]
+    assert not (tmp_path / "got").exists()
+    assert not [p for p in tmp_path.glob(".got*") if not p.name.endswith(".lock")]
