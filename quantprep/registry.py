@@ -55,7 +55,10 @@ class Registry:
     def __init__(self, ref: str, plain_http: bool = False):
         import logging
 
-        import oras.provider
+        try:
+            import oras.provider
+        except ImportError:
+            raise QuantprepError("OCI references need oras: pip install 'quantprep[publish]'") from None
 
         logging.getLogger("oras").setLevel(logging.CRITICAL)  # its errors are reported here, in one line
         self.ref = ref
