@@ -169,13 +169,14 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     key = configured_key(verify_key)
-    if is_reference(path):  # a published reference: pull the variant that fits (verified) into the cache first
+    pulled = is_reference(path)
+    if pulled:  # a published reference: pull the variant that fits (verified, its signature too) into the cache first
         from .publish import pull
 
         path = pull(str(path), verify_key=key)
     path = Path(path)
     manifest = read_checked(path, full_hash=verify)
-    if key is not None:
+    if key is not None and not pulled:
         verify_signature(path, key)  # unsigned or wrongly signed: refused before anything is read
     try:
         target = get_target(manifest["target"]["name"])

@@ -66,9 +66,10 @@ def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False, sign_
     """Publish the artifacts in `dirs` as the variants of one reference. Each is verified first
     (every file's sha256). The reference is replaced as a whole and atomically. sign_key: sign
     each published variant (signing.py; the source directories are not modified)."""
-    dest = Path(to) if to.startswith("oci://") else destination(to).absolute()
-    if to.startswith("oci://"):
+    oci = to.startswith("oci://")
+    if oci:
         registry.parse_ref(to, plain_http)  # a malformed reference fails before any work
+    dest = None if oci else destination(to).absolute()
     variants, names = [], set()
     for d in map(Path, dirs):
         manifest = read_checked(d, full_hash=True)
@@ -83,11 +84,11 @@ def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False, sign_
          "kcache_key": m.get("kcache", {}).get("key")} for d, m, name in variants]}
     if sign_key is not None and not Path(sign_key).is_file():
         raise QuantprepError(f"{sign_key}: no such key file; pass a PEM elliptic-curve private key")
-    plan = {"to": str(dest), "variants": [{"name": n, "from": str(d), "files": len(_files(m)), "bytes": sum(f["size"] for f in _files(m).values())}
+    plan = {"to": to if oci else str(dest), "variants": [{"name": n, "from": str(d), "files": len(_files(m)), "bytes": sum(f["size"] for f in _files(m).values())}
                                           for d, m, n in variants]}
     if dry_run:
         return plan
-    if to.startswith("oci://"):
+    if oci:
         _publish_oci(variants, index["variants"], to, sign_key, plain_http)
         return plan
     if dest.exists() and any(dest.iterdir()) and not (dest / INDEX).is_file():
@@ -95,11 +96,7 @@ def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False, sign_
     dest.parent.mkdir(parents=True, exist_ok=True)
     with staged(dest) as tmp:
         for (d, m, name), entry in zip(variants, index["variants"], strict=True):
-            for rel in [MANIFEST, *_files(m)]:
-                (tmp / name / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(d / rel, tmp / name / rel)
-            if sign_key is not None:
-                entry["signature_sha256"] = hashlib.sha256(sign(tmp / name, sign_key).read_bytes()).hexdigest()
+            _stage_variant(d, m, tmp / name, entry, sign_key, link=False)
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return plan
 
@@ -113,17 +110,26 @@ def _publish_oci(variants: list, entries: list[dict], to: str, sign_key, plain_h
         staged = []
         for (d, m, name), entry in zip(variants, entries, strict=True):
             if sign_key is not None:
-                copy = Path(stage) / name
-                for rel in [MANIFEST, *_files(m)]:
-                    (copy / rel).parent.mkdir(parents=True, exist_ok=True)
-                    try:
-                        os.link(d / rel, copy / rel)
-                    except OSError:
-                        shutil.copyfile(d / rel, copy / rel)
-                entry["signature_sha256"] = hashlib.sha256(sign(copy, sign_key).read_bytes()).hexdigest()
-                d = copy
+                d = _stage_variant(d, m, Path(stage) / name, entry, sign_key, link=True)
             staged.append((d, m, name, entry))
         registry.push(staged, to, plain_http)
+
+
+def _stage_variant(src: Path, manifest: dict, dest: Path, entry: dict, sign_key, link: bool) -> Path:
+    """Copy (or hard-link, where the source must only be read) an artifact's files to `dest` and,
+    with a key, sign the copy there and record the signature's sha256 in its index entry."""
+    for rel in [MANIFEST, *_files(manifest)]:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        if link:
+            try:
+                os.link(src / rel, dest / rel)
+                continue
+            except OSError:  # a filesystem without hard links
+                pass
+        shutil.copyfile(src / rel, dest / rel)
+    if sign_key is not None:
+        entry["signature_sha256"] = hashlib.sha256(sign(dest, sign_key).read_bytes()).hexdigest()
+    return dest
 
 
 def _files(manifest: dict) -> dict[str, dict]:
