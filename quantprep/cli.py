@@ -198,9 +198,10 @@ def cmd_selftest(args) -> int:
 def cmd_publish(args) -> int:
     from .publish import publish
 
-    plan = publish(args.dirs, args.to, dry_run=args.dry_run, sign_key=args.sign_key, plain_http=args.plain_http)
+    plan = publish(args.dirs, args.to, dry_run=args.dry_run, sign_key=args.sign_key, plain_http=args.plain_http, tag=args.tag)
     lines = [f"{'would publish' if args.dry_run else 'published'} {len(plan['variants'])} variant(s) to {plan['to']}"]
     lines += [f"  {v['name']}: {v['from']} ({v['files']} files, {v['bytes'] / 2**20:.1f} MiB)" for v in plan["variants"]]
+    lines += [f"release: {plan['release']}"] if "release" in plan else []
     _print_json_or(args, plan, "\n".join(lines))
     return 0
 
@@ -321,12 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_selftest)
 
-    pb = sub.add_parser("publish", help="publish artifacts as the variants of one reference (a directory, file:// URL or oci://HOST/REPO:TAG)")
+    pb = sub.add_parser("publish", help="publish artifacts as the variants of one reference "
+                                        "(a directory, file:// URL, oci://HOST/REPO:TAG or hf://ORG/REPO[@BRANCH])")
     pb.add_argument("dirs", nargs="+", metavar="DIR")
     pb.add_argument("--to", required=True, metavar="REF")
     pb.add_argument("--dry-run", action="store_true", help="print what would be published; write nothing")
     pb.add_argument("--sign-key", metavar="KEY", help="sign each variant with this PEM private key (model_signing)")
     pb.add_argument("--plain-http", action="store_true", help="speak plain HTTP to an OCI registry (loopback ones always do)")
+    pb.add_argument("--tag", help="hf:// only: the release tag (default quantprep-<index digest>)")
     pb.add_argument("--json", action="store_true")
     pb.set_defaults(func=cmd_publish)
 

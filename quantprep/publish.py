@@ -13,8 +13,8 @@ only then publishes the copy atomically into the local cache: nothing unverified
 and a second pull of the same reference reads the cache, offline. The index is untrusted input
 like everything pulled: parsed with limits, every path checked, every file hashed.
 
-Destinations: a directory or a file:// URL (a shared filesystem or an object-store mount), and
-OCI registries (oci://HOST/REPO:TAG, registry.py).
+Destinations: a directory or a file:// URL (a shared filesystem or an object-store mount), OCI
+registries (oci://HOST/REPO:TAG, registry.py) and the Hugging Face Hub (hf://ORG/REPO[@REV], hub.py).
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from urllib.parse import urlparse
 
-from . import registry
+from . import hub, registry
 from .artifact import MANIFEST, SIGNATURE, read_checked, read_manifest, sha256_file, staged
 from .errors import ArtifactError, ArtifactMismatch, QuantprepError
 from .signing import configured_key, sign, verify
@@ -57,19 +58,26 @@ def destination(ref: str) -> Path:
             raise QuantprepError(f"{ref}: file:// URLs name a local path (file:///srv/models/x), not host {parsed.netloc!r}")
         return Path(parsed.path)
     if "://" in ref:
-        raise QuantprepError(f"{ref}: unsupported reference scheme {parsed.scheme!r}; use a directory, file:///path or oci://HOST/REPO:TAG")
+        raise QuantprepError(f"{ref}: unsupported reference scheme {parsed.scheme!r}; use a directory, file:///path, "
+                             "oci://HOST/REPO:TAG or hf://ORG/REPO")
     return Path(ref)
 
 
 def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False, sign_key: str | os.PathLike | None = None,
-            plain_http: bool = False) -> dict:
+            plain_http: bool = False, tag: str | None = None) -> dict:
     """Publish the artifacts in `dirs` as the variants of one reference. Each is verified first
     (every file's sha256). The reference is replaced as a whole and atomically. sign_key: sign
-    each published variant (signing.py; the source directories are not modified)."""
-    oci = to.startswith("oci://")
+    each published variant (signing.py; the source directories are not modified); a variant
+    signed before (quantprep sign) carries its signature. tag: the Hub's release tag (hf:// only)."""
+    oci, hf = to.startswith("oci://"), to.startswith("hf://")
     if oci:
         registry.parse_ref(to, plain_http)  # a malformed reference fails before any work
-    dest = None if oci else destination(to).absolute()
+    elif hf:
+        hub.parse_ref(to)
+    if tag is not None and not hf:
+        raise QuantprepError(f"{to}: --tag is for hf:// references; an OCI reference carries its tag (oci://HOST/REPO:TAG)")
+    remote = oci or hf
+    dest = None if remote else destination(to).absolute()
     variants, names = [], set()
     for d in map(Path, dirs):
         manifest = read_checked(d, full_hash=True)
@@ -84,41 +92,47 @@ def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False, sign_
          "kcache_key": m.get("kcache", {}).get("key")} for d, m, name in variants]}
     if sign_key is not None and not Path(sign_key).is_file():
         raise QuantprepError(f"{sign_key}: no such key file; pass a PEM elliptic-curve private key")
-    plan = {"to": to if oci else str(dest), "variants": [{"name": n, "from": str(d), "files": len(_files(m)), "bytes": sum(f["size"] for f in _files(m).values())}
+    plan = {"to": to if remote else str(dest), "variants": [{"name": n, "from": str(d), "files": len(_files(m)), "bytes": sum(f["size"] for f in _files(m).values())}
                                           for d, m, n in variants]}
     if dry_run:
         return plan
-    if oci:
-        _publish_oci(variants, index["variants"], to, sign_key, plain_http)
+    if remote:
+        with tempfile.TemporaryDirectory(prefix="quantprep-publish-") as stage:
+            # Signing writes into the variant: each is staged as hard links (the sources are only read).
+            ready = [(_stage_variant(d, m, Path(stage) / name, entry, sign_key, link=True) if sign_key else d, m, name, entry)
+                     for (d, m, name), entry in zip(variants, index["variants"], strict=True)]
+            for d, _, _, entry in ready:
+                _record_signature(d, entry)
+            if oci:
+                registry.push(ready, to, plain_http)
+            else:
+                plan["release"] = hub.push(ready, (INDEX, _index_bytes(index)), to, tag)
         return plan
     if dest.exists() and any(dest.iterdir()) and not (dest / INDEX).is_file():
         raise QuantprepError(f"{dest}: exists and is not a published reference (no {INDEX}); choose another destination")
     dest.parent.mkdir(parents=True, exist_ok=True)
     with staged(dest) as tmp:
         for (d, m, name), entry in zip(variants, index["variants"], strict=True):
-            _stage_variant(d, m, tmp / name, entry, sign_key, link=False)
-        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+            _record_signature(_stage_variant(d, m, tmp / name, entry, sign_key, link=False), entry)
+        (tmp / INDEX).write_bytes(_index_bytes(index))
     return plan
 
 
-def _publish_oci(variants: list, entries: list[dict], to: str, sign_key, plain_http: bool) -> None:
-    """Push to a registry. Signing needs the files in a directory: each variant is staged as hard
-    links (the source directories are never written) and signed there."""
-    import tempfile
+def _index_bytes(index: dict) -> bytes:
+    return (json.dumps(index, indent=2) + "\n").encode()
 
-    with tempfile.TemporaryDirectory(prefix="quantprep-publish-") as stage:
-        staged = []
-        for (d, m, name), entry in zip(variants, entries, strict=True):
-            if sign_key is not None:
-                d = _stage_variant(d, m, Path(stage) / name, entry, sign_key, link=True)
-            staged.append((d, m, name, entry))
-        registry.push(staged, to, plain_http)
+
+def _record_signature(d: Path, entry: dict) -> None:
+    """The index names the signature that travels with a variant, so a pull fetches exactly it."""
+    if (d / SIGNATURE).is_file():
+        entry["signature_sha256"] = hashlib.sha256((d / SIGNATURE).read_bytes()).hexdigest()
 
 
 def _stage_variant(src: Path, manifest: dict, dest: Path, entry: dict, sign_key, link: bool) -> Path:
-    """Copy (or hard-link, where the source must only be read) an artifact's files to `dest` and,
-    with a key, sign the copy there and record the signature's sha256 in its index entry."""
-    for rel in [MANIFEST, *_files(manifest)]:
+    """Copy (or hard-link, where the source must only be read) an artifact's files, and its
+    signature when it has one, to `dest`; with a key, sign the copy there."""
+    rels = [MANIFEST, *_files(manifest)] + ([SIGNATURE] if sign_key is None and (src / SIGNATURE).is_file() else [])
+    for rel in rels:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         if link:
             try:
@@ -128,7 +142,7 @@ def _stage_variant(src: Path, manifest: dict, dest: Path, entry: dict, sign_key,
                 pass
         shutil.copyfile(src / rel, dest / rel)
     if sign_key is not None:
-        entry["signature_sha256"] = hashlib.sha256(sign(dest, sign_key).read_bytes()).hexdigest()
+        sign(dest, sign_key)
     return dest
 
 
@@ -217,6 +231,11 @@ def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = No
     if ref.startswith("oci://"):
         reg, variants = registry.read_index(ref, plain_http)
         index, ref_id = {"variants": [v for v in variants if _valid_entry(v)]}, ref
+    elif ref.startswith("hf://"):
+        from huggingface_hub import constants
+
+        commit, index_dir = hub.download_index(ref, INDEX)
+        index, ref_id = read_index(index_dir, ref), f"{constants.ENDPOINT}/{ref}"
     else:
         src = destination(ref)
         if not src.is_dir():
@@ -232,7 +251,12 @@ def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = No
         raise QuantprepError(f"{dest}: exists and is not an artifact; choose another --out")
     dest.parent.mkdir(parents=True, exist_ok=True)
     with staged(dest, mode=0o700) as tmp:
-        source = _OciSource(reg, variant, ref) if ref.startswith("oci://") else _DirSource(src / variant["name"], ref)
+        if ref.startswith("oci://"):
+            source = _OciSource(reg, variant, ref)
+        elif ref.startswith("hf://"):  # huggingface_hub's cache, copied out while hashed like a directory
+            source = _DirSource(hub.download_variant(ref, commit, variant["name"]), ref)
+        else:
+            source = _DirSource(src / variant["name"], ref)
         source.copy(MANIFEST, tmp / MANIFEST, variant["manifest_sha256"], None)
         manifest = read_manifest(tmp)  # structure and self-digest; names every file with its sha256
         for rel, f in manifest["files"].items():

@@ -174,6 +174,17 @@ def test_signed_publish_pull_and_load(built, cache, tmp_path, capsys, monkeypatc
     assert not (tmp_path / "z").exists()
 
 
+def test_an_artifact_signed_before_publish_carries_its_signature(built, cache, tmp_path):
+    key, pub = _keypair(tmp_path / "keys")
+    art = tmp_path / "signed-art"
+    shutil.copytree(built / "cpu", art)
+    assert main(["sign", str(art), "--key", str(key)]) == 0
+    publish([art], str(tmp_path / "ref"))  # no --sign-key: the signature it has travels with it
+    [entry] = json.loads((tmp_path / "ref" / INDEX).read_text())["variants"]
+    assert "signature_sha256" in entry
+    assert (pull(str(tmp_path / "ref"), verify_key=pub) / "model.sig").read_bytes() == (art / "model.sig").read_bytes()
+
+
 def test_a_verified_signature_trusts_the_kcache(cache, tmp_path, monkeypatch):
     """Rule (b) of the trust boundary: a pulled kcache runs when its signature verifies with the
     user's key, and not otherwise (another user: an empty trust store)."""
