@@ -38,7 +38,8 @@ SHARD_BYTES = 2 << 30
 PROBES_FILE = "probes.safetensors"  # see verify.py
 TOP_KEYS = {"manifest_sha256", "format", "format_version", "quantprep_version", "created", "source", "quant", "target", "compat",
             "modules", "shards", "files"}
-OPTIONAL_KEYS = {"serving", "kcache"}  # serving: shapes to warm (from the recipe); kcache: written by `warm`
+# serving: shapes to warm (from the recipe); kcache: written by `warm`; eval: results of `quantprep eval`
+OPTIONAL_KEYS = {"serving", "kcache", "eval"}
 
 
 def sha256_file(path: Path) -> str:
@@ -208,10 +209,11 @@ def staged(out: Path, mode: int = 0o777):
             raise
 
 
-def republish(out: Path, add_from: Path, add_as: str, add_files: list[str], manifest_update: dict) -> None:
+def republish(out: Path, add_from: Path, add_as: str | None, add_files: list[str], manifest_update: dict) -> None:
     """Publish `out` again with `add_from/<file>` copied to `add_as/<file>` (replacing any previous
     `add_as/`) and `manifest_update` merged into the manifest. The other files are hard links (no
-    copy; files are never modified in place), so the swap is as atomic as a first build's."""
+    copy; files are never modified in place), so the swap is as atomic as a first build's. The
+    kcache stays unless it is what is replaced (add_as "kcache")."""
     with publish_lock(out):
         clean_stale_partials(out)
         manifest = read_manifest(out)
@@ -220,7 +222,11 @@ def republish(out: Path, add_from: Path, add_as: str, add_files: list[str], mani
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            for name in manifest["files"]:
+            keep = list(manifest["files"])
+            if add_as != "kcache":
+                keep += [f"kcache/{rel}" for rel in manifest.get("kcache", {}).get("files", {})]
+            for name in keep:
+                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
                 try:
                     os.link(out / name, tmp / name)
                 except OSError:  # a filesystem without hard links
@@ -351,6 +357,8 @@ def read_manifest(path: Path) -> dict:
         raise ArtifactError(f"{mpath}: unknown field(s) {', '.join(sorted(unknown))}; written by a newer quantprep? upgrade or rebuild")
     if "serving" in m and not _valid_serving(m["serving"]):
         raise ArtifactError(f"{mpath}: field 'serving' is malformed; the artifact is corrupt: rebuild it")
+    if "eval" in m and not (isinstance(m["eval"], dict) and all(isinstance(v, dict) for v in m["eval"].values())):
+        raise ArtifactError(f"{mpath}: field 'eval' is malformed; the artifact is corrupt: rebuild it or re-run `quantprep eval`")
     if "kcache" in m and not _valid_kcache(m["kcache"]):
         raise ArtifactError(f"{mpath}: field 'kcache' is malformed; the artifact is corrupt: rebuild it or re-run `quantprep warm`")
     return m

@@ -140,6 +140,26 @@ def cmd_inspect(args) -> int:
     print(f"compat     {', '.join(f'{k}={v}' for k, v in m['compat'].items())}")
     print(f"modules    {len(m['modules'])} quantized linears, act-order on {sum(x['act_order'] for x in m['modules'].values())}")
     print(f"files      {len(m['files'])}, {size / 2**20:.1f} MiB; built {m['created']} by quantprep {m['quantprep_version']}")
+    for e in m.get("eval", {}).values():
+        print(f"eval       {_eval_line(e)}")
+    return 0
+
+
+def _eval_line(e: dict) -> str:
+    return (f"ppl {e['ppl']:.4f} vs {e['reference']['kind']} {e['reference']['ppl']:.4f} (ratio {e['ppl_ratio']:.4f}), "
+            f"KLD mean {e['kld']['mean']:.4f} p99 {e['kld']['p99']:.4f}, top-1 {100 * e['top1_agree']:.2f}%, "
+            f"{e['tokens']} tokens of {e['text']['name']}, ctx {e['ctx']}")
+
+
+def cmd_eval(args) -> int:
+    from .eval import evaluate
+
+    r = evaluate(args.dir, reference=args.reference, text_file=args.text, dataset=args.dataset, ctx=args.ctx,
+                 max_tokens=args.max_tokens, device=args.device, store=args.store, progress=not args.json)
+    note = " (a dequantized reference: this measures the kernels' error only)" if r["reference"]["kind"] == "dequantized" else ""
+    halves = " / ".join(f"{x:.4f}" for x in r["halves_ppl"])
+    _print_json_or(args, r, f"{args.dir} ({r['target']} on {r['device']}): {_eval_line(r)}{note}\n"
+                            f"  the two halves of the text: ppl {halves}")
     return 0
 
 
@@ -292,6 +312,21 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--allow-skip", action="store_true",
                            help="exit 0 when the numeric check cannot run here (an artifact for another CPU ISA or torch)")
         s.set_defaults(func=func)
+
+    ev = sub.add_parser("eval", help="perplexity, KL divergence and top-1 agreement against the float (or dequantized) model")
+    ev.add_argument("dir")
+    ev.add_argument("--reference", metavar="DIR", help="a float model or GPTQ checkpoint dir (default: the build's float model "
+                                                      "when its cache holds it, else the GPTQ checkpoint)")
+    src = ev.add_mutually_exclusive_group()
+    src.add_argument("--text", metavar="FILE", help="a UTF-8 text file (default: quantprep's held-out text)")
+    src.add_argument("--dataset", metavar="NAME", help="wikitext2, from the datasets library's cache")
+    ev.add_argument("--ctx", type=int, default=512, help="tokens per window (default 512)")
+    ev.add_argument("--max-tokens", type=int, help="score at most this many tokens (whole windows)")
+    ev.add_argument("--device", help="default: the target's device (xpu: its CPU emulator when no card)")
+    ev.add_argument("--store", action=argparse.BooleanOptionalAction, default=True,
+                    help="record the result in the artifact's manifest (default: on)")
+    ev.add_argument("--json", action="store_true")
+    ev.set_defaults(func=cmd_eval)
 
     w = sub.add_parser("warm", help="run the serving shapes and ship the kernel caches in DIR/kcache/")
     w.add_argument("dir")

@@ -131,26 +131,9 @@ def gptqmodel_run(gptq_dir: Path, input_ids: torch.Tensor, tmp: Path, new_tokens
 
 def dense_reference_model(gptq_dir: Path, dtype: torch.dtype = torch.float32):
     """The same checkpoint with every quantized weight dequantized to a dense float Linear."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from quantprep.eval import dequantized_model
 
-    from quantprep.prepack import unpack_layer
-    from quantprep.source import read_checkpoint
-
-    ckpt = read_checkpoint(gptq_dir)
-    config = AutoConfig.from_pretrained(gptq_dir)
-    del config.quantization_config
-    if "lm_head" in ckpt.layers:
-        config.tie_word_embeddings = False
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = {k: v.to(dtype) for k, v in ckpt.other_tensors.items()}
-    for name, layer in ckpt.layers.items():
-        state[f"{name}.weight"] = unpack_layer(layer).dequantize().T.to(dtype)
-        if layer.bias is not None:
-            state[f"{name}.bias"] = layer.bias.to(dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    return model.eval()
+    return dequantized_model(gptq_dir, dtype)
 
 
 def prepacked_module(target_name: str, raw: dict, q, dtype: torch.dtype):

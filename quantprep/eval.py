@@ -1,0 +1,223 @@
+"""What quantization cost: an artifact's perplexity, and the KL divergence and top-1 agreement of
+its next-token distributions against a reference model (docs/eval.md).
+
+The anchor is llama.cpp's `perplexity --kl-divergence`; the definition here is exact so anyone can
+recompute it: the text is tokenized once with the artifact's tokenizer, without special tokens, and
+cut into consecutive non-overlapping windows of `ctx` tokens (the last partial window dropped).
+Each window is scored on its own. Perplexity = exp(mean negative log-likelihood of every token
+after the first in each window). At those same positions, KL(reference || artifact) of the two
+next-token distributions (natural log) gives the mean and 99th percentile, and top-1 agreement is
+the share of positions where both models' most likely token is the same.
+
+The reference: `reference=` (a float model directory, or a GPTQ checkpoint, which is then
+dequantized to dense float weights), else the float model the checkpoint was quantized from when
+the build's caches still hold it, else the GPTQ checkpoint the artifact was built from. Against a
+dequantized reference only the kernels' error is measured (quantization error is in both).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .artifact import read_checked, republish
+from .errors import QuantprepError
+
+HELDOUT_FILE = Path(__file__).with_name("heldout.txt")
+DEFAULT_CTX = 512
+CHUNK = 128  # positions per log-softmax: bounds memory at 2 x CHUNK x vocab floats
+
+
+def read_text(text_file: str | os.PathLike | None = None, dataset: str | None = None) -> tuple[str, str]:
+    """(text, its name). Default: the held-out text shipped with quantprep (heldout.txt: Python's
+    language reference from the standard library's pydoc_data, disjoint from calibration.txt)."""
+    if text_file is not None and dataset is not None:
+        raise QuantprepError("pass --text or --dataset, not both")
+    if dataset is not None:
+        if dataset not in ("wikitext2", "wikitext-2"):
+            raise QuantprepError(f"--dataset {dataset}: only wikitext2 is known; pass --text FILE for any other text")
+        try:
+            import datasets
+        except ImportError:
+            raise QuantprepError("--dataset needs the datasets library: pip install datasets") from None
+        try:
+            ds = datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split="test")
+        except Exception as e:  # offline without a cached copy: datasets raises several kinds
+            raise QuantprepError(f"--dataset wikitext2: not in the datasets cache and not downloadable here ({type(e).__name__}); "
+                                 "run once online, or pass --text FILE") from None
+        return "".join(ds["text"]), "wikitext-2-raw-v1 test"
+    path = Path(text_file) if text_file is not None else HELDOUT_FILE
+    try:
+        return path.read_text(encoding="utf-8"), (path.name if text_file is not None else "quantprep held-out")
+    except (OSError, UnicodeDecodeError) as e:
+        raise QuantprepError(f"{path}: cannot read it as UTF-8 text ({e.__class__.__name__}); pass a text file") from None
+
+
+def token_windows(tokenizer, text: str, ctx: int, max_tokens: int | None = None) -> torch.Tensor:
+    """[windows, ctx] token ids: the text tokenized once, without special tokens, cut into
+    consecutive windows of ctx tokens; the last partial window dropped."""
+    if ctx < 2:
+        raise QuantprepError(f"--ctx {ctx}: a window needs at least 2 tokens")
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    n = len(ids) // ctx
+    if max_tokens is not None:
+        n = min(n, max_tokens // ctx)
+    if n == 0:
+        raise QuantprepError(f"the text has {len(ids)} tokens: fewer than one window of --ctx {ctx}"
+                             f"{f' within --max-tokens {max_tokens}' if max_tokens is not None else ''}")
+    return ids[: n * ctx].view(n, ctx)
+
+
+def find_reference(manifest: dict, reference: str | os.PathLike | None = None) -> tuple[str, Path]:
+    """(kind, directory): "float" or "dequantized"."""
+    from .build import cache_dir
+    from .source import is_gptq_dir, resolve_hub_model
+
+    if reference is not None:
+        path = Path(reference)
+        if not (path / "config.json").is_file():
+            raise QuantprepError(f"--reference {path}: no config.json; pass a float model or a GPTQ checkpoint directory")
+        return ("dequantized" if is_gptq_dir(path) else "float"), path
+    source = manifest["source"]
+    if sha := source.get("gguf_sha256"):  # the build dequantized a GGUF file into its cache
+        found = sorted((cache_dir() / "float").glob(f"*-{sha[:16]}"))
+        if found and (found[0] / "config.json").is_file():
+            return "float", found[0]
+    if "id" in source and "/" in source["id"]:  # a hub model, from the local Hugging Face cache
+        try:
+            path = resolve_hub_model(source["id"], source.get("revision"))
+            return ("dequantized" if is_gptq_dir(path) else "float"), path
+        except QuantprepError:
+            pass
+    for path in sorted((cache_dir() / "gptq").glob("*")):  # the GPTQ checkpoint, identified by content
+        if is_gptq_dir(path) and _checkpoint_sha(path) == source["sha256"]:
+            return "dequantized", path
+    raise QuantprepError("no reference model found for this artifact (the build's float model and GPTQ checkpoint are not in "
+                         "this machine's caches): pass --reference FLOAT_OR_GPTQ_DIR")
+
+
+def _checkpoint_sha(path: Path) -> str:
+    from .source import _sha256_files, _tensor_files
+
+    return _sha256_files(path, _tensor_files(path))
+
+
+def dequantized_model(gptq_dir: Path, dtype: torch.dtype = torch.float32):
+    """The GPTQ checkpoint with every quantized weight dequantized to a dense float Linear."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .prepack import unpack_layer
+    from .source import read_checkpoint
+
+    ckpt = read_checkpoint(gptq_dir)
+    config = AutoConfig.from_pretrained(gptq_dir)
+    del config.quantization_config
+    if "lm_head" in ckpt.layers:
+        config.tie_word_embeddings = False
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {k: v.to(dtype) for k, v in ckpt.other_tensors.items()}
+    for name, layer in ckpt.layers.items():
+        state[f"{name}.weight"] = unpack_layer(layer).dequantize().T.to(dtype)
+        if layer.bias is not None:
+            state[f"{name}.bias"] = layer.bias.to(dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or not set(missing) <= {"lm_head.weight"}:
+        raise QuantprepError(f"{gptq_dir}: its tensors do not fit its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    model.tie_weights()
+    return model.eval()
+
+
+def reference_model(kind: str, path: Path, device: str):
+    from transformers import AutoModelForCausalLM
+
+    if kind == "dequantized":
+        return dequantized_model(path).to(device)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+
+
+@torch.no_grad()
+def compare_window(model, ref, window: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-position NLL of both models, KL(ref || model) and top-1 agreement, for the tokens after the first."""
+    x = window[None]
+    logits, ref_logits = model(input_ids=x).logits[0, :-1], ref(input_ids=x).logits[0, :-1]
+    target = window[1:].to(logits.device)
+    out = {k: [] for k in ("nll", "ref_nll", "kld", "top1")}
+    for s in range(0, len(target), CHUNK):
+        lp = torch.log_softmax(logits[s:s + CHUNK].double(), -1)
+        rlp = torch.log_softmax(ref_logits[s:s + CHUNK].double(), -1)
+        t = target[s:s + CHUNK, None]
+        out["nll"].append(-lp.gather(1, t)[:, 0])
+        out["ref_nll"].append(-rlp.gather(1, t)[:, 0])
+        out["kld"].append((rlp.exp() * (rlp - lp)).sum(-1))
+        out["top1"].append(lp.argmax(-1) == rlp.argmax(-1))
+    return {k: torch.cat(v).cpu() for k, v in out.items()}
+
+
+def evaluate(path: str | os.PathLike, reference: str | os.PathLike | None = None, text_file: str | os.PathLike | None = None,
+             dataset: str | None = None, ctx: int = DEFAULT_CTX, max_tokens: int | None = None, device: str | None = None,
+             store: bool = True, progress: bool = True) -> dict:
+    """Score the artifact at `path` against its reference; with `store`, record the result in the
+    artifact's manifest (`eval`, keyed by text and ctx; published again atomically, as warm does)."""
+    from transformers import AutoTokenizer
+
+    from .load import load
+
+    path = Path(path)
+    manifest = read_checked(path)
+    text, text_name = read_text(text_file, dataset)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        raise QuantprepError(f"{path}: no usable tokenizer in the artifact (its source checkpoint had none); "
+                             "eval needs the tokenizer files next to config.json") from None
+    windows = token_windows(tokenizer, text, ctx, max_tokens)
+    kind, ref_path = find_reference(manifest, reference)
+    target = manifest["target"]["name"]
+    if device is None:  # the target's device, else its CPU emulator (xpu: slow; --max-tokens bounds it)
+        from .targets import get_target
+
+        t = get_target(target)
+        device = "cpu" if t.runtime_problem() is not None and getattr(t, "cpu_emulator", False) else None
+    model = load(path, device=device)
+    device = str(next(model.parameters()).device)
+    ref = reference_model(kind, ref_path, device)
+    if progress:
+        print(f"eval {path} ({target} on {device}) vs the {kind} reference {ref_path}: {len(windows)} windows of {ctx} tokens",
+              file=sys.stderr, flush=True)
+    t0, parts = time.perf_counter(), []
+    for i, w in enumerate(windows):
+        parts.append(compare_window(model, ref, w.to(device)))
+        if progress and (i + 1) % 10 == 0:
+            print(f"  {i + 1}/{len(windows)} windows, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    stats = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    half = len(parts) // 2
+    halves = [_ppl(torch.cat([p["nll"] for p in ps])) for ps in (parts[:half], parts[half:]) if ps]
+    result = {
+        "ppl": _ppl(stats["nll"]),
+        "reference": {"kind": kind, "path": str(ref_path), "ppl": _ppl(stats["ref_nll"])},
+        "kld": {"mean": stats["kld"].mean().item(), "p99": torch.quantile(stats["kld"].float(), 0.99).item()},
+        "top1_agree": stats["top1"].double().mean().item(),
+        "tokens": int(stats["nll"].numel()),
+        "target": target,
+        "device": device,
+        "ctx": ctx,
+        "text": {"name": text_name, "sha256": hashlib.sha256(text.encode()).hexdigest(), "windows": len(windows)},
+        "halves_ppl": halves,
+        "s": round(time.perf_counter() - t0, 1),
+    }
+    result["ppl_ratio"] = result["ppl"] / result["reference"]["ppl"]
+    if store:
+        key = f"{result['text']['sha256'][:12]}-ctx{ctx}-{result['tokens']}"
+        stored = {k: v for k, v in result.items() if k != "device"}
+        stored["reference"] = {k: v for k, v in result["reference"].items() if k != "path"}  # no machine paths in the manifest
+        republish(path, path, None, [], {"eval": dict(manifest.get("eval", {}), **{key: stored})})
+    return result
+
+
+def _ppl(nll: torch.Tensor) -> float:
+    return float(torch.exp(nll.double().mean()))
