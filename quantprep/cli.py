@@ -36,7 +36,9 @@ def cmd_build(args) -> int:
     for t in targets:
         get_target(t)  # unknown names and output dirs that must not be replaced fail before quantizing
         check_out_dir(out_root / t, user_source, args.force)
-    gptq_dir, identity = resolve_source(recipe, args.source)
+    gptq_dir, identity = resolve_source(recipe, args.source, args.quantize_device)
+    if on := identity.get("quantized_on"):
+        print(f"GPTQ checkpoint {gptq_dir} (quantized by gptqmodel on {on})", file=sys.stderr)
     serving = {"shapes": recipe.warm_shapes, "compile": recipe.warm_compile, "aot": recipe.warm_aot}
     results = build_artifacts(gptq_dir, identity, targets, lambda t: out_root / t, recipe.act_dtype,
                               progress=not args.json, serving=serving, warm_here=args.warm and recipe.warm_enabled,
@@ -288,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="warm each artifact whose device is present (see `warm`; default: on)")
     b.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
                    help="prepack q/k/v and gate/up as one matmul where their act-order matches (default: on)")
+    b.add_argument("--quantize-device", choices=["auto", "cpu", "cuda", "xpu"], default="auto",
+                   help="where gptqmodel quantizes a float source (auto: cuda, else xpu, else cpu); recorded in the manifest")
     b.add_argument("--force", action="store_true", help="replace an output dir that is not an artifact (never the source)")
     b.add_argument("--json", action="store_true", help="print a JSON summary")
     b.set_defaults(func=cmd_build)

