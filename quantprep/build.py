@@ -45,7 +45,8 @@ def quant_key(recipe: Recipe, source_sha256: str, texts: list[str]) -> str:
     spec = {"source_sha256": source_sha256, "calibration_sha256": hashlib.sha256("\0".join(texts).encode()).hexdigest(),
             "gptqmodel": importlib.metadata.version("gptqmodel") if importlib.util.find_spec("gptqmodel") else None,
             "bits": recipe.bits, "group_size": recipe.group_size, "desc_act": recipe.desc_act, "sym": recipe.sym,
-            "calibration": recipe.calibration, "samples": recipe.samples, "seed": recipe.seed}
+            "calibration": recipe.calibration, "samples": recipe.samples, "seed": recipe.seed,
+            **({"seq_len": recipe.seq_len} if recipe.seq_len is not None else {})}  # older keys unchanged
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -62,18 +63,17 @@ def _quantize(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: st
 
 
 def _quantize_cached(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: str, device: str) -> Path:
-    from .quantize import builtin_calibration, quantize_device, quantize_gptq
+    from .quantize import calibration_texts, quantize_device, quantize_gptq
 
-    if recipe.calibration != "builtin":
-        raise RecipeError(f"{recipe.path}: quantize.calibration {recipe.calibration!r} is not supported (use 'builtin')")
-    texts = builtin_calibration(recipe.samples)
+    texts = calibration_texts(recipe.calibration, recipe.samples, recipe.seq_len, float_dir)
     out = cache_dir() / "gptq" / f"{recipe.name}-{quant_key(recipe, source_sha256, texts)}"
     if (out / "quantize_config.json").is_file():
         print(f"using cached GPTQ checkpoint {out}", file=sys.stderr)
         return out
     device = quantize_device(device)
     print(f"quantize {source_id} -> {out} (gptqmodel on {device}, {recipe.bits}-bit, group {recipe.group_size}, "
-          f"desc_act={recipe.desc_act}, sym={recipe.sym}, {recipe.samples} texts, seed {recipe.seed})", file=sys.stderr, flush=True)
+          f"desc_act={recipe.desc_act}, sym={recipe.sym}, {recipe.samples} samples of {Path(recipe.calibration).name}"
+          f"{f' x {recipe.seq_len} tokens' if recipe.seq_len else ''}, seed {recipe.seed})", file=sys.stderr, flush=True)
     # gptqmodel logs to stdout; keep stdout for our results (--json).
     with contextlib.redirect_stdout(sys.stderr):
         return quantize_gptq(float_dir, out, recipe.bits, recipe.group_size, recipe.desc_act, recipe.sym, texts, recipe.seed,

@@ -30,6 +30,14 @@ def cmd_build(args) -> int:
     from .targets import get_target
 
     recipe = find_recipe(args.recipe, args.recipes)
+    overrides = {k: v for k, v in (("calibration", args.calibration), ("samples", args.samples), ("seq_len", args.seq_len))
+                 if v is not None}
+    if overrides:
+        import dataclasses
+
+        if "calibration" in overrides and overrides["calibration"].endswith((".txt", ".jsonl")):
+            overrides["calibration"] = str(Path(overrides["calibration"]).absolute())
+        recipe = dataclasses.replace(recipe, **overrides)
     targets = args.target or recipe.targets
     out_root = Path(args.out) if args.out else DEFAULT_OUT / recipe.name
     user_source = Path(args.source) if args.source and Path(args.source).exists() else None
@@ -290,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="warm each artifact whose device is present (see `warm`; default: on)")
     b.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
                    help="prepack q/k/v and gate/up as one matmul where their act-order matches (default: on)")
+    b.add_argument("--calibration", metavar="SPEC", help="builtin, a .txt/.jsonl file or a dataset id from the local datasets "
+                                                         "cache (default: the recipe's)")
+    b.add_argument("--samples", type=int, help="calibration samples (default: the recipe's)")
+    b.add_argument("--seq-len", type=int, help="cut the calibration text into windows of this many tokens (default: the recipe's)")
     b.add_argument("--quantize-device", choices=["auto", "cpu", "cuda", "xpu"], default="auto",
                    help="where gptqmodel quantizes a float source (auto: cuda, else xpu, else cpu); recorded in the manifest")
     b.add_argument("--force", action="store_true", help="replace an output dir that is not an artifact (never the source)")

@@ -23,8 +23,67 @@ CALIBRATION_FILE = Path(__file__).with_name("calibration.txt")
 
 def builtin_calibration(samples: int) -> list[str]:
     """Texts shipped with quantprep: available offline on every machine, identical everywhere."""
-    texts = [t.strip() for t in CALIBRATION_FILE.read_text().split("\n\n") if t.strip()]
+    texts = _builtin_texts()
     return [texts[i % len(texts)] for i in range(samples)]
+
+
+def calibration_texts(spec: str, samples: int, seq_len: int | None = None, tokenizer_dir: Path | None = None) -> list[str]:
+    """The calibration samples. spec: "builtin" (texts shipped with quantprep), a .txt file
+    (paragraphs split at blank lines), a .jsonl file (a "text" field per line) or a dataset id
+    read from the datasets library's local cache ("text" column of its train split). With
+    seq_len, the text is tokenized (tokenizer_dir's tokenizer) and cut into consecutive windows of
+    exactly seq_len tokens, GPTQ's usual sampling made deterministic; else each paragraph or
+    record is one sample."""
+    if spec == "builtin":
+        texts = builtin_calibration(samples) if seq_len is None else builtin_calibration(len(_builtin_texts()))
+    elif spec.endswith((".txt", ".jsonl")):
+        path = Path(spec)
+        try:
+            raw = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise SourceError(f"calibration {path}: cannot read it as UTF-8 text ({e.__class__.__name__})") from None
+        if spec.endswith(".txt"):
+            texts = [t.strip() for t in raw.split("\n\n") if t.strip()]
+        else:
+            try:
+                texts = [str(json.loads(line)["text"]) for line in raw.splitlines() if line.strip()]
+            except (ValueError, KeyError, TypeError):
+                raise SourceError(f"calibration {path}: every line must be a JSON object with a \"text\" field") from None
+    else:
+        texts = _dataset_texts(spec)
+    if seq_len is not None:
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(tokenizer_dir)("\n\n".join(texts), add_special_tokens=False)["input_ids"]
+        if len(ids) < samples * seq_len:
+            raise SourceError(f"calibration {spec}: {len(ids)} tokens, enough for {len(ids) // seq_len} samples of {seq_len}; "
+                              f"lower samples or seq_len, or give more text")
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        return [tok.decode(ids[i * seq_len:(i + 1) * seq_len]) for i in range(samples)]
+    if spec != "builtin" and len(texts) < samples:
+        raise SourceError(f"calibration {spec}: {len(texts)} texts for {samples} samples; lower samples, or set seq_len to cut "
+                          "the text into windows")
+    return texts[:samples]
+
+
+def _builtin_texts() -> list[str]:
+    return [t.strip() for t in CALIBRATION_FILE.read_text().split("\n\n") if t.strip()]
+
+
+def _dataset_texts(name: str) -> list[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise SourceError(f"calibration {name!r}: a dataset id needs the datasets library (pip install datasets), "
+                          "or pass builtin or a .txt/.jsonl file") from None
+    try:
+        ds = datasets.load_dataset(name, split="train")
+    except Exception as e:  # offline without a cached copy, an unknown id: datasets raises several kinds
+        raise SourceError(f"calibration {name!r}: not a dataset in the local datasets cache ({type(e).__name__}); "
+                          "pass builtin or a .txt/.jsonl file") from None
+    if "text" not in ds.column_names:
+        raise SourceError(f"calibration {name!r}: the dataset has no \"text\" column (it has {', '.join(ds.column_names)})")
+    return [t for t in ds["text"] if t and t.strip()]
 
 
 def find_gguf(package: str, gguf_file: str | None) -> Path:

@@ -24,7 +24,7 @@ SCHEMA: dict[str, dict[str, type | tuple]] = {
     "source": {"gguf_package": str, "gguf_file": str, "gguf_parts": list, "gguf_sha256": str, "hub": str, "revision": str,
                "path": str},
     "quantize": {"bits": int, "group_size": int, "desc_act": bool, "sym": bool, "calibration": str,
-                 "samples": int, "seed": int},
+                 "samples": int, "seq_len": int, "seed": int},
     "build": {"targets": list, "act_dtype": str, "prompt": str, "max_new_tokens": int},
     "warm": {"shapes": list, "compile": bool, "aot": bool, "enabled": bool},
 }
@@ -41,6 +41,7 @@ class Recipe:
     sym: bool = True
     calibration: str = "builtin"
     samples: int = 17
+    seq_len: int | None = None  # calibration windows of exactly this many tokens; None: one text per sample
     seed: int = 0
     targets: list[str] = field(default_factory=lambda: ["cpu"])
     act_dtype: str | None = None
@@ -91,6 +92,10 @@ def parse_recipe(path: Path) -> Recipe:
     q, b, w = data.get("quantize", {}), data.get("build", {}), data.get("warm", {})
     r = Recipe(name=data.get("name", path.stem), description=data.get("description", ""), source=src,
                path=path, **q, **b, **{f"warm_{k}": v for k, v in w.items()})
+    if r.calibration.endswith((".txt", ".jsonl")) and not Path(r.calibration).is_absolute():
+        r.calibration = str((path.parent / r.calibration).resolve())  # relative to the recipe file
+    if r.samples < 1 or (r.seq_len is not None and r.seq_len < 1):
+        raise RecipeError(f"{where}: quantize.samples and quantize.seq_len must be positive")
     if r.bits not in SUPPORTED_BITS:
         raise RecipeError(f"{where}: quantize.bits must be one of {SUPPORTED_BITS}, got {r.bits}")
     if r.group_size not in (-1, 32, 64, 128):

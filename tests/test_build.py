@@ -5,6 +5,7 @@ import dataclasses
 import shutil
 
 import pytest
+from conftest import CALIB
 from safetensors.torch import load_file, save_file
 
 from quantprep.build import quant_key, sha256_of
@@ -122,3 +123,40 @@ def test_quantize_device_is_one_that_is_present():
     if not torch.xpu.is_available():
         with pytest.raises(SourceError, match="no xpu device here"):
             quantize_device("xpu")
+
+
+def test_calibration_sources(tiny_float, tmp_path):
+    """builtin, a .txt file (paragraphs), a .jsonl file, windows of seq_len tokens; too little text is one line."""
+    import json
+
+    from quantprep.errors import SourceError
+    from quantprep.quantize import calibration_texts
+
+    paragraphs = [p.strip() for p in CALIB.split("\n\n") if p.strip()]
+    assert calibration_texts("builtin", 17) == paragraphs[:17] == builtin_calibration(17)
+    txt = tmp_path / "c.txt"
+    txt.write_text("\n\n".join(paragraphs))
+    assert calibration_texts(str(txt), 5) == paragraphs[:5]
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
+    assert calibration_texts(str(jsonl), 3) == paragraphs[:3]
+    windows = calibration_texts(str(txt), 6, seq_len=20, tokenizer_dir=tiny_float)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_float)
+    assert len(windows) == 6 and all(len(tok(w, add_special_tokens=False)["input_ids"]) == 20 for w in windows)
+    with pytest.raises(SourceError, match="lower samples"):
+        calibration_texts(str(txt), len(paragraphs) + 1)
+    with pytest.raises(SourceError, match="enough for"):
+        calibration_texts(str(txt), 10_000, seq_len=512, tokenizer_dir=tiny_float)
+    (tmp_path / "bad.jsonl").write_text('{"no_text": 1}\n')
+    with pytest.raises(SourceError, match='"text" field'):
+        calibration_texts(str(tmp_path / "bad.jsonl"), 1)
+
+
+def test_a_recipe_calibration_file_is_relative_to_the_recipe(tmp_path):
+    from quantprep.recipes import parse_recipe
+
+    (tmp_path / "r.toml").write_text('[source]\npath = "x"\n[quantize]\ncalibration = "texts/c.txt"\nsamples = 64\nseq_len = 256\n')
+    r = parse_recipe(tmp_path / "r.toml")
+    assert r.calibration == str((tmp_path / "texts" / "c.txt").resolve()) and (r.samples, r.seq_len) == (64, 256)
