@@ -178,3 +178,41 @@ def copy_of(tmp_path):
         shutil.copytree(art, dest)
         return dest
     return make
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(argv: list[str], probe_url: str, what: str, timeout: float = 60, **popen):
+    """Start a server process and wait (bounded) until `probe_url` answers anything; returns a stop()."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **popen)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(probe_url, timeout=1)
+            break
+        except urllib.error.HTTPError:  # it answers (401 with auth, 404)
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"{what} did not start: {proc.stderr.read().decode()[-500:]}")
+            time.sleep(0.1)
+
+    def stop():
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+    return stop

@@ -7,15 +7,13 @@ quantprep runs here in fresh processes, as a user runs it."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port, serve
 from hub_standin import HubStandIn, git, lfs_path
 from test_publish import _keypair, _leftovers, built  # noqa: F401  (a fixture)
 
@@ -38,35 +36,13 @@ def _olah(tmp_path: Path, mirrors: Path):
         if os.environ.get("CI") == "true":
             pytest.fail("olah missing: `make setup` installs the test extras")
         pytest.skip("olah missing (pip install olah)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     home = tmp_path / "olah"
     home.mkdir(exist_ok=True)
     (home / "olah.toml").write_text(f'[basic]\nhost = "127.0.0.1"\nport = {port}\nrepos-path = "{home / "repos"}"\n'
                                     f'mirrors-path = ["{mirrors}"]\nmetadata-cache-ttl = 0\n[accessibility]\noffline = true\n')
-    proc = subprocess.Popen([sys.executable, "-m", "olah.server", "-c", "olah.toml"], cwd=home,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/api/whoami-v2", timeout=1)
-            break
-        except urllib.error.HTTPError:  # it answers
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"olah did not start: {proc.stderr.read().decode()[-500:]}")
-            time.sleep(0.2)
-
-    def stop():
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
+    url = f"http://127.0.0.1:{port}"
+    stop = serve([sys.executable, "-m", "olah.server", "-c", "olah.toml"], f"{url}/api/whoami-v2", "olah", cwd=home)
     return url, stop
 
 

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import free_port, serve
 
 import quantprep
 from quantprep.artifact import MANIFEST
@@ -214,43 +215,20 @@ def registry(tmp_path):
 
 
 def _registry(tmp_path, auth: str = ""):
-    import socket
-    import subprocess
-    import time
-    import urllib.request
-
     if not os.path.exists(REGISTRY_BIN):
         if os.environ.get("CI") == "true":
             pytest.fail(f"{REGISTRY_BIN} missing: `make setup` installs Debian's docker-registry when run as root")
         pytest.skip(f"{REGISTRY_BIN} missing (apt-get install docker-registry)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     storage = tmp_path / "registry-storage"
     config = tmp_path / "registry.yml"
     config.write_text(f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {storage}\n"
                       f"  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:{port}\n{auth.format(port=port)}")
-    proc = subprocess.Popen([REGISTRY_BIN, "serve", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=1)
-            break
-        except urllib.error.HTTPError:  # it answers (401 with auth)
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"the registry did not start: {proc.stderr.read().decode()[-500:]}")
-            time.sleep(0.1)
+    stop = serve([REGISTRY_BIN, "serve", str(config)], f"http://127.0.0.1:{port}/v2/", "the registry", timeout=20)
     try:
         yield f"127.0.0.1:{port}", storage
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop()
 
 
 def test_oci_publish_and_pull_through_a_real_registry(built, cache, registry, tmp_path):
