@@ -114,7 +114,7 @@ def resolve_source(recipe: Recipe, source: str | None, quantize_device: str = "a
         gguf = find_gguf(src["gguf_package"], src.get("gguf_file"))
         source_id, gguf_sha256 = f"{src['gguf_package']}:{gguf.name}", sha256_of(gguf)
     with contextlib.redirect_stdout(sys.stderr):
-        float_dir = export_gguf(gguf, cache_dir() / "float" / f"{recipe.name}-{gguf_sha256[:16]}")
+        float_dir = export_gguf(gguf, cache_dir() / "float" / f"gguf-{gguf_sha256[:16]}")  # one per GGUF, whatever the recipe
     gptq, how = _quantize(recipe, float_dir, source_id, gguf_sha256, dev)
     return gptq, {"id": source_id, "gguf_sha256": gguf_sha256, **how}
 

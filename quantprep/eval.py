@@ -85,7 +85,7 @@ def find_reference(manifest: dict, reference: str | os.PathLike | None = None) -
         return ("dequantized" if is_gptq_dir(path) else "float"), path
     source = manifest["source"]
     if sha := source.get("gguf_sha256"):  # the build dequantized a GGUF file into its cache
-        found = sorted((cache_dir() / "float").glob(f"*-{sha[:16]}"))
+        found = sorted((cache_dir() / "float").glob(f"*{sha[:16]}"))
         if found and (found[0] / "config.json").is_file():
             return "float", found[0]
     if "id" in source and "/" in source["id"]:  # a hub model, from the local Hugging Face cache
