@@ -166,6 +166,11 @@ def cmd_eval(args) -> int:
 
     r = evaluate(args.dir, reference=args.reference, text_file=args.text, dataset=args.dataset, ctx=args.ctx,
                  max_tokens=args.max_tokens, device=args.device, store=args.store, progress=not args.json)
+    if args.plot:
+        from .eval import plot
+
+        plot(r, Path(args.dir), args.plot)
+    r.pop("kld_values")
     note = " (a dequantized reference: this measures the kernels' error only)" if r["reference"]["kind"] == "dequantized" else ""
     halves = " / ".join(f"{x:.4f}" for x in r["halves_ppl"])
     _print_json_or(args, r, f"{args.dir} ({r['target']} on {r['device']}): {_eval_line(r)}{note}\n"
@@ -341,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--device", help="default: the target's device (xpu: its CPU emulator when no card)")
     ev.add_argument("--store", action=argparse.BooleanOptionalAction, default=True,
                     help="record the result in the artifact's manifest (default: on)")
+    ev.add_argument("--plot", metavar="FILE.png", help="draw perplexity per target and the KL divergence distribution")
     ev.add_argument("--json", action="store_true")
     ev.set_defaults(func=cmd_eval)
 

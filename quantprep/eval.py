@@ -211,12 +211,62 @@ def evaluate(path: str | os.PathLike, reference: str | os.PathLike | None = None
         "s": round(time.perf_counter() - t0, 1),
     }
     result["ppl_ratio"] = result["ppl"] / result["reference"]["ppl"]
+    result["kld_values"] = stats["kld"]  # for plot(); not stored, not printed
     if store:
-        key = f"{result['text']['sha256'][:12]}-ctx{ctx}-{result['tokens']}"
-        stored = {k: v for k, v in result.items() if k != "device"}
+        key = stored_key(result)
+        stored = {k: v for k, v in result.items() if k not in ("device", "kld_values")}
         stored["reference"] = {k: v for k, v in result["reference"].items() if k != "path"}  # no machine paths in the manifest
         republish(path, path, None, [], {"eval": dict(manifest.get("eval", {}), **{key: stored})})
     return result
+
+
+def stored_key(result: dict) -> str:
+    return f"{result['text']['sha256'][:12]}-ctx{result['ctx']}-{result['tokens']}"
+
+
+def plot(result: dict, path: Path, out: str | os.PathLike) -> None:
+    """Left: perplexity per target (this artifact and sibling artifacts of the same build that hold
+    a result for the same text, ctx and tokens) against the reference's. Right: the distribution
+    of the per-token KL divergence of this run."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise QuantprepError("--plot needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .artifact import read_manifest
+
+    key, ppl = stored_key(result), {result["target"]: result["ppl"]}
+    for sibling in sorted(Path(path).absolute().parent.iterdir()):
+        try:
+            if (e := read_manifest(sibling).get("eval", {}).get(key)) and e["target"] not in ppl:
+                ppl[e["target"]] = e["ppl"]
+        except QuantprepError:
+            continue
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    names = [f"reference\n({result['reference']['kind']})", *ppl]
+    values = [result["reference"]["ppl"], *ppl.values()]
+    bars = a.bar(names, values, color=["0.6"] + ["C0"] * len(ppl))
+    a.bar_label(bars, fmt="%.3f")
+    a.set_ylabel("perplexity")
+    a.set_ylim(0, max(values) * 1.15)
+    a.set_title(f"{result['tokens']} tokens of {result['text']['name']}, ctx {result['ctx']}")
+    kld = result["kld_values"].clamp_min(1e-8).float().numpy()
+    import numpy as np
+
+    b.hist(kld, bins=np.logspace(-8, max(1, float(np.log10(kld.max())) + 0.1), 60), color="C1")
+    b.set_xscale("log")
+    for q, style in ((result["kld"]["mean"], "-"), (result["kld"]["p99"], "--")):
+        b.axvline(q, color="k", linestyle=style, linewidth=1)
+    b.set_xlabel("KL divergence per token vs the reference (nats)")
+    b.set_ylabel("tokens")
+    b.set_title(f"{result['target']}: KLD mean {result['kld']['mean']:.3g} (solid), p99 {result['kld']['p99']:.3g} (dashed), "
+                f"top-1 {100 * result['top1_agree']:.1f}%", fontsize=9)
+    fig.suptitle(str(path), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
 
 
 def _ppl(nll: torch.Tensor) -> float:

@@ -83,8 +83,10 @@ def test_the_reference_is_found_in_the_build_cache(tiny_art, tiny_gptq4, text, t
 def test_the_result_is_stored_and_shown(tiny_art, tiny_float, text, tmp_path, capsys):
     art = tmp_path / "art"
     shutil.copytree(tiny_art, art)
-    assert main(["eval", str(art), "--reference", str(tiny_float), "--text", str(text), "--ctx", str(CTX), "--json"]) == 0
+    assert main(["eval", str(art), "--reference", str(tiny_float), "--text", str(text), "--ctx", str(CTX), "--json",
+                 "--plot", str(tmp_path / "eval.png")]) == 0
     r = json.loads(capsys.readouterr().out)
+    assert (tmp_path / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "kld_values" not in r
     m = read_checked(art, full_hash=True)  # republished whole: every hash still checks
     [stored] = m["eval"].values()
     assert stored["ppl"] == r["ppl"] and stored["kld"] == r["kld"] and "path" not in stored["reference"]
