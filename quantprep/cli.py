@@ -384,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     pb.add_argument("dirs", nargs="+", metavar="DIR")
     pb.add_argument("--to", required=True, metavar="REF")
     pb.add_argument("--dry-run", action="store_true", help="print what would be published; write nothing")
-    pb.add_argument("--sign-key", metavar="KEY", help="sign each variant with this PEM private key (model_signing)")
+    pb.add_argument("--sign-key", metavar="KEY", help="sign each variant with this PEM private key, or `sigstore` "
+                                                      "(keyless, the CI's OIDC identity) (model_signing)")
     pb.add_argument("--plain-http", action="store_true", help="speak plain HTTP to an OCI registry (loopback ones always do)")
     pb.add_argument("--tag", help="hf:// only: the release tag (default quantprep-<index digest>)")
     pb.add_argument("--json", action="store_true")
@@ -395,14 +396,17 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--out", help="default: the local cache (~/.cache/quantprep/pulled, or QUANTPREP_PULL_CACHE)")
     pl.add_argument("--target", choices=["cpu", "xpu", "cuda"], help="take this target's variant whatever this machine has")
     pl.add_argument("--plain-http", action="store_true", help="speak plain HTTP to an OCI registry (loopback ones always do)")
-    pl.add_argument("--verify-key", metavar="PUB", help="refuse unless signed and verified with this PEM public key "
-                                                        "(default: QUANTPREP_VERIFY_KEY); a verified signature makes its kcache trusted")
+    pl.add_argument("--verify-key", metavar="PUB", help="refuse unless signed and verified with this PEM public key, or "
+                                                        "sigstore:IDENTITY (keyless; issuer QUANTPREP_VERIFY_ISSUER, default GitHub "
+                                                        "Actions') (default: QUANTPREP_VERIFY_KEY); a verified signature makes "
+                                                        "its kcache trusted")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_pull)
 
     sg = sub.add_parser("sign", help="sign every file of an artifact (model_signing, key mode): writes DIR/model.sig")
     sg.add_argument("dir")
-    sg.add_argument("--key", required=True, help="PEM elliptic-curve private key")
+    sg.add_argument("--key", required=True, help="PEM elliptic-curve private key, or `sigstore` (keyless: the OIDC identity "
+                                                 "at hand, e.g. a CI workflow's; needs network)")
     sg.set_defaults(func=cmd_sign)
 
     g = sub.add_parser("generate", help="load an artifact and generate a greedy completion")

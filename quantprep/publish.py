@@ -90,7 +90,7 @@ def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False, sign_
         {"name": name, "target": m["target"]["name"], "device": m["target"]["device"], "compat": m["compat"],
          "manifest_sha256": hashlib.sha256((d / MANIFEST).read_bytes()).hexdigest(),
          "kcache_key": m.get("kcache", {}).get("key")} for d, m, name in variants]}
-    if sign_key is not None and not Path(sign_key).is_file():
+    if sign_key is not None and str(sign_key) != "sigstore" and not Path(sign_key).is_file():
         raise QuantprepError(f"{sign_key}: no such key file; pass a PEM elliptic-curve private key")
     plan = {"to": to if remote else str(dest), "variants": [{"name": n, "from": str(d), "files": len(_files(m)), "bytes": sum(f["size"] for f in _files(m).values())}
                                           for d, m, n in variants]}

@@ -1,8 +1,14 @@
 """Artifact signatures with OpenSSF's model_signing: a signed in-toto statement of every file's
-sha256, in `DIR/model.sig` beside the files it covers (key mode: an elliptic-curve PEM key pair,
-offline). A signature that verifies against a key the user configured is what lets a pulled
-artifact's kcache run (kcache.trust_reason). model_signing is optional: `pip install
-quantprep[publish]`; it needs pyopenssl, which it does not declare.
+sha256, in `DIR/model.sig` beside the files it covers. A signature that verifies against a key the
+user configured is what lets a pulled artifact's kcache run (kcache.trust_reason). model_signing
+is optional: `pip install quantprep[publish]`; it needs pyopenssl, which it does not declare.
+
+Two modes. Key mode (offline): an elliptic-curve PEM key pair; the key is a file path. Sigstore
+keyless: signing key "sigstore" (a short-lived certificate for the OIDC identity at hand, such as
+a GitHub Actions workflow with `id-token: write`); verifying key "sigstore:IDENTITY" (the
+certificate's identity, e.g. the workflow's URL), with the issuer from QUANTPREP_VERIFY_ISSUER
+(default GitHub Actions'). Keyless needs Sigstore's public services (Fulcio, Rekor, its TUF root):
+it cannot run, nor be tested, offline.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ from .artifact import SIGNATURE
 from .errors import ArtifactError, QuantprepError
 
 VERIFY_KEY_ENV = "QUANTPREP_VERIFY_KEY"
+VERIFY_ISSUER_ENV = "QUANTPREP_VERIFY_ISSUER"
+GITHUB_ISSUER = "https://token.actions.githubusercontent.com"
+SIGSTORE = "sigstore"
 
 
 def _model_signing():
@@ -32,8 +41,19 @@ def _hashing(path: Path):
 
 
 def sign(path: str | os.PathLike, key: str | os.PathLike) -> Path:
-    """Sign every file of the artifact at `path` with the private key `key`; writes path/model.sig."""
-    path, key = Path(path), Path(key)
+    """Sign every file of the artifact at `path` with the private key `key` (or "sigstore":
+    keyless, ambient OIDC credentials); writes path/model.sig."""
+    path = Path(path)
+    if str(key) == SIGSTORE:
+        _, signing, _ = _model_signing()
+        try:
+            signing.Config().use_sigstore_signer(use_ambient_credentials=True).set_hashing_config(_hashing(path)).sign(
+                path, path / SIGNATURE)
+        except Exception as e:  # no OIDC identity, Sigstore unreachable: model_signing and sigstore raise many kinds
+            raise QuantprepError(f"{path}: Sigstore keyless signing failed ({type(e).__name__}: {' '.join(str(e).split())[:160]}); "
+                                 "it needs an OIDC identity (CI: permissions id-token: write) and network access") from None
+        return path / SIGNATURE
+    key = Path(key)
     if not key.is_file():
         raise QuantprepError(f"{key}: no such key file; pass a PEM elliptic-curve private key (openssl ecparam -genkey)")
     _, signing, _ = _model_signing()
@@ -44,23 +64,33 @@ def sign(path: str | os.PathLike, key: str | os.PathLike) -> Path:
     return path / SIGNATURE
 
 
-def configured_key(key: str | os.PathLike | None = None) -> Path | None:
-    """The verify key: the one given, else QUANTPREP_VERIFY_KEY, else None."""
+def configured_key(key: str | os.PathLike | None = None) -> str | None:
+    """The verify key: the one given, else QUANTPREP_VERIFY_KEY, else None. A PEM public key's
+    path, or "sigstore:IDENTITY"."""
     key = key or os.environ.get(VERIFY_KEY_ENV)
-    return Path(key) if key else None
+    return str(key) if key else None
 
 
 def verify(path: str | os.PathLike, key: str | os.PathLike) -> None:
     """Refuse (one line) an artifact that is unsigned, or whose signature does not verify with the
-    public key `key` against the files as they are now."""
-    path, key = Path(path), Path(key)
-    if not key.is_file():
+    public key `key` (or the Sigstore identity of "sigstore:IDENTITY") against the files as they are now."""
+    path = Path(path)
+    sigstore = str(key).startswith(f"{SIGSTORE}:")
+    if sigstore and not str(key)[len(SIGSTORE) + 1:]:
+        raise QuantprepError(f"{key}: name the signer's identity after sigstore: (e.g. the signing workflow's URL)")
+    if not sigstore and not Path(key).is_file():
         raise QuantprepError(f"{key}: no such public key file; pass the PEM public key the artifact was signed for")
     if not (path / SIGNATURE).is_file():
         raise ArtifactError(f"{path}: unsigned (no {SIGNATURE}), and a verify key is configured ({key}); refusing it")
     _, _, verifying = _model_signing()
     try:
-        verifying.Config().use_elliptic_key_verifier(public_key=key).set_hashing_config(_hashing(path)).verify(path, path / SIGNATURE)
+        config = verifying.Config()
+        if sigstore:  # fetches Sigstore's trust root (TUF) first: offline, that fails and refuses
+            config.use_sigstore_verifier(identity=str(key)[len(SIGSTORE) + 1:],
+                                         oidc_issuer=os.environ.get(VERIFY_ISSUER_ENV, GITHUB_ISSUER))
+        else:
+            config.use_elliptic_key_verifier(public_key=Path(key))
+        config.set_hashing_config(_hashing(path)).verify(path, path / SIGNATURE)
     except Exception as e:  # model_signing raises ValueError and its dependencies' own errors
         reason = " ".join(str(e).split())[:200]
         raise ArtifactError(f"{path}: the signature does not verify with {key} ({reason}); refusing it") from None

@@ -325,3 +325,27 @@ def test_a_full_disk_mid_pull_is_one_line_and_leaves_nothing(built, tmp_path):
     assert proc.returncode == 2 and len(err) == 1 and "free space" in err[0], proc.stderr[-2000:]
     assert not (tmp_path / "got").exists()
     assert not [p for p in tmp_path.glob(".got*") if not p.name.endswith(".lock")]
+
+
+def test_sigstore_keyless_offline_is_one_line(built, cache, tmp_path, capsys, monkeypatch):
+    """Keyless signing and verification need Sigstore's services, which no test here can reach: what
+    is checked is that they fail in one line and refuse, never pass. A key-signed variant is not a
+    Sigstore bundle: verifying it against an identity refuses it."""
+    key, _ = _keypair(tmp_path / "keys")
+    art = tmp_path / "to-sign"
+    shutil.copytree(built / "cpu", art)
+    monkeypatch.setenv("NO_PROXY", "*")
+    for var in ("ACTIONS_ID_TOKEN_REQUEST_URL", "ACTIONS_ID_TOKEN_REQUEST_TOKEN", "SIGSTORE_ID_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["sign", str(art), "--key", "sigstore"]) == 2  # no OIDC identity here
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Sigstore keyless signing failed" in err[0], err
+    assert not (art / "model.sig").exists()
+    assert main(["sign", str(art), "--key", str(key)]) == 0
+    publish([art], str(tmp_path / "ref"))
+    for spec, needle in (("sigstore:", "name the signer's identity"),
+                         ("sigstore:https://github.com/org/repo/.github/workflows/artifacts.yml@refs/tags/v1", "does not verify")):
+        assert main(["pull", str(tmp_path / "ref"), "--out", str(tmp_path / "x"), "--verify-key", spec]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], (spec, err)
+        assert not (tmp_path / "x").exists()
