@@ -245,6 +245,18 @@ def calibration(*runs: dict) -> str:
     return "\n".join(out)
 
 
+def eval_results(*runs: dict) -> str:
+    """quantprep eval of real-weight artifacts, one row per result file (benchmarks/results/eval-*.json)."""
+    out = ["| model | target (device) | calibration | ppl | float ppl | ratio (goal <= 1.05) | KLD mean (goal <= 0.05) | KLD p99 "
+           "| top-1 | scored tokens | machine, date |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        e = r["eval"]
+        out.append(f"| {r['model']} | {e['target']} ({e['device']}) | {r['calibration']} | {e['ppl']:.3f} | {e['reference']['ppl']:.3f} "
+                   f"| {e['ppl_ratio']:.4f} | {e['kld']['mean']:.4f} | {e['kld']['p99']:.3f} | {100 * e['top1_agree']:.1f}% "
+                   f"| {e['tokens']} | {r['machine']}, {r['date'][:10]} |")
+    return "\n".join(out)
+
+
 GEMM_SHAPES = ("q_proj", "qkv_fused", "gate_up_fused", "down_proj")
 
 
@@ -295,6 +307,7 @@ RENDERERS = {
     "bucketing": bucketing,
     "pull": pull_times,
     "calibration": calibration,
+    "eval": eval_results,
 }
 
 
