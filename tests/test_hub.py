@@ -54,8 +54,10 @@ def olah(tmp_path, hub):
 
 
 def _env(tmp_path, endpoint, **extra):
+    # `make test` exports HF_HUB_OFFLINE=1 (nothing else may reach the network): these servers are local.
     return {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_XET": "1",
-            "QUANTPREP_PULL_CACHE": str(tmp_path / "cache"), "HF_HUB_DISABLE_PROGRESS_BARS": "1", **extra}
+            "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "QUANTPREP_PULL_CACHE": str(tmp_path / "cache"),
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1", **extra}
 
 
 def qp(env, *args, timeout=180):
