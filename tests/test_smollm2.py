@@ -12,8 +12,9 @@ Bounds, measured when set (2026-11-22, 2-core AMD EPYC, AVX2): teacher-forced, G
 is quantprep's top-1 at 32 of 32 positions (bounds: all within GREEDY_MARGIN = 1.0 logit, >= 29
 exactly); top-1 agreement with GPTQModel over every position 0.944, rel 3.4e-2 (bound >= 0.85).
 With the act-order gather skipped (a real layout error) the margins are 3.6-31 logits and the
-top-1 agreement 0: the test fails. bf16 logits vs dense float32 (2026-11-21): rel 2.0e-2, top-1
-0.986 (bound: rel < 6e-2, top-1 >= 0.9); float32 artifact vs dense: rel 2e-6 (bound 1e-4).
+top-1 agreement 0: the test fails. bf16 logits vs dense float32 on the chat prompt + 64 tokens of
+the held-out text (2026-11-23, 2-core AVX2): rel 2.2e-2, top-1 0.942 (bound: rel < 6e-2, top-1 >=
+0.9); float32 artifact vs dense: rel 2.8e-6 (bound 1e-4).
 """
 
 import json
@@ -82,7 +83,14 @@ def test_greedy_matches_gptqmodel_teacher_forced(smollm2, tmp_path):
 
 def test_logits_vs_dense(smollm2):
     gptq_dir, art, art32 = smollm2
-    ids = torch.cat([_prompt_ids(art), torch.randint(0, 49152, (1, 32))], dim=1)  # real text + fresh random tokens
+    from transformers import AutoTokenizer
+
+    from quantprep.eval import HELDOUT_FILE
+
+    # Real text only: after random tokens the next-token distributions are near-flat, so bf16 rounding
+    # flips their argmax by chance (unseeded random tokens gave top-1 0.889 once on a 2-core AVX2 run).
+    text = AutoTokenizer.from_pretrained(art)(HELDOUT_FILE.read_text()[:4000], add_special_tokens=False, return_tensors="pt")
+    ids = torch.cat([_prompt_ids(art), text["input_ids"][:, :64]], dim=1)
     with torch.no_grad():
         dense = dense_reference_model(gptq_dir)(input_ids=ids).logits
         q16 = quantprep.load(art)(input_ids=ids).logits
