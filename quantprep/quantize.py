@@ -35,7 +35,7 @@ def calibration_texts(spec: str, samples: int, seq_len: int | None = None, token
     exactly seq_len tokens, GPTQ's usual sampling made deterministic; else each paragraph or
     record is one sample."""
     if spec == "builtin":
-        texts = builtin_calibration(samples) if seq_len is None else builtin_calibration(len(_builtin_texts()))
+        texts = builtin_calibration(samples) if seq_len is None else _builtin_texts()
     elif spec.endswith((".txt", ".jsonl")):
         path = Path(spec)
         try:
@@ -54,11 +54,11 @@ def calibration_texts(spec: str, samples: int, seq_len: int | None = None, token
     if seq_len is not None:
         from transformers import AutoTokenizer
 
-        ids = AutoTokenizer.from_pretrained(tokenizer_dir)("\n\n".join(texts), add_special_tokens=False)["input_ids"]
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        ids = tok("\n\n".join(texts), add_special_tokens=False)["input_ids"]
         if len(ids) < samples * seq_len:
             raise SourceError(f"calibration {spec}: {len(ids)} tokens, enough for {len(ids) // seq_len} samples of {seq_len}; "
                               f"lower samples or seq_len, or give more text")
-        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
         return [tok.decode(ids[i * seq_len:(i + 1) * seq_len]) for i in range(samples)]
     if spec != "builtin" and len(texts) < samples:
         raise SourceError(f"calibration {spec}: {len(texts)} texts for {samples} samples; lower samples, or set seq_len to cut "
