@@ -12,11 +12,14 @@ For each model, each in a new Python process, medians of --runs runs:
       that is transformers' own start-up, which quantprep cannot avoid while it returns a
       transformers model
 Times run from process spawn (time.time() in the parent) to the first token in the child.
-Models: the real SmolLM2 build (artifacts/.cache, made by `make build`) and a Qwen2.5-1.5B-shaped
-GPTQ checkpoint with random codes (written once under artifacts/.cache/bench). Also reports the
-prepack time of the 1.5B checkpoint (median of 3, in-process).
+Models: the real SmolLM2 build (artifacts/.cache, made by `make build`), a Qwen2.5-1.5B-shaped
+GPTQ checkpoint with random codes (written once under artifacts/.cache/bench; also reports its
+prepack time, median of 3, in-process) and `qwen-coder-1.5b`, the real Qwen2.5-Coder-1.5B build
+(`make real`: artifacts/qwen2.5-coder-1.5b/cpu and the GPTQ checkpoint it was built from).
+`--plot FILE.png` draws the phases (imports, load, first token) per loader as stacked bars.
 
-    python benchmarks/load.py [--runs 3] [--models smollm2,qwen1.5b] [--out benchmarks/results.json]
+    python benchmarks/load.py [--runs 3] [--models smollm2,qwen1.5b,qwen-coder-1.5b] [--out benchmarks/results.json]
+    python benchmarks/load.py --plot benchmarks/results/load.png benchmarks/results/load-cpu-avx2.json
 """
 
 from __future__ import annotations
@@ -116,11 +119,16 @@ def median_runs(code: str, args: list[str], runs: int, cold_inductor: bool = Fal
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"runs": [r["total_s"] for r in rows]}
 
 
-def smollm2_paths() -> tuple[Path, Path]:
-    art = REPO / "artifacts" / "smollm2-135m" / "cpu"
+def built_paths(recipe: str, make: str) -> tuple[Path, Path]:
+    """(the GPTQ checkpoint, the cpu artifact built from it) of a recipe built here."""
+    art = REPO / "artifacts" / recipe / "cpu"
     if not (art / "manifest.json").is_file():
-        sys.exit("run `make build` first: it builds artifacts/smollm2-135m/cpu")
+        sys.exit(f"run `{make}` first: it builds artifacts/{recipe}/cpu")
     return Path(json.loads((art / "manifest.json").read_text())["source"]["gptq_path"]), art
+
+
+def smollm2_paths() -> tuple[Path, Path]:
+    return built_paths("smollm2-135m", "make build")
 
 
 def qwen_paths() -> tuple[Path, Path, list[float]]:
@@ -150,7 +158,11 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--models", default="smollm2,qwen1.5b")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "load-cpu.json"))
+    p.add_argument("--plot", help="draw FILE.png from the result files given as arguments, then stop")
+    p.add_argument("results", nargs="*")
     args = p.parse_args()
+    if args.plot:
+        return plot([json.loads(Path(f).read_text()) for f in args.results], args.plot)
     results = {"machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus", "date": time.strftime("%Y-%m-%d"),
                "python": platform.python_version(), "models": {}}
     import torch
@@ -161,6 +173,8 @@ def main() -> None:
         extra = {}
         if model == "smollm2":
             gptq, art = smollm2_paths()
+        elif model == "qwen-coder-1.5b":
+            gptq, art = built_paths("qwen2.5-coder-1.5b", "make real")
         else:
             gptq, art, prepack = qwen_paths()
             extra["prepack_s"] = {"median": statistics.median(prepack), "runs": prepack}
@@ -181,6 +195,40 @@ def main() -> None:
         results["models"][model] = row
         print(json.dumps({model: row}, indent=2), flush=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+PHASES = [("import_s", "imports"), ("load_s", "load"), ("first_s", "first token")]
+LOADERS = [("a_gptqmodel", "GPTQModel"), ("a0_gptqmodel_cold_inductor", "GPTQModel,\nempty Inductor cache"),
+           ("b_quantprep", "quantprep"), ("c_floor", "floor")]
+
+
+def plot(results: list[dict], out: str) -> None:
+    """One panel per model: per loader, the median phases stacked (spawn to first token)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(r, name) for r in results for name in r["models"]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), sharey=True, squeeze=False)
+    for ax, (r, name) in zip(axes[0], panels):
+        row = r["models"][name]
+        loaders = [(k, label) for k, label in LOADERS if k in row]
+        bottom = [0.0] * len(loaders)
+        for (phase, label), color in zip(PHASES, ("#9aa5b1", "#4c78a8", "#f58518")):
+            vals = [row[k][phase] for k, _ in loaders]
+            ax.bar(range(len(loaders)), vals, bottom=bottom, color=color, label=label)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        for i, total in enumerate(bottom):
+            ax.text(i, total, f"{total:.1f} s", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(loaders)), [label for _, label in loaders], fontsize=8)
+        ax.set_title(f"{name} ({r['cpu_capability']}, {r['date']})", fontsize=9)
+    axes[0][0].set_ylabel("seconds from process spawn (median)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("Load to first token on the CPU, fresh processes (benchmarks/load.py)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

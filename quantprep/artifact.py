@@ -36,6 +36,10 @@ SIGNATURE = "model.sig"  # written by `quantprep sign` / `publish --sign-key` (s
 MAX_MANIFEST_BYTES = 64 << 20
 SHARD_BYTES = 2 << 30
 PROBES_FILE = "probes.safetensors"  # see verify.py
+# Hugging Face's shard index format under a name plain transformers does not look for: without
+# quantprep's quantizer (hf_quantizer.py), from_pretrained must fail, not random-initialize the
+# Linears it cannot match; the quantizer points transformers at it (config.transformers_weights).
+WEIGHTS_INDEX = "quantprep.safetensors.index.json"
 TOP_KEYS = {"manifest_sha256", "format", "format_version", "quantprep_version", "created", "source", "quant", "target", "compat",
             "modules", "shards", "files"}
 # serving: shapes to warm (from the recipe); kcache: written by `warm`; eval: results of `quantprep eval`
@@ -174,6 +178,10 @@ def _write_locked(out: Path, tensors: dict[str, torch.Tensor], manifest: dict, s
             save_file(probes, str(tmp / PROBES_FILE), metadata={"format": "pt"})
         for name in side_files:
             shutil.copyfile(side_files_from / name, tmp / name)
+        write_json_durably(tmp / WEIGHTS_INDEX, {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                                                 "weight_map": {k: n for n, shard in zip(names, shards, strict=True) for k in sorted(shard)}})
+        if (tmp / "config.json").is_file():
+            write_json_durably(tmp / "config.json", transformers_config(json.loads((tmp / "config.json").read_text()), manifest))
         files = {}
         for p in sorted(tmp.iterdir()):
             follow_umask(p)
@@ -189,6 +197,18 @@ def _write_locked(out: Path, tensors: dict[str, torch.Tensor], manifest: dict, s
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def transformers_config(config: dict, manifest: dict) -> dict:
+    """The source's config.json with quantization_config naming quantprep, so that transformers
+    routes from_pretrained to quantprep's quantizer (the GPTQ settings stay in the manifest), and
+    the dtype the float tensors are stored in (what from_pretrained's dtype="auto" picks)."""
+    target = manifest["target"]
+    config = {k: v for k, v in config.items() if k != "torch_dtype"}
+    return dict(config, dtype=target["act_dtype"], quantization_config={
+        "quant_method": "quantprep", "format_version": FORMAT_VERSION, "target": target["name"], "device": target["device"],
+        "act_dtype": target["act_dtype"], "lm_head_quantized": "lm_head" in manifest["modules"],
+        **{k: manifest["quant"][k] for k in ("bits", "group_size") if k in manifest["quant"]}})
 
 
 @contextlib.contextmanager

@@ -140,6 +140,114 @@ def is_reference(path: str | os.PathLike) -> bool:
     return "://" in text or (Path(text, "index.json").is_file() and not Path(text, "manifest.json").exists())
 
 
+def open_artifact(path: Path, device: str | torch.device | None, dtype: torch.dtype | None, verify: bool, key) -> dict:
+    """Every check before a byte of weights is read: the manifest (sizes; all sha256 with `verify`),
+    the signature (`key`), the target, this machine's compatibility key, the device and dtype.
+    Returns what the later steps need: manifest, target, device, dtype, packed_dtype, emulate."""
+    manifest = read_checked(path, full_hash=verify)
+    if key is not None:
+        verify_signature(path, key)  # unsigned or wrongly signed: refused before anything is read
+    try:
+        target = get_target(manifest["target"]["name"])
+    except Exception:
+        raise ArtifactMismatch(f"{path}: target {manifest['target'].get('name')!r} is not supported by this quantprep") from None
+    emulate = device is not None and torch.device(device).type == "cpu" and target.device != "cpu"
+    check_compat(path, manifest, target, emulate)
+    device = torch.device(device or target.device)
+    if device.type != target.device and not emulate:
+        raise ArtifactMismatch(f"{path}: packed for {target.device} kernels, cannot run on {device.type}; "
+                               f"build one for it: {rebuild_command(manifest, device.type)}")
+    packed_dtype = _dtype(manifest["target"]["act_dtype"])
+    if problem := act_dtype_problem(target, packed_dtype):
+        raise ArtifactError(f"{path}: packed for {packed_dtype} activations, but {problem}; rebuild the artifact "
+                            f"with --act-dtype {str(target.default_act_dtype).removeprefix('torch.')}")
+    dtype = dtype or packed_dtype
+    if problem := act_dtype_problem(target, dtype):
+        raise ArtifactMismatch(f"{path}: dtype={dtype}: {problem}; pass one of those or leave dtype out")
+    if not emulate and hasattr(target, "load_warning") and (note := target.load_warning()):
+        warnings.warn(f"{path}: {note}", stacklevel=3)
+    if target.device == "xpu" and not emulate:  # before the first oneDNN primitive is created
+        os.environ.update(xpu_primitive_env(manifest, dict(os.environ)))
+    return {"manifest": manifest, "target": target, "device": device, "dtype": dtype, "packed_dtype": packed_dtype, "emulate": emulate}
+
+
+def activate_kcache(path: Path, art: dict, kcache: bool, compile: bool, trust_kcache: bool, signed: bool) -> dict:
+    status = activate(path, art["manifest"], art["device"].type, compile, trust_kcache, signed=signed) if kcache else {"status": "off"}
+    if art["target"].device == "xpu" and not art["emulate"] and (msg := cache_warning(dict(os.environ), xpu_driver_version())):
+        warnings.warn(f"{path}: {msg}", stacklevel=3)
+    return status
+
+
+def untie_quantized_head(config, manifest: dict) -> None:
+    """A quantized lm_head cannot share the embedding's weight."""
+    if config.tie_word_embeddings and "lm_head" in manifest["modules"]:
+        config.tie_word_embeddings = False
+
+
+def install_modules(model, path: Path, art: dict) -> None:
+    """Swap the model's Linears for the target's modules the manifest lists (sizes and biases checked)."""
+    config, target, dtype = model.config, art["target"], art["dtype"]
+    for name, meta in art["manifest"]["modules"].items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        fused = meta.get("fused")
+        members, sizes = (fused["members"], fused["sizes"]) if fused else ([child], [meta["out_features"]])
+        biases = [_check_replaces(path, config, f"{parent_name}.{member}" if parent_name else member, meta["in_features"], size, model)
+                  for member, size in zip(members, sizes, strict=True)]
+        if meta["bias"] != any(biases):  # a fused bias holds zeros for members without one
+            raise ArtifactError(f"{path}: tensor {name}.bias: {'present' if meta['bias'] else 'missing'} in the artifact, but the "
+                                f"{config.model_type} model's module has {'a bias' if any(biases) else 'none'}; rebuild the artifact")
+        if fused and sum(sizes) != meta["out_features"]:
+            raise ArtifactError(f"{path}: fused module {name}: sizes {sizes} do not add up to {meta['out_features']}; rebuild the artifact")
+        module = make_module(path, target, name, meta, dtype)
+        if fused:
+            install_fused(parent, child, module, members, sizes)
+        else:
+            setattr(parent, child, module)
+
+
+def check_tensors(path: Path, model, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], skip: set[str] = frozenset()) -> None:
+    """Every artifact tensor is one of the model's, with its dtype and shape; every model tensor is in
+    the artifact (`skip`: names the model ties to another). `tensors`: name -> (dtype, shape), as
+    the model will receive them."""
+    expected = model.state_dict(keep_vars=True)  # meta tensors: the dtype and shape each name must have
+    for name, (dt, shape) in tensors.items():
+        want = expected.get(name)
+        if want is None:
+            raise ArtifactError(f"{path}: tensor {name} is not part of the model; the artifact is inconsistent: rebuild it")
+        if want.dtype != dt or tuple(want.shape) != tuple(shape):
+            raise ArtifactError(f"{path}: tensor {name} is {dt} {tuple(shape)}, the model needs {want.dtype} {tuple(want.shape)}; the artifact is corrupt: rebuild it")
+    for name in expected:
+        if name not in tensors and name not in skip:
+            raise ArtifactError(f"{path}: tensor {name} is missing from the artifact; rebuild it")
+
+
+def tied_names(model) -> set[str]:
+    """Names the model ties to another tensor (the lm_head of tied embeddings): not stored."""
+    shared = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    return shared | set(getattr(model, "all_tied_weights_keys", None) or {})
+
+
+def finish(model, path: Path, art: dict, kcache_status: dict, compile: bool, warmup: bool, prefetch=None):
+    """After the weights are in: generation config, compile, the warmed buckets, warm-up, status."""
+    from transformers import GenerationConfig
+
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    model.eval()
+    if compile:
+        if prefetch:
+            prefetch.join()
+        compile_model(model, art["manifest"], kcache_status, art["dtype"])
+    # the prefill lengths warm ran: quantprep.serving pads prompts to them
+    manifest = art["manifest"]
+    model.quantprep_buckets = usable_shapes(model, manifest.get("kcache", manifest.get("serving", {})).get("shapes", DEFAULT_SHAPES))
+    if warmup:  # in the thread that will serve: PyTorch's oneDNN primitive cache on xpu is per thread
+        model.quantprep_warmup = run_shapes(model, model.quantprep_buckets)
+    model.quantprep_kcache = kcache_status
+    return model
+
+
 def load(path: str | os.PathLike, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
          verify: bool = False, compile: bool = False, warmup: bool = False, kcache: bool = True,
          trust_kcache: bool = False, verify_key: str | os.PathLike | None = None):
@@ -166,7 +274,7 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     signature (`quantprep sign`) that verifies with it, and its kcache is then trusted.
     Raises ArtifactMismatch for an artifact built for another machine, ArtifactError if corrupt.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     key = configured_key(verify_key)
     pulled = is_reference(path)
@@ -175,60 +283,17 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
 
         path = pull(str(path), verify_key=key)
     path = Path(path)
-    manifest = read_checked(path, full_hash=verify)
-    if key is not None and not pulled:
-        verify_signature(path, key)  # unsigned or wrongly signed: refused before anything is read
-    try:
-        target = get_target(manifest["target"]["name"])
-    except Exception:
-        raise ArtifactMismatch(f"{path}: target {manifest['target'].get('name')!r} is not supported by this quantprep") from None
-    emulate = device is not None and torch.device(device).type == "cpu" and target.device != "cpu"
-    check_compat(path, manifest, target, emulate)
-    device = torch.device(device or target.device)
-    if device.type != target.device and not emulate:
-        raise ArtifactMismatch(f"{path}: packed for {target.device} kernels, cannot run on {device.type}; "
-                               f"build one for it: {rebuild_command(manifest, device.type)}")
-    packed_dtype = _dtype(manifest["target"]["act_dtype"])
-    if problem := act_dtype_problem(target, packed_dtype):
-        raise ArtifactError(f"{path}: packed for {packed_dtype} activations, but {problem}; rebuild the artifact "
-                            f"with --act-dtype {str(target.default_act_dtype).removeprefix('torch.')}")
-    dtype = dtype or packed_dtype
-    if problem := act_dtype_problem(target, dtype):
-        raise ArtifactMismatch(f"{path}: dtype={dtype}: {problem}; pass one of those or leave dtype out")
-    if not emulate and hasattr(target, "load_warning") and (note := target.load_warning()):
-        warnings.warn(f"{path}: {note}", stacklevel=2)
-    if target.device == "xpu" and not emulate:  # before the first oneDNN primitive is created
-        os.environ.update(xpu_primitive_env(manifest, dict(os.environ)))
-    kcache_status = activate(path, manifest, device.type, compile, trust_kcache, signed=key is not None) if kcache else {"status": "off"}
-    if target.device == "xpu" and not emulate and (msg := cache_warning(dict(os.environ), xpu_driver_version())):
-        warnings.warn(f"{path}: {msg}", stacklevel=2)
+    art = open_artifact(path, device, dtype, verify, None if pulled else key)
+    manifest, device, dtype = art["manifest"], art["device"], art["dtype"]
+    kcache_status = activate_kcache(path, art, kcache, compile, trust_kcache, signed=key is not None)
 
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the artifact's modules are ours, not transformers' GPTQ ones
-    modules = manifest["modules"]
-    if config.tie_word_embeddings and "lm_head" in modules:
-        config.tie_word_embeddings = False  # a quantized lm_head cannot share the embedding's weight
+        del config.quantization_config  # the modules are swapped here, not by a transformers quantizer
+    untie_quantized_head(config, manifest)
     with params_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-
-    for name, meta in modules.items():
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        fused = meta.get("fused")
-        members, sizes = (fused["members"], fused["sizes"]) if fused else ([child], [meta["out_features"]])
-        biases = [_check_replaces(path, config, f"{parent_name}.{member}" if parent_name else member, meta["in_features"], size, model)
-                  for member, size in zip(members, sizes, strict=True)]
-        if meta["bias"] != any(biases):  # a fused bias holds zeros for members without one
-            raise ArtifactError(f"{path}: tensor {name}.bias: {'present' if meta['bias'] else 'missing'} in the artifact, but the "
-                                f"{config.model_type} model's module has {'a bias' if any(biases) else 'none'}; rebuild the artifact")
-        if fused and sum(sizes) != meta["out_features"]:
-            raise ArtifactError(f"{path}: fused module {name}: sizes {sizes} do not add up to {meta['out_features']}; rebuild the artifact")
-        module = make_module(path, target, name, meta, dtype)
-        if fused:
-            install_fused(parent, child, module, members, sizes)
-        else:
-            setattr(parent, child, module)
+    install_modules(model, path, art)
 
     # Inductor's import overlaps the weight copies below; after from_config, which did this load's own imports
     prefetch = prefetch_runtime(manifest["kcache"].get("aot", [])) if compile and kcache_status.get("status") == "used" else None
@@ -238,15 +303,9 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
             state.update(load_file(path / shard, device=str(device)))
         except Exception as e:
             raise ArtifactError(f"{path / shard}: cannot read safetensors file ({e}); the artifact is corrupt: rebuild it") from None
-    if dtype != packed_dtype:
+    if dtype != art["packed_dtype"]:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    expected = model.state_dict(keep_vars=True)  # meta tensors: the dtype and shape each name must have
-    for name, t in state.items():
-        want = expected.get(name)
-        if want is None:
-            raise ArtifactError(f"{path}: tensor {name} is not part of the model; the artifact is inconsistent: rebuild it")
-        if want.dtype != t.dtype or want.shape != t.shape:
-            raise ArtifactError(f"{path}: tensor {name} is {t.dtype} {tuple(t.shape)}, the model needs {want.dtype} {tuple(want.shape)}; the artifact is corrupt: rebuild it")
+    check_tensors(path, model, {k: (v.dtype, tuple(v.shape)) for k, v in state.items()}, skip=tied_names(model))
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
@@ -254,16 +313,4 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
             raise ArtifactError(f"{path}: tensor {name} is missing from the artifact; rebuild it")
     if device.type != "cpu":
         model.to(device)  # moves the buffers built in __init__ (rotary); loaded tensors are already there
-    if (path / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(path)
-    model.eval()
-    if compile:
-        if prefetch:
-            prefetch.join()
-        compile_model(model, manifest, kcache_status, dtype)
-    # the prefill lengths warm ran: quantprep.serving pads prompts to them
-    model.quantprep_buckets = usable_shapes(model, manifest.get("kcache", manifest.get("serving", {})).get("shapes", DEFAULT_SHAPES))
-    if warmup:  # in the thread that will serve: PyTorch's oneDNN primitive cache on xpu is per thread
-        model.quantprep_warmup = run_shapes(model, model.quantprep_buckets)
-    model.quantprep_kcache = kcache_status
-    return model
+    return finish(model, path, art, kcache_status, compile, warmup, prefetch)

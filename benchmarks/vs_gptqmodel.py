@@ -1,0 +1,126 @@
+"""One real GPTQ checkpoint, two CPU runtimes: GPTQModel's own CPU kernel against quantprep's artifact
+of the same checkpoint (issue 16). Both loaded in one process, measured side by side, interleaved:
+
+  - perplexity on quantprep's held-out text (the first --windows windows of --ctx tokens, exactly
+    `quantprep eval`'s windows), each model's own, and KL(GPTQModel || quantprep) with top-1
+    agreement between the two: the same checkpoint should give the same distribution;
+  - 512-token prefill: seconds for one forward of the first 512 held-out tokens, median of --runs;
+  - decode: greedy tokens/s for --new tokens after a 16-token prompt (generate, KV cache), median
+    of --runs, with the two token sequences compared.
+
+GPTQModel runs with BACKEND.TORCH on the CPU (its CPU kernel; it compiles with Inductor on first use,
+so each model gets one untimed warm-up of each shape first). The artifact is the cpu build of the
+same checkpoint (manifest source.gptq_path).
+
+    python benchmarks/vs_gptqmodel.py artifacts/qwen2.5-coder-1.5b/cpu [--windows 4] [--runs 3] [--new 32]
+        [--out benchmarks/results/vs-gptqmodel-qwen2.5-coder-1.5b-cpu-avx2.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("artifact")
+    p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--new", type=int, default=32)
+    p.add_argument("--out")
+    args = p.parse_args()
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count()))
+
+    from gptqmodel import BACKEND, GPTQModel
+    from transformers import AutoTokenizer
+
+    import quantprep
+    from quantprep.eval import _ppl, compare_window, read_text, token_windows
+
+    art = Path(args.artifact)
+    manifest = json.loads((art / "manifest.json").read_text())
+    gptq = Path(manifest["source"]["gptq_path"])
+    tokenizer = AutoTokenizer.from_pretrained(art)
+    text, text_name = read_text()
+    windows = token_windows(tokenizer, text, args.ctx, args.windows * args.ctx)
+
+    t0 = time.perf_counter()
+    ours = quantprep.load(art)
+    load_ours = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    theirs = GPTQModel.load(str(gptq), backend=BACKEND.TORCH, device="cpu").model.eval()
+    load_theirs = time.perf_counter() - t0
+    models = {"gptqmodel": theirs, "quantprep": ours}
+    dtypes = {k: str(next(m.parameters()).dtype) for k, m in models.items()}
+    print(f"loaded: quantprep {load_ours:.1f} s, gptqmodel {load_theirs:.1f} s; dtypes {dtypes}", flush=True)
+
+    prompt = windows[0, :16][None]
+    prefill_ids = windows[0][None]
+    gen = {"max_new_tokens": args.new, "min_new_tokens": args.new, "do_sample": False}
+    outputs, prefill, decode = {}, {k: [] for k in models}, {k: [] for k in models}
+    with torch.inference_mode():
+        for name, m in models.items():  # warm-up: GPTQModel's TORCH kernel compiles each shape on first use
+            m(input_ids=prefill_ids)
+            outputs[name] = m.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **gen)[0, 16:].tolist()
+        for _ in range(args.runs):
+            for name, m in models.items():
+                prefill[name].append(timed(lambda: m(input_ids=prefill_ids)))
+                decode[name].append(args.new / timed(lambda: m.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **gen)))
+            print(f"run: prefill {({k: round(v[-1], 2) for k, v in prefill.items()})} s, "
+                  f"decode {({k: round(v[-1], 2) for k, v in decode.items()})} tok/s", flush=True)
+        # quality: GPTQModel as the reference, quantprep as the model (KL(GPTQModel || quantprep))
+        t0, parts = time.perf_counter(), []
+        for w in windows:
+            parts.append(compare_window(ours, theirs, w))
+        quality_s = time.perf_counter() - t0
+    stats = {k: torch.cat([x[k] for x in parts]) for k in parts[0]}
+    stored = next((v for v in manifest.get("eval", {}).values() if v["ctx"] == args.ctx), None)
+    result = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "gptqmodel": __import__("gptqmodel").__version__,
+        "model": manifest["source"].get("model", gptq.name),
+        "artifact": str(art),
+        "gptq_checkpoint": gptq.name,
+        "dtypes": dtypes,
+        "load_in_process_s": {"gptqmodel": load_theirs, "quantprep": load_ours},
+        "prefill_512_s": {k: {"median": statistics.median(v), "runs": v} for k, v in prefill.items()},
+        "decode_tok_s": {k: {"median": statistics.median(v), "runs": v} for k, v in decode.items()},
+        "decode_new_tokens": args.new,
+        "same_greedy_tokens": sum(a == b for a, b in zip(outputs["gptqmodel"], outputs["quantprep"])),
+        "quality": {"text": text_name, "ctx": args.ctx, "windows": len(windows), "tokens": int(stats["nll"].numel()),
+                    "ppl": {"quantprep": _ppl(stats["nll"]), "gptqmodel": _ppl(stats["ref_nll"])},
+                    "kld_gptqmodel_quantprep": {"mean": stats["kld"].mean().item(),
+                                                "p99": torch.quantile(stats["kld"].float(), 0.99).item()},
+                    "top1_agree": stats["top1"].double().mean().item(), "s": round(quality_s, 1)},
+        "stored_eval": stored and {k: stored[k] for k in ("ppl", "ppl_ratio", "kld", "top1_agree", "tokens", "reference")},
+    }
+    for k in ("prefill_512_s", "decode_tok_s"):
+        r = result[k]
+        r["quantprep_over_gptqmodel"] = r["quantprep"]["median"] / r["gptqmodel"]["median"]
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

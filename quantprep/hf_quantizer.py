@@ -1,0 +1,138 @@
+"""`AutoModelForCausalLM.from_pretrained(artifact_dir)`: quantprep as a transformers quantizer.
+
+An artifact's config.json carries `quantization_config = {"quant_method": "quantprep", ...}`
+(artifact.transformers_config). `import quantprep` registers this config class and quantizer with
+transformers, so from_pretrained, `pipeline("text-generation", model=artifact_dir)` and any serving
+code written against transformers load an artifact as `quantprep.load` does: the same checks and
+refusals (load.open_artifact: manifest, signature with QUANTPREP_VERIFY_KEY, compatibility key,
+device, dtype), the same modules (load.install_modules), every tensor checked against the model
+before a byte is read (load.check_tensors, from the safetensors headers), the kcache rules
+unchanged (QUANTPREP_TRUST_KCACHE). transformers then reads the shards into the swapped modules.
+
+The shards are listed in artifact.WEIGHTS_INDEX, a name transformers does not look for on its own:
+without quantprep imported, transformers warns "Unknown quantization type, got quantprep" and then
+fails finding no weights file, instead of random-initializing the Linears it could not match.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers.quantizers.auto import register_quantization_config, register_quantizer
+from transformers.quantizers.base import HfQuantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from .artifact import WEIGHTS_INDEX
+from .errors import ArtifactError, ArtifactMismatch
+from .load import activate_kcache, check_tensors, finish, install_modules, open_artifact, tied_names, untie_quantized_head
+from .signing import configured_key
+
+METHOD = "quantprep"
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I8": torch.int8,
+                      "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
+
+
+class QuantprepConfig(QuantizationConfigMixin):
+    """config.json's quantization_config of an artifact; the manifest stays the authority (checked
+    against it at load). from_pretrained loads as `quantprep.load(dir)` with its defaults (kcache
+    trust from QUANTPREP_TRUST_KCACHE, signature from QUANTPREP_VERIFY_KEY): transformers ignores a
+    quantization_config passed to from_pretrained when the model has one, so options cannot ride on it."""
+
+    def __init__(self, target: str | None = None, device: str | None = None, act_dtype: str | None = None,
+                 lm_head_quantized: bool = False, **kwargs):
+        self.quant_method = METHOD
+        self.target, self.device, self.act_dtype, self.lm_head_quantized = target, device, act_dtype, lm_head_quantized
+        self.extra = kwargs  # format_version, bits, group_size: informative
+
+
+def _device_of(device_map, default: str | None) -> str | None:
+    """One device for the whole model: quantprep artifacts are not split across devices."""
+    if device_map is None or device_map == "auto":
+        return default
+    if isinstance(device_map, (str, torch.device, int)):
+        return str(device_map) if not isinstance(device_map, int) else f"cuda:{device_map}"
+    devices = {str(v) if not isinstance(v, int) else f"cuda:{v}" for v in device_map.values()}
+    if len(devices) != 1:
+        raise ArtifactMismatch(f"device_map={device_map}: a quantprep artifact loads onto one device; pass one device")
+    return devices.pop()
+
+
+class QuantprepQuantizer(HfQuantizer):
+    requires_calibration = True  # loads prepacked artifacts only; quantizing is `quantprep build`
+
+    def __init__(self, quantization_config: QuantprepConfig, **kwargs):
+        super().__init__(quantization_config, **kwargs)
+        self.dtype: torch.dtype | None = None
+        self.device_map = None
+
+    def update_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
+        packed = getattr(torch, self.quantization_config.act_dtype or "bfloat16")
+        self.dtype = packed if dtype in (None, "auto") else dtype
+        return self.dtype
+
+    def update_device_map(self, device_map):
+        self.device_map = device_map
+        return {"": _device_of(device_map, self.quantization_config.device) or "cpu"}
+
+    def update_attn_implementation(self, config):
+        # The only hook that sees the config before the weights are looked up: point transformers at
+        # the artifact's shard index, and untie a quantized lm_head from the embedding.
+        config.transformers_weights = WEIGHTS_INDEX
+        if self.quantization_config.lm_head_quantized:
+            config.tie_word_embeddings = False
+        return config
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        if not checkpoint_files:
+            raise ArtifactError(f"{model.config.name_or_path}: no {WEIGHTS_INDEX}; not a quantprep artifact (rebuild it)")
+        path = Path(checkpoint_files[0]).parent
+        q = self.quantization_config
+        key = configured_key(None)
+        device = _device_of(self.device_map, None)
+        art = open_artifact(path, device, self.dtype, False, key)
+        if (q.target, q.act_dtype) != (art["manifest"]["target"]["name"], art["manifest"]["target"]["act_dtype"]):
+            raise ArtifactError(f"{path}/config.json: quantization_config says target {q.target} ({q.act_dtype}), the manifest "
+                                f"{art['manifest']['target']['name']} ({art['manifest']['target']['act_dtype']}); the artifact is inconsistent: rebuild it")
+        untie_quantized_head(model.config, art["manifest"])
+        install_modules(model, path, art)
+        tensors = {}
+        for shard in art["manifest"]["shards"]:
+            try:
+                with safe_open(path / shard, "pt") as f:
+                    for name in f.keys():
+                        meta = f.get_slice(name)
+                        dt = SAFETENSORS_DTYPES.get(meta.get_dtype())
+                        if dt is None:
+                            raise ArtifactError(f"{path / shard}: tensor {name} has dtype {meta.get_dtype()}; the artifact is corrupt: rebuild it")
+                        tensors[name] = (self.dtype if dt.is_floating_point and self.dtype != art["packed_dtype"] else dt,
+                                         tuple(meta.get_shape()))
+            except ArtifactError:
+                raise
+            except Exception as e:
+                raise ArtifactError(f"{path / shard}: cannot read safetensors file ({e}); the artifact is corrupt: rebuild it") from None
+        check_tensors(path, model, tensors, skip=tied_names(model))
+        self.path, self.art = path, art
+        self.kcache_status = activate_kcache(path, art, True, False, False, signed=key is not None)
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        return finish(model, self.path, self.art, self.kcache_status, compile=False, warmup=False)
+
+    def is_serializable(self) -> bool:
+        return False  # an artifact is written by `quantprep build`, not save_pretrained
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+
+def register() -> None:
+    """Make transformers route quant_method "quantprep" here (idempotent)."""
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+
+    if METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config(METHOD)(QuantprepConfig)
+    if METHOD not in AUTO_QUANTIZER_MAPPING:
+        register_quantizer(METHOD)(QuantprepQuantizer)
