@@ -211,14 +211,14 @@ def plot(results: list[dict], out: str) -> None:
 
     panels = [(r, name) for r in results for name in r["models"]]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), sharey=True, squeeze=False)
-    for ax, (r, name) in zip(axes[0], panels):
+    for ax, (r, name) in zip(axes[0], panels, strict=True):
         row = r["models"][name]
         loaders = [(k, label) for k, label in LOADERS if k in row]
         bottom = [0.0] * len(loaders)
-        for (phase, label), color in zip(PHASES, ("#9aa5b1", "#4c78a8", "#f58518")):
+        for (phase, label), color in zip(PHASES, ("#9aa5b1", "#4c78a8", "#f58518"), strict=True):
             vals = [row[k][phase] for k, _ in loaders]
             ax.bar(range(len(loaders)), vals, bottom=bottom, color=color, label=label)
-            bottom = [b + v for b, v in zip(bottom, vals)]
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
         for i, total in enumerate(bottom):
             ax.text(i, total, f"{total:.1f} s", ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(loaders)), [label for _, label in loaders], fontsize=8)

@@ -105,7 +105,8 @@ def main() -> None:
         "prefill_512_s": {k: {"median": statistics.median(v), "runs": v} for k, v in prefill.items()},
         "decode_tok_s": {k: {"median": statistics.median(v), "runs": v} for k, v in decode.items()},
         "decode_new_tokens": args.new,
-        "same_greedy_tokens": sum(a == b for a, b in zip(outputs["gptqmodel"], outputs["quantprep"])),
+        # greedy tokens both produce before the first difference (after it, the contexts differ)
+        "same_greedy_prefix": next((i for i, (a, b) in enumerate(zip(outputs["gptqmodel"], outputs["quantprep"], strict=True)) if a != b), args.new),
         "quality": {"text": text_name, "ctx": args.ctx, "windows": len(windows), "tokens": int(stats["nll"].numel()),
                     "ppl": {"quantprep": _ppl(stats["nll"]), "gptqmodel": _ppl(stats["ref_nll"])},
                     "kld_gptqmodel_quantprep": {"mean": stats["kld"].mean().item(),

@@ -26,17 +26,14 @@ class _RegisterWithTransformers(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            from .hf_quantizer import register
-
-            register()
+            if "quantprep.hf_quantizer" not in sys.modules:  # else it is the one importing the registry; it registers when done
+                from . import hf_quantizer  # noqa: F401 (registers on import)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
 if "transformers.quantizers.auto" in sys.modules:
-    from .hf_quantizer import register as _register
-
-    _register()
+    from . import hf_quantizer  # noqa: F401 (registers on import)
 elif not any(isinstance(f, _RegisterWithTransformers) for f in sys.meta_path):
     sys.meta_path.insert(0, _RegisterWithTransformers())

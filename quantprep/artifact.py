@@ -201,10 +201,15 @@ def _write_locked(out: Path, tensors: dict[str, torch.Tensor], manifest: dict, s
 
 def transformers_config(config: dict, manifest: dict) -> dict:
     """The source's config.json with quantization_config naming quantprep, so that transformers
-    routes from_pretrained to quantprep's quantizer (the GPTQ settings stay in the manifest), and
-    the dtype the float tensors are stored in (what from_pretrained's dtype="auto" picks)."""
+    routes from_pretrained to quantprep's quantizer (the GPTQ settings stay in the manifest), the
+    dtype the float tensors are stored in (what from_pretrained's dtype="auto" picks), and the
+    architecture when the source's config lacks it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     target = manifest["target"]
     config = {k: v for k, v in config.items() if k != "torch_dtype"}
+    if not config.get("architectures") and config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]]  # what servers pick the class by
     return dict(config, dtype=target["act_dtype"], quantization_config={
         "quant_method": "quantprep", "format_version": FORMAT_VERSION, "target": target["name"], "device": target["device"],
         "act_dtype": target["act_dtype"], "lm_head_quantized": "lm_head" in manifest["modules"],

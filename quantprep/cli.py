@@ -284,6 +284,18 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .serving import serve
+
+    def ready(info: dict) -> None:
+        print(f"serving {info['model']} at {info['url']} (kcache {info['kcache']}, warm-up {info['warmup']}); "
+              "Ctrl-C or SIGTERM stops", flush=True)
+
+    serve(args.src, host=args.host, port=args.port, warmup=args.warmup, trust_kcache=args.trust_kcache,
+          verify_key=args.verify_key, device=args.device, ready=ready)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     # torchao (imported by transformers when installed) logs deprecation noise at import; keep
     # stderr for our one-line errors. A filter, since torch's logging setup resets logger levels.
@@ -416,6 +428,17 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--trust-kcache", action="store_true", help=TRUST_HELP)
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="serve an artifact with transformers' OpenAI-compatible server (/v1/chat/completions, ...)")
+    sv.add_argument("src", help="artifact dir, or a published reference (pulled and verified first)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--device", default="auto", help="default: the artifact's target device")
+    sv.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="run the artifact's warmed shapes once in the serving thread before answering (xpu, cuda)")
+    sv.add_argument("--trust-kcache", action="store_true", help=TRUST_HELP)
+    sv.add_argument("--verify-key", metavar="PUB", help="refuse unless signed and verified with this key (default: QUANTPREP_VERIFY_KEY)")
+    sv.set_defaults(func=cmd_serve)
 
     args = p.parse_args(argv)
     try:

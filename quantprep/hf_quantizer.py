@@ -136,3 +136,6 @@ def register() -> None:
         register_quantization_config(METHOD)(QuantprepConfig)
     if METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantizer(METHOD)(QuantprepQuantizer)
+
+
+register()

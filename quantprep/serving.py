@@ -72,3 +72,65 @@ def generate(model, input_ids: torch.Tensor, buckets: list[int] | None = None, *
         _, cache = prefill(model, input_ids[:, :-1], buckets, pad_token_id)
         generate_kwargs["past_key_values"] = cache
     return model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **generate_kwargs)
+
+
+def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = True, trust_kcache: bool = False,
+          verify_key: str | None = None, device: str = "auto", ready=None) -> None:
+    """Serve an artifact with transformers' own OpenAI-compatible server (`transformers serve`:
+    /v1/models, /v1/chat/completions, /v1/completions, streaming), the artifact preloaded through
+    quantprep's quantizer (hf_quantizer.py: the load checks and the kcache rules of quantprep.load).
+
+    src: an artifact directory or a published reference (pulled and verified first). The served
+    model's id is the artifact directory's absolute path: /v1/models lists it, requests name it (or
+    no model). warmup: the artifact's warmed shapes run once in the thread that generates (oneDNN's
+    primitive cache on xpu is per thread); cpu has no per-process kernel state, so nothing runs there.
+    Runs until SIGINT or SIGTERM, then stops taking requests and exits within a few seconds.
+    `ready(info)` is called once serving (for callers that print or measure)."""
+    import os
+    import signal
+    import threading
+    from pathlib import Path
+
+    from transformers.cli.serve import Serve
+    from transformers.cli.serving.model_manager import ModelManager
+
+    from .errors import QuantprepError
+    from .hf_quantizer import register
+    from .load import is_reference, run_shapes
+    from .signing import configured_key
+
+    register()
+    if trust_kcache:
+        os.environ["QUANTPREP_TRUST_KCACHE"] = "1"
+    key = configured_key(verify_key)
+    if key is not None:
+        os.environ["QUANTPREP_VERIFY_KEY"] = str(key)  # the quantizer checks the signature at load
+    if is_reference(src):
+        from .publish import pull
+
+        src = str(pull(src, verify_key=key))
+    path = Path(src).absolute()
+    if not (path / "manifest.json").is_file():
+        raise QuantprepError(f"{src}: not an artifact directory (no manifest.json) nor a published reference")
+    model_id = str(path)
+    entry = {"id": model_id, "object": "model", "created": int(path.stat().st_mtime), "owned_by": "quantprep"}
+    # transformers lists the models of the Hugging Face cache; this server serves one artifact
+    ModelManager.get_gen_models = staticmethod(lambda cache_dir=None: [entry])
+    server = Serve(force_model=model_id, host=host, port=port, device=device, non_blocking=True)  # loads, then listens
+    server.server.config.timeout_graceful_shutdown = 3  # a stop during a long stream does not wait for its end
+    key_id = server._model_manager.process_model_name(model_id)
+    model = server._model_manager.loaded_models[key_id].model
+    info = {"model": model_id, "url": f"http://{host}:{port}/v1", "kcache": model.quantprep_kcache.get("status"), "warmup": "none"}
+    if warmup and next(model.parameters()).device.type != "cpu":
+        # the generation manager's own thread, the one every request of this model runs on
+        done = server._generation_state.get_manager(key_id).submit(run_shapes, model, model.quantprep_buckets).result()
+        info["warmup"] = [t["prefill"] for t in done]
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    if ready:
+        ready(info)
+    while not stop.wait(0.2) and server._thread.is_alive():
+        pass
+    server.server.should_exit = True
+    server._thread.join(timeout=10)

@@ -54,3 +54,164 @@ def test_the_qwen_recipe_warms_the_prefill_buckets():
 
     assert find_recipe("qwen2.5-1.5b").warm_shapes == PREFILL_BUCKETS
     assert all(b / a <= 1.1 + 8 / a for a, b in zip(PREFILL_BUCKETS[1:], PREFILL_BUCKETS[2:], strict=False))  # <= 10% + rounding
+
+
+# --- quantprep serve: transformers' OpenAI-compatible server with the artifact preloaded, driven by the real openai client ---
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def chat_artifact(root):
+    """A tiny random Llama artifact with a word-level tokenizer and a chat template (no network)."""
+    from conftest import TINY_LLAMA
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from quantprep.build import build_artifacts
+    from quantprep.synthetic import write_random_checkpoint
+
+    gptq = write_random_checkpoint(root / "gptq", TINY_LLAMA, bits=4, group_size=64, desc_act=True, sym=False)
+    vocab = {chr(97 + i % 26) * (1 + i // 26): i for i in range(TINY_LLAMA["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece(prefix="##")  # decodes joined by spaces
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="a", pad_token="a", eos_token="zzzzzzzzzz",
+                            chat_template=CHAT_TEMPLATE).save_pretrained(gptq)
+    build_artifacts(gptq, {"path": str(gptq)}, ["cpu"], lambda t: root / "art", progress=False)
+    return root / "art"
+
+
+def local_greedy(art, content: str, new: int) -> str:
+    from transformers import AutoTokenizer
+
+    model, tok = quantprep.load(art), AutoTokenizer.from_pretrained(art)
+    ids = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)["input_ids"]
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                         pad_token_id=0, eos_token_id=None)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def start_server(art, port):
+    import sys
+
+    from conftest import serve
+
+    stop = serve([sys.executable, "-m", "quantprep", "serve", str(art), "--port", str(port)],
+                 f"http://127.0.0.1:{port}/v1/models", "quantprep serve", timeout=120)
+    return stop
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from conftest import free_port
+    from openai import OpenAI
+
+    art = chat_artifact(tmp_path_factory.mktemp("serve"))
+    port = free_port()
+    stop = start_server(art, port)
+    yield art, OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60, max_retries=0)
+    stop()
+
+
+def _chat(client, model, content, new=12, **kw):
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], max_tokens=new,
+                                          temperature=0, **kw)
+
+
+def test_models_lists_the_artifact_and_a_chat_completion_is_the_local_greedy_one(server):
+    art, client = server
+    assert [m.id for m in client.models.list().data] == [str(art)]
+    reply = _chat(client, str(art), "b c d")
+    assert reply.choices[0].message.content == local_greedy(art, "b c d", 12) and reply.usage.completion_tokens == 12
+
+
+def test_streaming_gives_the_same_text(server):
+    art, client = server
+    chunks = [c.choices[0].delta.content or "" for c in _chat(client, str(art), "e f g", stream=True) if c.choices]
+    assert len([c for c in chunks if c]) > 1 and "".join(chunks) == _chat(client, str(art), "e f g").choices[0].message.content
+
+
+def test_two_concurrent_requests(server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    art, client = server
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda p: _chat(client, str(art), p, new=24).choices[0].message.content, ["h i", "j k"]))
+    assert got == [local_greedy(art, "h i", 24), local_greedy(art, "j k", 24)]
+
+
+def test_a_bad_request_is_4xx_and_the_server_keeps_serving(server):
+    import openai
+
+    art, client = server
+    with pytest.raises(openai.APIStatusError) as bad:
+        _chat(client, "some-other-model", "b c")
+    assert bad.value.status_code == 400
+    with pytest.raises(openai.APIStatusError) as bad:  # (a malformed `messages` gets a 500 from transformers' server)
+        _chat(client, str(art), "b c", extra_body={"not_a_field": 1})
+    assert bad.value.status_code == 422
+    assert _chat(client, str(art), "b c d").choices[0].message.content == local_greedy(art, "b c d", 12)
+
+
+def test_a_client_that_disconnects_mid_stream(server):
+    art, client = server
+    stream = _chat(client, str(art), "l m", new=400, stream=True)
+    next(iter(stream))
+    stream.close()
+    assert _chat(client, str(art), "b c d").choices[0].message.content == local_greedy(art, "b c d", 12)
+
+
+def test_sigterm_during_a_request_stops_it_cleanly(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import openai
+    from conftest import free_port
+    from openai import OpenAI
+
+    art = chat_artifact(tmp_path)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "quantprep", "serve", str(art), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60, max_retries=0)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.2)
+        got, first = [], threading.Event()
+
+        def consume():
+            try:
+                for c in _chat(client, str(art), "n o", new=1500, stream=True):
+                    got.append(c)
+                    first.set()
+            except openai.APIError:
+                pass
+            first.set()
+
+        t = threading.Thread(target=consume)
+        t.start()
+        assert first.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        t.join(timeout=20)
+        assert not t.is_alive() and 0 < len(got) < 1500
+        assert "Shutting down" in proc.stdout.read()
+    finally:
+        proc.kill()
+
+
+def test_serve_refuses_what_is_not_an_artifact(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "quantprep", "serve", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "not an artifact directory" in proc.stderr
