@@ -94,6 +94,7 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
     from transformers.cli.serve import Serve
     from transformers.cli.serving.model_manager import ModelManager
 
+    from .artifact import WEIGHTS_INDEX
     from .errors import QuantprepError
     from .hf_quantizer import register
     from .load import is_reference, run_shapes
@@ -112,6 +113,9 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
     path = Path(src).absolute()
     if not (path / "manifest.json").is_file():
         raise QuantprepError(f"{src}: not an artifact directory (no manifest.json) nor a published reference")
+    if not (path / WEIGHTS_INDEX).is_file():  # artifacts before from_pretrained support kept the source's GPTQ config
+        raise QuantprepError(f"{path}: built by an older quantprep (no {WEIGHTS_INDEX}); rebuild it with `quantprep build` "
+                             "or `quantprep prepack` to serve it")
     model_id = str(path)
     entry = {"id": model_id, "object": "model", "created": int(path.stat().st_mtime), "owned_by": "quantprep"}
     # transformers lists the models of the Hugging Face cache; this server serves one artifact
