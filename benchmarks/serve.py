@@ -11,6 +11,7 @@ client; the time is taken at the first SSE chunk that carries text. (c) prints t
 streamer receives the first generated token. Times: spawn -> ready (a, b) and spawn -> first token.
 
     python benchmarks/serve.py [--models smollm2,qwen-coder-0.5b] [--runs 3] [--out benchmarks/results/serve-cpu-avx2.json]
+    python benchmarks/serve.py --artifact NAME=DIR [--variants a,c]   # an artifact elsewhere (the GPU machine: no GPTQModel there)
 """
 
 from __future__ import annotations
@@ -57,11 +58,12 @@ with torch.inference_mode():
 """
 
 
-def artifact_and_checkpoint(model: str) -> tuple[Path, Path]:
-    art = REPO / "artifacts" / ARTIFACTS[model] / "cpu"
+def artifact_and_checkpoint(model: str, where: dict[str, str]) -> tuple[Path, Path]:
+    art = Path(where[model]) if model in where else REPO / "artifacts" / ARTIFACTS[model] / "cpu"
     if not (art / "manifest.json").is_file():
         sys.exit(f"no {art}: run `make build` (smollm2) or `make real` (Qwen) first")
-    return art, Path(json.loads((art / "manifest.json").read_text())["source"]["gptq_path"])
+    source = json.loads((art / "manifest.json").read_text())["source"]
+    return art, Path(source.get("gptq_path") or source.get("path") or "?")  # build records gptq_path, prepack the path it was given
 
 
 def free_port() -> int:
@@ -127,8 +129,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="smollm2,qwen-coder-0.5b")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--artifact", action="append", default=[], metavar="NAME=DIR", help="measure this artifact as model NAME")
+    p.add_argument("--variants", default="a,b,c")
     p.add_argument("--out")
     args = p.parse_args()
+    where = dict(a.split("=", 1) for a in args.artifact)
+    models = list(where) if where else args.models.split(",")
+    variants = set(args.variants.split(","))
     import torch
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", GPTQMODEL_CPU_WORKERS=str(os.cpu_count()))
@@ -136,23 +143,31 @@ def main() -> None:
     result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
               "transformers": __import__("transformers").__version__, "prompt": PROMPT, "new_tokens": NEW_TOKENS, "models": {}}
-    for model in args.models.split(","):
-        art, gptq = artifact_and_checkpoint(model)
-        runs = {"a_quantprep_serve": [], "b_transformers_serve_gptqmodel": [], "c_quantprep_load_generate": []}
+    for model in models:
+        art, gptq = artifact_and_checkpoint(model, where)
+        names = {"a": "a_quantprep_serve", "b": "b_transformers_serve_gptqmodel", "c": "c_quantprep_load_generate"}
+        runs = {names[v]: [] for v in sorted(variants)}
         for i in range(args.runs):
-            port = free_port()
-            runs["a_quantprep_serve"].append(server_run([sys.executable, "-m", "quantprep", "serve", str(art), "--port", str(port)],
-                                                        str(art.absolute()), port, env))
-            port = free_port()
-            runs["b_transformers_serve_gptqmodel"].append(server_run(
-                [transformers_cli, "serve", str(gptq), "--port", str(port), "--host", "127.0.0.1", "--device", "cpu"], str(gptq), port, env))
-            runs["c_quantprep_load_generate"].append(floor_run(art, env))
+            if "a" in variants:
+                port = free_port()
+                runs[names["a"]].append(server_run([sys.executable, "-m", "quantprep", "serve", str(art), "--port", str(port)],
+                                                   str(art.absolute()), port, env))
+            if "b" in variants:
+                port = free_port()
+                runs[names["b"]].append(server_run([transformers_cli, "serve", str(gptq), "--port", str(port), "--host", "127.0.0.1",
+                                                    "--device", "cpu"], str(gptq), port, env))
+            if "c" in variants:
+                runs[names["c"]].append(floor_run(art, env))
             print(f"{model} run {i + 1}: " + ", ".join(f"{k} {v[-1]['first_token_s']:.2f} s" for k, v in runs.items()), flush=True)
         row = {k: {"first_token_s": statistics.median(r["first_token_s"] for r in v),
                    **({"ready_s": statistics.median(r["ready_s"] for r in v)} if "ready_s" in v[0] else {}), "runs": v}
                for k, v in runs.items()}
-        a, b, c = (row[k]["first_token_s"] for k in runs)
-        row.update(b_over_a=b / a, a_over_c=a / c, artifact=str(art.relative_to(REPO)), gptq_checkpoint=gptq.name)
+        t = {v: row[names[v]]["first_token_s"] for v in variants}
+        if {"a", "b"} <= variants:
+            row["b_over_a"] = t["b"] / t["a"]
+        if {"a", "c"} <= variants:
+            row["a_over_c"] = t["a"] / t["c"]
+        row.update(artifact=str(art), gptq_checkpoint=gptq.name, device=json.loads((art / "manifest.json").read_text())["target"]["name"])
         result["models"][model] = row
     text = json.dumps(result, indent=2)
     print(text)

@@ -76,13 +76,17 @@ class QuantprepQuantizer(HfQuantizer):
         self.device_map = device_map
         return {"": _device_of(device_map, self.quantization_config.device) or "cpu"}
 
-    def update_attn_implementation(self, config):
-        # The only hook that sees the config before the weights are looked up: point transformers at
-        # the artifact's shard index, and untie a quantized lm_head from the embedding.
+    def _prepare_config(self, config):
+        """Point transformers at the artifact's shard index, and untie a quantized lm_head from the
+        embedding: before the weights are looked up and the model is built."""
         config.transformers_weights = WEIGHTS_INDEX
         if self.quantization_config.lm_head_quantized:
             config.tie_word_embeddings = False
         return config
+
+    # the hook that sees the config at that point: update_attn_implementation in transformers 5.2x,
+    # update_tp_plan before (5.17 on the GPU machine); the other one is then never called
+    update_attn_implementation = update_tp_plan = _prepare_config
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         if not checkpoint_files:
