@@ -124,7 +124,12 @@ def built_paths(recipe: str, make: str) -> tuple[Path, Path]:
     art = REPO / "artifacts" / recipe / "cpu"
     if not (art / "manifest.json").is_file():
         sys.exit(f"run `{make}` first: it builds artifacts/{recipe}/cpu")
-    return Path(json.loads((art / "manifest.json").read_text())["source"]["gptq_path"]), art
+    from quantprep.build import cached_checkpoint
+
+    gptq = cached_checkpoint(json.loads((art / "manifest.json").read_text())["source"]["sha256"])
+    if gptq is None:
+        sys.exit(f"the GPTQ checkpoint {art} was built from is not in the build cache: run `{make}` again")
+    return gptq, art
 
 
 def smollm2_paths() -> tuple[Path, Path]:

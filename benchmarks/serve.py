@@ -62,8 +62,11 @@ def artifact_and_checkpoint(model: str, where: dict[str, str]) -> tuple[Path, Pa
     art = Path(where[model]) if model in where else REPO / "artifacts" / ARTIFACTS[model] / "cpu"
     if not (art / "manifest.json").is_file():
         sys.exit(f"no {art}: run `make build` (smollm2) or `make real` (Qwen) first")
+    from quantprep.build import cached_checkpoint
+
     source = json.loads((art / "manifest.json").read_text())["source"]
-    return art, Path(source.get("gptq_path") or source.get("path") or "?")  # build records gptq_path, prepack the path it was given
+    # the checkpoint it was built from: in the build cache by content, or the directory prepack was given
+    return art, cached_checkpoint(source["sha256"]) or Path(source.get("path") or "?")
 
 
 def free_port() -> int:

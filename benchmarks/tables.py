@@ -257,6 +257,59 @@ def eval_results(*runs: dict) -> str:
     return "\n".join(out)
 
 
+def serve_cold_start(*runs: dict) -> str:
+    """Spawn to the first streamed token of a server's first request (benchmarks/serve.py)."""
+    labels = {"a_quantprep_serve": "(a) quantprep serve ARTIFACT", "b_transformers_serve_gptqmodel": "(b) transformers serve GPTQ_DIR (GPTQModel)",
+              "c_quantprep_load_generate": "(c) floor: quantprep.load + streamed generate"}
+    out = ["| machine, date | model (target) | variant | ready | first token | goal |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        for name, row in r["models"].items():
+            for key, label in labels.items():
+                if key not in row:
+                    continue
+                x = row[key]
+                goal = ""
+                if key == "a_quantprep_serve" and "b_over_a" in row:
+                    goal = f"(b) / (a) = {row['b_over_a']:.2f} (>= 5: {'met' if row['b_over_a'] >= 5 else 'NOT met'}); "
+                if key == "a_quantprep_serve" and "a_over_c" in row:
+                    goal += f"(a) / (c) = {row['a_over_c']:.2f} (<= 1.2: {'met' if row['a_over_c'] <= 1.2 else 'NOT met'})"
+                ready = f"{x['ready_s']:.2f} s" if "ready_s" in x else ""
+                out.append(f"| {r['machine']} ({r['cpu_capability']}), torch {r['torch']}, transformers {r['transformers']}, {r['date'][:10]} "
+                           f"| {name} ({row['device']}) | {label} | {ready} | {x['first_token_s']:.2f} s | {goal} |")
+    return "\n".join(out)
+
+
+def vs_gptqmodel(*runs: dict) -> str:
+    """GPTQModel's CPU kernel against quantprep's artifact of the same checkpoint (benchmarks/vs_gptqmodel.py)."""
+    out = ["| model, machine, date | | GPTQModel (TORCH backend) | quantprep (cpu artifact) | quantprep / GPTQModel |", "| --- | --- | --- | --- | --- |"]
+    for r in runs:
+        q, head = r["quality"], f"{r['model']}, {r['machine']} ({r['cpu_capability']}), {r['date'][:10]}"
+        pf, dc = r["prefill_512_s"], r["decode_tok_s"]
+        out += [f"| {head} | activations | {r['dtypes']['gptqmodel']} | {r['dtypes']['quantprep']} | |",
+                f"| | perplexity, held-out text, {q['windows']} x {q['ctx']} tokens | {q['ppl']['gptqmodel']:.3f} | {q['ppl']['quantprep']:.3f} "
+                f"| {q['ppl']['quantprep'] / q['ppl']['gptqmodel']:.4f} |",
+                f"| | KL(GPTQModel &#124;&#124; quantprep): mean, p99; top-1 agreement | | {q['kld_gptqmodel_quantprep']['mean']:.4f}, "
+                f"{q['kld_gptqmodel_quantprep']['p99']:.4f}; {100 * q['top1_agree']:.1f}% | |",
+                f"| | 512-token prefill (median of {len(pf['quantprep']['runs'])}) | {pf['gptqmodel']['median']:.2f} s | {pf['quantprep']['median']:.2f} s "
+                f"| {pf['quantprep_over_gptqmodel']:.2f}x the time |",
+                f"| | decode, {r['decode_new_tokens']} tokens after a 16-token prompt | {dc['gptqmodel']['median']:.2f} tok/s | "
+                f"{dc['quantprep']['median']:.2f} tok/s | {dc['quantprep_over_gptqmodel']:.2f}x the speed |",
+                f"| | greedy tokens equal before the first difference | | {r['same_greedy_prefix']} of {r['decode_new_tokens']} | |"]
+    return "\n".join(out)
+
+
+def target_ppl(*runs: dict) -> str:
+    """The same checkpoint's perplexity per target, against its dequantized model (quantprep eval --json files)."""
+    out = ["| target (device) | ppl | dequantized reference ppl | ratio | KLD mean | top-1 | scored tokens | vs the cpu artifact |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    cpu = next((r["ppl"] for r in runs if r["target"] == "cpu"), None)
+    for r in runs:
+        vs = f"{100 * (r['ppl'] / cpu - 1):+.3f}%" if cpu else ""
+        out.append(f"| {r['target']} ({r['device']}) | {r['ppl']:.4f} | {r['reference']['ppl']:.4f} | {r['ppl_ratio']:.5f} | "
+                   f"{r['kld']['mean']:.5f} | {100 * r['top1_agree']:.1f}% | {r['tokens']} | {vs} |")
+    return "\n".join(out)
+
+
 GEMM_SHAPES = ("q_proj", "qkv_fused", "gate_up_fused", "down_proj")
 
 
@@ -308,6 +361,9 @@ RENDERERS = {
     "pull": pull_times,
     "calibration": calibration,
     "eval": eval_results,
+    "serve": serve_cold_start,
+    "vs-gptqmodel": vs_gptqmodel,
+    "target-ppl": target_ppl,
 }
 
 

@@ -51,11 +51,14 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     import quantprep
+    from quantprep.build import cached_checkpoint
     from quantprep.eval import _ppl, compare_window, read_text, token_windows
 
     art = Path(args.artifact)
     manifest = json.loads((art / "manifest.json").read_text())
-    gptq = Path(manifest["source"]["gptq_path"])
+    gptq = cached_checkpoint(manifest["source"]["sha256"])  # the checkpoint the artifact was built from, by content
+    if gptq is None:
+        raise SystemExit(f"the GPTQ checkpoint {art} was built from is not in the build cache")
     tokenizer = AutoTokenizer.from_pretrained(art)
     text, text_name = read_text()
     windows = token_windows(tokenizer, text, args.ctx, args.windows * args.ctx)

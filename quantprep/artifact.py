@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 from .aot import FORMATS as PACKAGE_FORMATS
 from .aot import package_format
@@ -54,17 +53,75 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _shard(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key in sorted(tensors):
-        nbytes = tensors[key].numel() * tensors[key].element_size()
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][key] = tensors[key]
-        size += nbytes
-    return shards
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+                      torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """Write a safetensors file (docs: huggingface.co/docs/safetensors) and return its sha256,
+    computed from the bytes as they are written: no second read of the file. Tensors go largest
+    element first, then by name, as safetensors orders them, so each one is aligned to its size."""
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header, offset = {"__metadata__": metadata}, 0
+    for k in order:
+        t = tensors[k]
+        n = t.numel() * t.element_size()
+        header[k] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (len(raw).to_bytes(8, "little"), raw):
+            f.write(chunk)
+            h.update(chunk)
+        for k in order:
+            data = memoryview(tensors[k].contiguous().reshape(-1).view(torch.uint8).numpy())
+            f.write(data)
+            h.update(data)
+    return h.hexdigest()
+
+
+class ShardWriter:
+    """Safetensors shards written as tensors arrive: the current shard is held until the next
+    tensor would take it past `shard_bytes`, then written and hashed (write_safetensors) and freed.
+    Memory: one shard (or one tensor larger than a shard)."""
+
+    def __init__(self, tmp: Path, shard_bytes: int):
+        self.tmp, self.shard_bytes = tmp, shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.done: list[tuple[Path, str, list[str]]] = []  # (temporary path, sha256, tensor names)
+        self.total = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        for key, t in tensors.items():
+            n = t.numel() * t.element_size()
+            if self.pending and self.size + n > self.shard_bytes:
+                self.flush()
+            self.pending[key] = t
+            self.size += n
+            self.total += n
+
+    def flush(self) -> None:
+        if self.pending:
+            path = self.tmp / f".shard-{len(self.done)}"
+            self.done.append((path, write_safetensors(path, self.pending, {"format": "pt"}), sorted(self.pending)))
+            self.pending, self.size = {}, 0
+            pause_point("write")
+
+    def finish(self) -> tuple[list[str], dict[str, str], dict[str, str]]:
+        """(shard names, sha256 per shard, tensor -> shard) with the Hugging Face names
+        model-0000i-of-0000n.safetensors, known once the last shard is written."""
+        self.flush()
+        names, sha, weight_map = [], {}, {}
+        for i, (path, digest, keys) in enumerate(self.done):
+            name = f"model-{i + 1:05d}-of-{len(self.done):05d}.safetensors"
+            path.rename(self.tmp / name)
+            names.append(name)
+            sha[name] = digest
+            weight_map.update(dict.fromkeys(keys, name))
+        return names, sha, weight_map
 
 
 def follow_umask(path: Path) -> None:
@@ -146,57 +203,85 @@ def check_out_dir(out: Path, source: Path | None = None, force: bool = False) ->
                              "choose another --out, or pass --force to replace it") from None
 
 
-def write_artifact(out: Path, tensors: dict[str, torch.Tensor], manifest: dict, side_files_from: Path | None,
-                   side_files: list[str], probes: dict[str, torch.Tensor] | None = None, progress: bool = True,
-                   force: bool = False) -> Path:
-    """Write `tensors` + side files + manifest to `out`, atomically. `manifest` lacks shards/files/created.
-    `out` must be missing, empty or an artifact unless `force` (check_out_dir)."""
-    out = Path(out).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with publish_lock(out):
-        check_out_dir(out, side_files_from, force)
-        return _write_locked(out, tensors, manifest, side_files_from, side_files, probes, progress)
+class ArtifactWriter:
+    """Write one artifact atomically while its tensors stream in:
 
+        with ArtifactWriter(out, ...) as w:
+            w.add(tensors)  # any number of times; written shard by shard (ShardWriter)
+            w.finish(manifest, probes)  # side files, shard index, config.json, manifest; then published
 
-def _write_locked(out: Path, tensors: dict[str, torch.Tensor], manifest: dict, side_files_from: Path | None,
-                  side_files: list[str], probes: dict[str, torch.Tensor] | None, progress: bool) -> Path:
-    clean_stale_partials(out)
-    need = sum(t.numel() * t.element_size() for t in tensors.values()) + (64 << 20)
-    free = shutil.disk_usage(out.parent).free
-    if free < need:
-        raise QuantprepError(f"{out.parent}: {free / 2**30:.2f} GiB free, the artifact needs {need / 2**30:.2f} GiB; free disk space or pass --out elsewhere")
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        shards = _shard(tensors)
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        for name, shard in tqdm(list(zip(names, shards, strict=True)), desc="write", unit="shard", disable=not progress):
-            save_file(shard, str(tmp / name), metadata={"format": "pt"})
-            pause_point("write")
+    Holds `out`'s publish lock throughout; `out` must be missing, empty or an artifact unless
+    `force` (check_out_dir). Everything goes to a temporary sibling, removed if the block raises."""
+
+    def __init__(self, out: Path, side_files_from: Path | None, side_files: list[str], need_bytes: int, force: bool = False,
+                 shard_bytes: int = SHARD_BYTES):
+        self.out = Path(out).absolute()
+        self.side_files_from, self.side_files, self.need, self.force = side_files_from, side_files, need_bytes, force
+        self.shard_bytes = shard_bytes
+        self._lock = None
+
+    def __enter__(self) -> ArtifactWriter:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = publish_lock(self.out)
+        self._lock.__enter__()
+        try:
+            check_out_dir(self.out, self.side_files_from, self.force)
+            clean_stale_partials(self.out)
+            free = shutil.disk_usage(self.out.parent).free
+            if free < self.need + (64 << 20):
+                raise QuantprepError(f"{self.out.parent}: {free / 2**30:.2f} GiB free, the artifact needs about "
+                                     f"{(self.need + (64 << 20)) / 2**30:.2f} GiB; free disk space or pass --out elsewhere")
+            self.tmp = self.out.parent / f".{self.out.name}.partial-{os.getpid()}"
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp.mkdir()
+        except BaseException:
+            self._lock.__exit__(None, None, None)
+            raise
+        self.shards = ShardWriter(self.tmp, self.shard_bytes)
+        return self
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.shards.add(tensors)
+
+    def finish(self, manifest: dict, probes: dict[str, torch.Tensor] | None = None) -> Path:
+        """`manifest` lacks shards/files/created."""
+        tmp = self.tmp
+        names, digests, weight_map = self.shards.finish()
         if probes:
             save_file(probes, str(tmp / PROBES_FILE), metadata={"format": "pt"})
-        for name in side_files:
-            shutil.copyfile(side_files_from / name, tmp / name)
-        write_json_durably(tmp / WEIGHTS_INDEX, {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                                                 "weight_map": {k: n for n, shard in zip(names, shards, strict=True) for k in sorted(shard)}})
+        for name in self.side_files:
+            shutil.copyfile(self.side_files_from / name, tmp / name)
+        write_json_durably(tmp / WEIGHTS_INDEX, {"metadata": {"total_size": self.shards.total}, "weight_map": dict(sorted(weight_map.items()))})
         if (tmp / "config.json").is_file():
             write_json_durably(tmp / "config.json", transformers_config(json.loads((tmp / "config.json").read_text()), manifest))
         files = {}
         for p in sorted(tmp.iterdir()):
             follow_umask(p)
             _fsync(p)
-            files[p.name] = {"sha256": sha256_file(p), "size": p.stat().st_size}
-        manifest = dict(manifest, created=build_time().isoformat(timespec="seconds"),
-                        shards=names, files=files)
+            files[p.name] = {"sha256": digests.get(p.name) or sha256_file(p), "size": p.stat().st_size}
+        manifest = dict(manifest, created=build_time().isoformat(timespec="seconds"), shards=names, files=files)
         manifest["manifest_sha256"] = manifest_digest(manifest)
         write_json_durably(tmp / MANIFEST, manifest)
         _fsync(tmp)
-        publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+        publish(tmp, self.out)
+        return self.out
+
+    def __exit__(self, kind, value, tb) -> None:
+        try:
+            if kind is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+        finally:
+            self._lock.__exit__(None, None, None)
+
+
+def write_artifact(out: Path, tensors: dict[str, torch.Tensor], manifest: dict, side_files_from: Path | None,
+                   side_files: list[str], probes: dict[str, torch.Tensor] | None = None, progress: bool = True,
+                   force: bool = False) -> Path:
+    """Write `tensors` + side files + manifest to `out`, atomically (ArtifactWriter, all at once)."""
+    need = sum(t.numel() * t.element_size() for t in tensors.values())
+    with ArtifactWriter(out, side_files_from, side_files, need, force) as w:
+        w.add(dict(sorted(tensors.items())))
+        return w.finish(manifest, probes)
 
 
 def transformers_config(config: dict, manifest: dict) -> dict:

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from .artifact import FORMAT, FORMAT_VERSION, build_time, check_out_dir, sha256_file, write_artifact
+from .artifact import FORMAT, FORMAT_VERSION, SHARD_BYTES, ArtifactWriter, build_time, check_out_dir, sha256_file
 from .errors import RecipeError, SourceError
 from .load import DEFAULT_SHAPES
-from .prepack import prepack_checkpoint
+from .prepack import prepack_stream
 from .recipes import Recipe
-from .source import GPTQCheckpoint, _sha256_files, check_against_model, is_gptq_dir, read_checkpoint, resolve_hub_model
+from .source import GPTQCheckpoint, _sha256_files, _tensor_files, check_against_model, is_gptq_dir, read_checkpoint, resolve_hub_model
 from .targets import act_dtype_problem, get_target
 from .version import __version__
 from .warm import warm
@@ -29,6 +29,17 @@ DEFAULT_OUT = Path("artifacts")
 
 def cache_dir() -> Path:
     return Path(os.environ.get("QUANTPREP_CACHE", DEFAULT_OUT / ".cache")).absolute()
+
+
+def cached_checkpoint(sha256: str) -> Path | None:
+    """The GPTQ checkpoint in this machine's build cache whose tensor files have this content hash
+    (an artifact's source.sha256: manifests record no build-machine paths)."""
+    from .source import is_gptq_dir
+
+    for path in sorted((cache_dir() / "gptq").glob("*")):
+        if is_gptq_dir(path) and _sha256_files(path, _tensor_files(path)) == sha256:
+            return path
+    return None
 
 
 def sha256_of(path: Path) -> str:
@@ -151,8 +162,9 @@ def build_manifest(ckpt: GPTQCheckpoint, target, act_dtype: torch.dtype, modules
 
 def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for, act_dtype: str | None = None,
                     progress: bool = True, serving: dict | None = None, warm_here: bool = False,
-                    fuse: bool = True, force: bool = False) -> list[dict]:
-    """Read the checkpoint once, then prepack + write one artifact per target. `out_for(target)` -> dir.
+                    fuse: bool = True, force: bool = False, shard_bytes: int = SHARD_BYTES) -> list[dict]:
+    """Prepack every target in one pass over the checkpoint, layer by layer, each artifact written
+    shard by shard as it streams (memory: one layer + one shard per target). `out_for(target)` -> dir.
     serving: the shapes (and compile flag) `warm` will run; warm_here: warm each artifact whose
     device is present on this machine; fuse: prepack q/k/v and gate/up as one matmul where exact;
     force: replace an output directory that is not an artifact (never the source)."""
@@ -166,17 +178,21 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
         check_out_dir(out_for(target.name), gptq_dir, force)
     ckpt = read_checkpoint(gptq_dir)
     check_against_model(ckpt)
-    results = []
-    for target in resolved:
-        t0 = time.perf_counter()
-        dt = getattr(torch, act_dtype) if act_dtype else target.default_act_dtype
-        tensors, modules, probes = prepack_checkpoint(ckpt, target, dt, progress=progress, fuse=fuse)
+    dtypes = [getattr(torch, act_dtype) if act_dtype else t.default_act_dtype for t in resolved]
+    t0 = time.perf_counter()
+    with contextlib.ExitStack() as stack:  # every target in one pass over the source, each written as it streams
+        writers = [stack.enter_context(ArtifactWriter(out_for(t.name), ckpt.path, ckpt.side_files, ckpt.nbytes, force, shard_bytes))
+                   for t in resolved]
+        modules, probes = prepack_stream(ckpt, list(zip(resolved, dtypes, strict=True)), lambda i, t: writers[i].add(t),
+                                         progress=progress, fuse=fuse)
         t1 = time.perf_counter()
-        out = write_artifact(out_for(target.name), tensors, build_manifest(ckpt, target, dt, modules, identity, serving),
-                             ckpt.path, ckpt.side_files, probes, progress=progress, force=force)
-        t2 = time.perf_counter()
-        result = {"target": target.name, "path": str(out), "layers": len(modules),
-                  "prepack_s": round(t1 - t0, 3), "write_s": round(t2 - t1, 3)}
+        outs = [w.finish(build_manifest(ckpt, t, dt, m, identity, serving), probes)
+                for w, t, dt, m in zip(writers, resolved, dtypes, modules, strict=True)]
+    t2 = time.perf_counter()
+    results = []
+    for target, out, mods in zip(resolved, outs, modules, strict=True):
+        result = {"target": target.name, "path": str(out), "layers": len(mods),
+                  "prepack_s": round(t1 - t0, 3), "write_s": round(t2 - t1, 3)}  # prepack_s includes writing the full shards
         if warm_here and target.runtime_problem() is None:
             report = warm(out, progress=progress)
             result["warm"] = {k: report[k] for k in ("shapes", "files", "bytes", "s")}

@@ -75,7 +75,7 @@ def token_windows(tokenizer, text: str, ctx: int, max_tokens: int | None = None)
 
 def find_reference(manifest: dict, reference: str | os.PathLike | None = None) -> tuple[str, Path]:
     """(kind, directory): "float" or "dequantized"."""
-    from .build import cache_dir
+    from .build import cache_dir, cached_checkpoint
     from .source import is_gptq_dir, resolve_hub_model
 
     if reference is not None:
@@ -94,17 +94,10 @@ def find_reference(manifest: dict, reference: str | os.PathLike | None = None) -
             return ("dequantized" if is_gptq_dir(path) else "float"), path
         except QuantprepError:
             pass
-    for path in sorted((cache_dir() / "gptq").glob("*")):  # the GPTQ checkpoint, identified by content
-        if is_gptq_dir(path) and _checkpoint_sha(path) == source["sha256"]:
-            return "dequantized", path
+    if path := cached_checkpoint(source["sha256"]):  # the GPTQ checkpoint, identified by content
+        return "dequantized", path
     raise QuantprepError("no reference model found for this artifact (the build's float model and GPTQ checkpoint are not in "
                          "this machine's caches): pass --reference FLOAT_OR_GPTQ_DIR")
-
-
-def _checkpoint_sha(path: Path) -> str:
-    from .source import _sha256_files, _tensor_files
-
-    return _sha256_files(path, _tensor_files(path))
 
 
 def dequantized_model(gptq_dir: Path, dtype: torch.dtype = torch.float32):

@@ -124,34 +124,47 @@ def fusion_plan(names: list[str], fuse: bool = True) -> list[tuple[str, list[str
     return plan
 
 
-def prepack_checkpoint(ckpt: GPTQCheckpoint, target, act_dtype: torch.dtype, progress: bool = True, fuse: bool = True,
-                       ) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict[str, torch.Tensor]]:
-    """Returns (tensors for the artifact, per-module metadata for the manifest, verify probes)."""
+def prepack_stream(ckpt: GPTQCheckpoint, packers: list[tuple[object, torch.dtype]], emit, progress: bool = True,
+                   fuse: bool = True) -> tuple[list[dict[str, dict]], dict[str, torch.Tensor]]:
+    """Prepack every layer for each (target, act dtype) in `packers` in one pass over the source:
+    each layer is read (ckpt.layers reads it from disk), unpacked once, packed per target and
+    handed to `emit(i, tensors)` for packer i, then dropped, so memory holds one layer, not the
+    model. Returns (per-module manifest metadata per packer, verify probes)."""
     from .artifact import pause_point
 
-    tensors: dict[str, torch.Tensor] = {}
-    modules: dict[str, dict] = {}
+    modules: list[dict[str, dict]] = [{} for _ in packers]
     probes: dict[str, torch.Tensor] = {}
     plan = fusion_plan(list(ckpt.layers), fuse)
     probe_names = probe_layer_names([name for name, _ in plan])
-    for name, members in tqdm(plan, desc=f"prepack {target.name}", unit="layer", disable=not progress):
+    names = ", ".join(t.name for t, _ in packers)
+    for name, members in tqdm(plan, desc=f"prepack {names}", unit="layer", disable=not progress):
         layers = [unpack_layer(ckpt.layers[m]) for m in members]
         if len(layers) > 1 and can_fuse(layers):
-            emit = [(fuse_layers(name, layers), {"members": [m.rpartition(".")[2] for m in members],
-                                                  "sizes": [x.out_features for x in layers]})]
+            emit_layers = [(fuse_layers(name, layers), {"members": [m.rpartition(".")[2] for m in members],
+                                                        "sizes": [x.out_features for x in layers]})]
         else:  # not fusable here (different act-order or groups): keep the layers separate
-            emit = [(x, None) for x in layers]
-        for i, (unpacked, fused) in enumerate(emit):
-            if name in probe_names and i == 0:
+            emit_layers = [(x, None) for x in layers]
+        for j, (unpacked, fused) in enumerate(emit_layers):
+            if name in probe_names and j == 0:
                 probes.update(make_probe(unpacked))
                 pause_point("prepack")
-            packed, meta = target.pack(unpacked, act_dtype)
-            if fused:
-                meta["fused"] = fused
-            for part, t in packed.items():
-                tensors[f"{unpacked.name}.{part}"] = t.contiguous()
-            modules[unpacked.name] = meta
-    for key, t in ckpt.other_tensors.items():
-        # Float weights are stored in the activation dtype so loading is a zero-copy mmap.
-        tensors[key] = (t.to(act_dtype) if t.is_floating_point() else t).contiguous()
+            for i, (target, act_dtype) in enumerate(packers):
+                packed, meta = target.pack(unpacked, act_dtype)
+                if fused:
+                    meta["fused"] = fused
+                emit(i, {f"{unpacked.name}.{part}": t.contiguous() for part, t in packed.items()})
+                modules[i][unpacked.name] = meta
+    for key in ckpt.other_tensors:
+        t = ckpt.other_tensors[key]
+        for i, (_, act_dtype) in enumerate(packers):
+            # Float weights are stored in the activation dtype so loading is a zero-copy mmap.
+            emit(i, {key: (t.to(act_dtype) if t.is_floating_point() else t).contiguous()})
+    return modules, probes
+
+
+def prepack_checkpoint(ckpt: GPTQCheckpoint, target, act_dtype: torch.dtype, progress: bool = True, fuse: bool = True,
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict[str, torch.Tensor]]:
+    """One target, all in memory: (tensors for the artifact, per-module metadata, verify probes)."""
+    tensors: dict[str, torch.Tensor] = {}
+    [modules], probes = prepack_stream(ckpt, [(target, act_dtype)], lambda i, t: tensors.update(t), progress, fuse)
     return tensors, modules, probes

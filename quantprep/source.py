@@ -1,7 +1,8 @@
 """Stage 1, source: find or make a GPTQ checkpoint and read it into validated tensors.
 
 Either ingest an existing GPTQ directory (HF layout) or quantize a float model with gptqmodel
-(imported lazily: only building needs it, never loading).
+(imported lazily: only building needs it, never loading). A checkpoint is read layer by layer
+when a layer is asked for, never held whole, so memory stays flat whatever the model's size.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,11 +77,56 @@ class GPTQCheckpoint:
     path: Path
     quant: QuantConfig
     model_config: dict
-    layers: dict[str, GPTQLayer]
-    other_tensors: dict[str, torch.Tensor]  # embeddings, norms, float lm_head, ...
+    layers: Mapping[str, GPTQLayer]  # read from disk and validated at each access (LazyLayers)
+    other_tensors: Mapping[str, torch.Tensor]  # embeddings, norms, float lm_head, ... (LazyTensors)
     tensor_files: list[str]
     sha256: str  # over the source's tensor files, in name order
     side_files: list[str] = field(default_factory=list)
+    layer_sizes: dict[str, tuple[int, int, bool]] = field(default_factory=dict)  # name -> (K, N, has a bias)
+    nbytes: int = 0  # the tensor files' size
+
+
+class LazyTensors(Mapping):
+    """name -> tensor, read from its safetensors file at each access and not kept."""
+
+    def __init__(self, path: Path, where: dict[str, str], names: list[str]):
+        self.path, self.where, self.names = path, where, names
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        fname = self.where[key]
+        try:
+            with safe_open(self.path / fname, framework="pt") as f:
+                return f.get_tensor(key)
+        except Exception as e:  # safetensors raises its own error types for bad data
+            raise SourceError(f"{self.path / fname}: cannot read tensor {key} ({e}); re-download or re-export it") from None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+class LazyLayers(Mapping):
+    """layer name -> GPTQLayer, its tensors read and validated at each access."""
+
+    def __init__(self, tensors: LazyTensors, parts: dict[str, list[str]], quant: QuantConfig):
+        self.tensors, self.parts, self.quant = tensors, parts, quant
+
+    def __getitem__(self, name: str) -> GPTQLayer:
+        return _validate_layer(name, {p: self.tensors[f"{name}.{p}"] for p in self.parts[name]}, self.quant)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.parts
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.parts)
+
+    def __len__(self) -> int:
+        return len(self.parts)
 
 
 MAX_JSON_BYTES = 64 << 20  # config and index files are kilobytes; refuse anything absurd before parsing
@@ -209,33 +256,38 @@ def read_checkpoint(path: str | os.PathLike) -> GPTQCheckpoint:
         raise SourceError(f"{cfg_file}: missing; a GPTQ checkpoint needs the model's config.json")
     model_config = _read_json(cfg_file)
     files = _tensor_files(path)
-    tensors: dict[str, torch.Tensor] = {}
+    where: dict[str, str] = {}
     for fname in files:
         try:
-            with safe_open(path / fname, framework="pt") as f:
-                for key in f.keys():
-                    tensors[key] = f.get_tensor(key)
+            with safe_open(path / fname, framework="pt") as f:  # the header only; tensors are read per layer
+                where.update(dict.fromkeys(f.keys(), fname))
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise SourceError(f"{path / fname}: cannot read safetensors file ({e}); re-download or re-export it") from None
 
-    parts_by_layer: dict[str, dict[str, torch.Tensor]] = {}
-    for key in tensors:
+    parts_by_layer: dict[str, list[str]] = {}
+    for key in where:
         if key.endswith(".qweight"):
-            parts_by_layer[key[: -len(".qweight")]] = {}
-    other: dict[str, torch.Tensor] = {}
-    for key, t in tensors.items():
+            parts_by_layer[key[: -len(".qweight")]] = []
+    other: list[str] = []
+    for key in where:
         prefix, _, part = key.rpartition(".")
         if prefix in parts_by_layer and part in ("qweight", "qzeros", "scales", "g_idx", "bias"):
-            parts_by_layer[prefix][part] = t
+            parts_by_layer[prefix].append(part)
         elif part in ("qzeros", "scales", "g_idx"):
             raise SourceError(f"tensor {key}: has no matching {prefix}.qweight; the checkpoint is incomplete")
         else:
-            other[key] = t
+            other.append(key)
     if not parts_by_layer:
         raise SourceError(f"{path}: no '*.qweight' tensors found; is this a GPTQ checkpoint?")
-    layers = {name: _validate_layer(name, parts, quant) for name, parts in sorted(parts_by_layer.items())}
+    tensors = LazyTensors(path, where, sorted(other))
+    layers = LazyLayers(tensors, dict(sorted(parts_by_layer.items())), quant)
+    sizes = {}
+    for name in layers:  # validate every layer now, one at a time: bad input fails before any work
+        layer = layers[name]
+        sizes[name] = (layer.in_features, layer.out_features, layer.bias is not None)
     side = [f for f in SIDE_FILES if (path / f).is_file()]
-    return GPTQCheckpoint(path, quant, model_config, layers, other, files, _sha256_files(path, files), side)
+    return GPTQCheckpoint(path, quant, model_config, layers, tensors, files, _sha256_files(path, files), side, sizes,
+                          sum((path / f).stat().st_size for f in files))
 
 
 def check_against_model(ckpt: GPTQCheckpoint) -> None:
@@ -251,18 +303,18 @@ def check_against_model(ckpt: GPTQCheckpoint) -> None:
     config.__dict__.pop("quantization_config", None)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    for name, layer in ckpt.layers.items():
+    for name, (in_features, out_features, has_layer_bias) in ckpt.layer_sizes.items():
         try:
             module = model.get_submodule(name)
         except AttributeError:
             raise SourceError(f"tensor {name}.qweight: the {config.model_type} model has no module {name}; the checkpoint "
                               "does not match its config.json") from None
         sizes = (getattr(module, "in_features", None), getattr(module, "out_features", None))
-        if sizes != (layer.in_features, layer.out_features):
-            raise SourceError(f"tensor {name}.qweight: {layer.in_features}x{layer.out_features}, the {config.model_type} model's "
+        if sizes != (in_features, out_features):
+            raise SourceError(f"tensor {name}.qweight: {in_features}x{out_features}, the {config.model_type} model's "
                               f"{name} is {sizes[0]}x{sizes[1]}; the checkpoint does not match its config.json")
         has_bias = getattr(module, "bias", None) is not None
-        if has_bias != (layer.bias is not None):
+        if has_bias != has_layer_bias:
             problem = "missing, but the model's module has a bias" if has_bias else "present, but the model's module has no bias"
             raise SourceError(f"tensor {name}.bias: {problem}; re-export or re-quantize the checkpoint")
 
