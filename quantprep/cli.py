@@ -29,6 +29,7 @@ def cmd_build(args) -> int:
     from .recipes import find_recipe
     from .targets import get_target
 
+    shard_bytes = _shard_bytes(args)  # bad options fail before any work
     recipe = find_recipe(args.recipe, args.recipes)
     overrides = {k: v for k, v in (("calibration", args.calibration), ("samples", args.samples), ("seq_len", args.seq_len))
                  if v is not None}
@@ -50,7 +51,7 @@ def cmd_build(args) -> int:
     serving = {"shapes": recipe.warm_shapes, "compile": recipe.warm_compile, "aot": recipe.warm_aot}
     results = build_artifacts(gptq_dir, identity, targets, lambda t: out_root / t, recipe.act_dtype,
                               progress=not args.json, serving=serving, warm_here=args.warm and recipe.warm_enabled,
-                              fuse=args.fuse, force=args.force)
+                              fuse=args.fuse, force=args.force, shard_bytes=shard_bytes)
     if args.check:
         for r in results:
             if get_target(r["target"]).runtime_problem() is None:
@@ -118,6 +119,16 @@ def _fresh_process_generate(path: Path, prompt: str, max_new_tokens: int, quiet:
     return result
 
 
+SHARD_HELP = ("safetensors shard size (default 2048): the build holds one layer and one shard per target in memory, "
+              "whatever the model's size")
+
+
+def _shard_bytes(args) -> int:
+    if not 1 <= args.shard_size <= 1 << 20:
+        raise QuantprepError(f"--shard-size {args.shard_size}: pass MiB between 1 and {1 << 20}")
+    return args.shard_size << 20
+
+
 def cmd_prepack(args) -> int:
     from .build import build_artifacts
     from .source import is_gptq_dir
@@ -128,7 +139,7 @@ def cmd_prepack(args) -> int:
     if not is_gptq_dir(src):
         raise QuantprepError(f"{src}: not a GPTQ checkpoint (no quantize_config.json or quantization_config); use `quantprep build RECIPE --source {src}` to quantize a float model")
     results = build_artifacts(src, {"path": str(src.absolute())}, [args.target], lambda t: Path(args.out),
-                              args.act_dtype, progress=not args.json, fuse=args.fuse, force=args.force)
+                              args.act_dtype, progress=not args.json, fuse=args.fuse, force=args.force, shard_bytes=_shard_bytes(args))
     r = results[0]
     _print_json_or(args, r, f"wrote {r['path']} ({r['bytes'] / 2**20:.1f} MiB, {r['layers']} layers, prepack {r['prepack_s']:.2f} s)")
     return 0
@@ -322,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--quantize-device", choices=["auto", "cpu", "cuda", "xpu"], default="auto",
                    help="where gptqmodel quantizes a float source (auto: cuda, else xpu, else cpu); recorded in the manifest")
     b.add_argument("--force", action="store_true", help="replace an output dir that is not an artifact (never the source)")
+    b.add_argument("--shard-size", type=int, metavar="MIB", default=2048, help=SHARD_HELP)
     b.add_argument("--json", action="store_true", help="print a JSON summary")
     b.set_defaults(func=cmd_build)
 
@@ -333,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
                     help="prepack q/k/v and gate/up as one matmul where their act-order matches (default: on)")
     pp.add_argument("--force", action="store_true", help="replace an --out dir that is not an artifact (never the source)")
+    pp.add_argument("--shard-size", type=int, metavar="MIB", default=2048, help=SHARD_HELP)
     pp.add_argument("--json", action="store_true")
     pp.set_defaults(func=cmd_prepack)
 

@@ -100,3 +100,50 @@ def write_random_checkpoint(out: Path, model_config: dict, bits: int = 4, group_
     (out / "config.json").write_text(json.dumps(cfg_json, indent=2))
     (out / "quantize_config.json").write_text(json.dumps(qcfg, indent=2))
     return out
+
+
+def write_random_checkpoint_sharded(out: Path, model_config: dict, bits: int = 4, group_size: int = 128, desc_act: bool = True,
+                                    sym: bool = True, seed: int = 0, shard_bytes: int = 2 << 30) -> Path:
+    """A GPTQ checkpoint of any size written with flat memory, for the scale benchmark: one random
+    layer per distinct shape, its tensors reused for every layer of that shape, written shard by
+    shard with a model.safetensors.index.json as Hugging Face writes it. Same layout as
+    write_random_checkpoint (v1 format, shared q/k/v and gate/up g_idx)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .artifact import ShardWriter
+    from .prepack import FUSIONS
+
+    g = torch.Generator().manual_seed(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = AutoConfig.for_model(**model_config)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(cfg)
+    writer = ShardWriter(out, shard_bytes)
+    by_shape: dict[tuple[int, int, bool], dict[str, torch.Tensor]] = {}
+    linears = {n: m for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    for name, mod in linears.items():
+        key = (mod.in_features, mod.out_features, mod.bias is not None)
+        if key not in by_shape:
+            by_shape[key] = random_gptq_tensors(mod.in_features, mod.out_features, bits, group_size, sym, desc_act, v1=True,
+                                                bias=mod.bias is not None, generator=g)
+        layer = dict(by_shape[key])
+        parent, _, child = name.rpartition(".")
+        group = next((members[0] for members in FUSIONS if child in members), None)
+        if group and child != group:  # the group's g_idx, as GPTQModel writes it (same shapes along K)
+            layer["g_idx"] = by_shape[(mod.in_features, skeleton.get_submodule(f"{parent}.{group}").out_features,
+                                       skeleton.get_submodule(f"{parent}.{group}").bias is not None)]["g_idx"]
+        writer.add({f"{name}.{k}": v for k, v in layer.items()})
+    for name, param in skeleton.named_parameters():
+        if name.rsplit(".", 1)[0] in linears or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        fill = torch.ones if name.endswith("norm.weight") or "layernorm" in name else torch.zeros
+        writer.add({name: fill(param.shape, dtype=torch.float16)})
+    names, _, weight_map = writer.finish()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": writer.total},
+                                                                  "weight_map": weight_map}, indent=2))
+    qcfg = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
+            "checkpoint_format": "gptq", "lm_head": False}
+    cfg_json = dict(cfg.to_dict(), quantization_config=qcfg, torch_dtype="float16")
+    (out / "config.json").write_text(json.dumps(cfg_json, indent=2))
+    (out / "quantize_config.json").write_text(json.dumps(qcfg, indent=2))
+    return out

@@ -1,0 +1,188 @@
+"""Every model size on one machine (issue 18): prepack time and peak memory from 0.5B to 32B shapes.
+
+For each Qwen2.5 shape, a GPTQ int4 g128 act-order checkpoint with random codes (written once with
+flat memory, synthetic.write_random_checkpoint_sharded; kept under artifacts/.cache/bench/scale),
+then, each in a fresh process where a process is timed:
+  - copy: the source's bytes copied to a new file on the same disk and fsynced (the disk's own rate)
+  - prepack: `quantprep prepack SRC --target cpu` (wall time; peak RSS from wait4)
+  - verify: `quantprep verify ART` (every sha256 + the numeric probes; time and peak RSS)
+  - load to first token: quantprep.load + 1 token, and the floor of benchmarks/load.py (python +
+    torch + the artifact's bytes read + a dense forward), medians of --runs
+A size whose source, copy and artifact do not fit the free disk is skipped and reported as such.
+Goals: prepack time linear in bytes and <= 2x the copy; peak RSS flat; load <= 1.25x the floor.
+
+    python benchmarks/scale.py [--sizes 0.5b,1.5b,7b,14b,32b] [--runs 3] [--keep]
+        [--out benchmarks/results/scale-cpu-avx2.json] [--plot benchmarks/results/scale-cpu-avx2.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+WORK = REPO / "artifacts" / ".cache" / "bench" / "scale"
+COMMON = {"model_type": "qwen2", "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
+SHAPES = {  # Qwen2.5 configs: hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings
+    "0.5b": (896, 4864, 24, 14, 2, 151936, True),
+    "1.5b": (1536, 8960, 28, 12, 2, 151936, True),
+    "7b": (3584, 18944, 28, 28, 4, 152064, False),
+    "14b": (5120, 13824, 48, 40, 8, 152064, False),
+    "32b": (5120, 27648, 64, 40, 8, 152064, False),
+}
+
+
+def config(size: str) -> dict:
+    h, i, n, heads, kv, vocab, tied = SHAPES[size]
+    return dict(COMMON, hidden_size=h, intermediate_size=i, num_hidden_layers=n, num_attention_heads=heads,
+                num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied)
+
+
+def params(size: str) -> int:
+    h, i, n, heads, kv, vocab, tied = SHAPES[size]
+    kvd = kv * h // heads
+    per_layer = h * (h + 2 * kvd) + h * h + 3 * h * i
+    return n * per_layer + vocab * h * (1 if tied else 2)
+
+
+def estimated_bytes(size: str) -> int:
+    """int4 codes + fp16 scales per 128 + fp16 embeddings: the checkpoint's size, near enough to plan disk."""
+    h, i, n, heads, kv, vocab, tied = SHAPES[size]
+    linear = params(size) - vocab * h * (1 if tied else 2)
+    return int(linear * (0.5 + 2 / 128 * 1.25)) + vocab * h * 2 * (1 if tied else 2)
+
+
+def run_timed(argv: list[str]) -> dict:
+    """Wall time and peak RSS (wait4's ru_maxrss of that process alone) of one fresh process."""
+    with tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO,
+                                env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"))
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            err.seek(0)
+            raise RuntimeError(err.read().decode()[-3000:])
+    return {"s": round(wall, 2), "peak_rss_gib": round(usage.ru_maxrss / 2**20, 3)}
+
+
+def copy_time(src: Path, dest: Path) -> float:
+    t0 = time.perf_counter()
+    with open(dest, "wb") as out:
+        for f in sorted(src.glob("*.safetensors")):
+            with open(f, "rb") as inp:
+                while chunk := inp.read(16 << 20):
+                    out.write(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    t = time.perf_counter() - t0
+    dest.unlink()
+    return t
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sizes", default="0.5b,1.5b,7b,14b,32b")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--keep", action="store_true", help="keep each size's checkpoint and artifact (default: removed after)")
+    p.add_argument("--out")
+    p.add_argument("--plot")
+    p.add_argument("results", nargs="*", help="with --plot and no --sizes run: draw these result files")
+    args = p.parse_args()
+    if args.plot and args.results:
+        return plot(json.loads(Path(args.results[0]).read_text()), args.plot)
+    import torch
+
+    from benchmarks.load import CHILD_FLOOR, CHILD_QUANTPREP, median_runs
+    from quantprep.synthetic import write_random_checkpoint_sharded
+
+    result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+              "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1), "sizes": {}, "skipped": {}}
+    WORK.mkdir(parents=True, exist_ok=True)
+    for size in args.sizes.split(","):
+        src, art = WORK / f"qwen2.5-{size}-gptq", WORK / f"qwen2.5-{size}-cpu"
+        have = dir_bytes(src) if (src / "config.json").is_file() else 0
+        need = 3 * estimated_bytes(size) - have  # source (unless kept), its copy, the artifact
+        free = shutil.disk_usage(WORK).free + (dir_bytes(art) if art.exists() else 0)
+        if free < need + (2 << 30):
+            result["skipped"][size] = f"needs ~{need / 2**30:.1f} GiB of disk (source, copy, artifact), {free / 2**30:.1f} GiB free"
+            print(f"{size}: skipped, {result['skipped'][size]}", flush=True)
+            continue
+        if not have:
+            print(f"{size}: writing a random GPTQ checkpoint...", flush=True)
+            tmp = src.with_name(src.name + ".partial")
+            shutil.rmtree(tmp, ignore_errors=True)
+            write_random_checkpoint_sharded(tmp, config(size))
+            tmp.rename(src)
+        src_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+        row = {"params": params(size), "source_bytes": src_bytes, "copy_s": round(copy_time(src, WORK / "copy.tmp"), 2)}
+        row["prepack"] = run_timed([sys.executable, "-m", "quantprep", "prepack", str(src), "--target", "cpu", "--out", str(art), "--force"])
+        row["artifact_bytes"] = dir_bytes(art)
+        row["verify"] = run_timed([sys.executable, "-m", "quantprep", "verify", str(art)])
+        row["load_first_token"] = median_runs(CHILD_QUANTPREP, [str(art)], args.runs)
+        row["floor"] = median_runs(CHILD_FLOOR, [str(art)], args.runs)
+        row["prepack_over_copy"] = row["prepack"]["s"] / row["copy_s"]
+        row["load_over_floor"] = row["load_first_token"]["total_s"] / row["floor"]["total_s"]
+        row["write_mb_s"] = round(row["artifact_bytes"] / row["prepack"]["s"] / 1e6, 1)
+        row["copy_mb_s"] = round(src_bytes / row["copy_s"] / 1e6, 1)
+        result["sizes"][size] = row
+        print(json.dumps({size: row}), flush=True)
+        if not args.keep:
+            shutil.rmtree(art, ignore_errors=True)
+            if size not in ("0.5b", "1.5b"):
+                shutil.rmtree(src, ignore_errors=True)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    if args.plot:
+        plot(result, args.plot)
+
+
+def plot(r: dict, out: str) -> None:
+    """Log-log: prepack, copy, verify and load time, and peak RSS, against parameters."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(r["sizes"])
+    x = [r["sizes"][s]["params"] / 1e9 for s in sizes]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for label, key in (("prepack", lambda v: v["prepack"]["s"]), ("copy of the source", lambda v: v["copy_s"]),
+                       ("verify", lambda v: v["verify"]["s"]), ("load to first token", lambda v: v["load_first_token"]["total_s"]),
+                       ("floor", lambda v: v["floor"]["total_s"])):
+        a.plot(x, [key(r["sizes"][s]) for s in sizes], marker="o", label=label)
+    a.set(xscale="log", yscale="log", xlabel="parameters (billions)", ylabel="seconds", title="time")
+    for label, key in (("prepack", "prepack"), ("verify", "verify")):
+        b.plot(x, [r["sizes"][s][key]["peak_rss_gib"] for s in sizes], marker="o", label=f"{label} peak RSS")
+    b.plot(x, [r["sizes"][s]["artifact_bytes"] / 2**30 for s in sizes], marker="x", linestyle="--", label="artifact size")
+    b.set(xscale="log", yscale="log", xlabel="parameters (billions)", ylabel="GiB", title="memory")
+    for ax in (a, b):
+        ax.legend(fontsize=8)
+        ax.set_xticks(x, [s for s in sizes])
+    skipped = f"; skipped: {', '.join(r['skipped'])}" if r["skipped"] else ""
+    fig.suptitle(f"Qwen2.5 shapes, int4 g128, cpu target ({r['machine']}, {r['memory_gib']} GiB, {r['date'][:10]}{skipped})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
