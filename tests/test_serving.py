@@ -6,6 +6,8 @@ GEMMs' row count, and float32 kernels round differently per row count: ~1e-4 abs
 logits). On a quantprep artifact in float32: relative error <= 1e-5 and the same greedy tokens.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import dense_reference_model, rel_err
@@ -161,6 +163,34 @@ def test_a_client_that_disconnects_mid_stream(server):
     assert _chat(client, str(art), "b c d").choices[0].message.content == local_greedy(art, "b c d", 12)
 
 
+def test_serve_a_published_reference(tmp_path, monkeypatch):
+    """SRC may be a published reference: the variant that fits is pulled (verified) into the cache, then served."""
+    import os
+
+    from conftest import free_port
+    from openai import OpenAI
+
+    from quantprep.publish import publish
+
+    art = chat_artifact(tmp_path / "a")
+    publish([art], str(tmp_path / "published"))
+    monkeypatch.setenv("QUANTPREP_PULL_CACHE", str(tmp_path / "pulled"))
+    port = free_port()
+    import sys
+
+    from conftest import serve
+
+    stop = serve([sys.executable, "-m", "quantprep", "serve", f"file://{tmp_path / 'published'}", "--port", str(port)],
+                 f"http://127.0.0.1:{port}/v1/models", "quantprep serve", timeout=120, env=dict(os.environ))
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60, max_retries=0)
+        [served] = [m.id for m in client.models.list().data]
+        assert served.startswith(str(tmp_path / "pulled")) and (Path(served) / "manifest.json").is_file()
+        assert _chat(client, served, "b c d").choices[0].message.content == local_greedy(art, "b c d", 12)
+    finally:
+        stop()
+
+
 def test_sigterm_during_a_request_stops_it_cleanly(tmp_path):
     import signal
     import subprocess
@@ -209,9 +239,24 @@ def test_sigterm_during_a_request_stops_it_cleanly(tmp_path):
         proc.kill()
 
 
-def test_serve_refuses_what_is_not_an_artifact(tmp_path):
+def test_serve_refuses_in_one_line(tmp_path):
+    """Not an artifact; an artifact built for another CPU: one line, exit 2, before any server starts."""
+    import json
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "quantprep", "serve", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "not an artifact directory" in proc.stderr
+    from quantprep.artifact import MANIFEST, manifest_digest
+
+    def serve_err(src):
+        proc = subprocess.run([sys.executable, "-m", "quantprep", "serve", str(src), "--port", "1"], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        return proc.stderr
+
+    assert "not an artifact directory" in serve_err(tmp_path)
+    art = chat_artifact(tmp_path / "a")
+    m = json.loads((art / MANIFEST).read_text())
+    m["compat"]["cpu_capability"] = "AVX512_VNNI_AMX"
+    m["manifest_sha256"] = manifest_digest(m)
+    (art / MANIFEST).write_text(json.dumps(m))
+    assert "built for cpu_capability=AVX512_VNNI_AMX" in serve_err(art)
