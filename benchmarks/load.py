@@ -84,7 +84,9 @@ t2 = time.time()
 c = json.load(open(art + "/config.json"))
 h, i, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
 kv = c["num_key_value_heads"] * c.get("head_dim", h // c["num_attention_heads"])
-dt = torch.bfloat16
+# bf16 as the artifact's matmuls run, except where the CPU has no fast bf16 GEMM (below AVX512, 100x
+# slower): quantprep's cpu kernels then run their dense matmuls in float32, and so does the floor
+dt = torch.bfloat16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else torch.float32
 w = {n: torch.empty(k, o, dtype=dt) for n, (k, o) in
      {"q": (h, h), "k": (h, kv), "v": (h, kv), "o": (h, h), "g": (h, i), "u": (h, i), "d": (i, h)}.items()}
 emb = tensors["model.embed_tokens.weight"]
@@ -163,6 +165,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--models", default="smollm2,qwen1.5b")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "load-cpu.json"))
+    p.add_argument("--variants", help="comma-separated subset of a_gptqmodel,a0_gptqmodel_cold_inductor,b_quantprep,c_floor,"
+                                      "ct_floor_with_transformers (default: all)")
     p.add_argument("--plot", help="draw FILE.png from the result files given as arguments, then stop")
     p.add_argument("results", nargs="*")
     args = p.parse_args()
@@ -189,14 +193,16 @@ def main() -> None:
                     "b_quantprep": (CHILD_QUANTPREP, [str(art)], False),
                     "c_floor": (CHILD_FLOOR, [str(art)], False),
                     "ct_floor_with_transformers": (CHILD_FLOOR, [str(art), "transformers"], False)}
+        if args.variants:
+            variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
         for name, (code, child_args, cold) in variants.items():
             print(f"{model}: {name} x{args.runs}...", file=sys.stderr, flush=True)
             row[name] = median_runs(code, child_args, args.runs, cold)
         b = row["b_quantprep"]["total_s"]
-        row["b_over_a"] = b / row["a_gptqmodel"]["total_s"]
-        row["b_over_a0"] = b / row["a0_gptqmodel_cold_inductor"]["total_s"]
-        row["b_over_c"] = b / row["c_floor"]["total_s"]
-        row["b_over_ct"] = b / row["ct_floor_with_transformers"]["total_s"]
+        for ratio, other in (("b_over_a", "a_gptqmodel"), ("b_over_a0", "a0_gptqmodel_cold_inductor"), ("b_over_c", "c_floor"),
+                             ("b_over_ct", "ct_floor_with_transformers")):
+            if other in row:
+                row[ratio] = b / row[other]["total_s"]
         results["models"][model] = row
         print(json.dumps({model: row}, indent=2), flush=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")

@@ -74,11 +74,11 @@ def load_to_first_token(r: dict) -> str:
     out = [f"{r['machine']}, {r['date']}, Python {r['python']}; median of {len(models[names[0]]['b_quantprep']['runs'])} fresh "
            "processes, seconds (imports / load / first forward)", "",
            "| variant | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
-    for key, label in variants:
+    for key, label in [(k, v) for k, v in variants if all(k in models[n] for n in names)]:
         out.append(f"| {label} | " + " | ".join(
             f"{models[n][key]['total_s']:.2f} s ({models[n][key]['import_s']:.2f} / {models[n][key]['load_s']:.2f} / "
             f"{models[n][key]['first_s']:.2f})" for n in names) + " |")
-    for ratio in ("b_over_a", "b_over_a0", "b_over_c", "b_over_ct"):
+    for ratio in [r for r in ("b_over_a", "b_over_a0", "b_over_c", "b_over_ct") if all(r in models[n] for n in names)]:
         out.append(f"| {ratio.replace('_over_', ' / ')} | " + " | ".join(f"{models[n][ratio]:.2f}" for n in names) + " |")
     return "\n".join(out)
 
