@@ -214,33 +214,36 @@ LOADERS = [("a_gptqmodel", "GPTQModel"), ("a0_gptqmodel_cold_inductor", "GPTQMod
 
 
 def plot(results: list[dict], out: str) -> None:
-    """One panel per model: per loader, the median phases stacked (spawn to first token)."""
+    """One panel per model: per loader, the median phases stacked (spawn to first token), the
+    median total on top. A loader measured in several files is taken from the last one."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(r, name) for r in results for name in r["models"]]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), sharey=True, squeeze=False)
-    for ax, (r, name) in zip(axes[0], panels, strict=True):
-        row = r["models"][name]
+    models: dict[str, dict] = {}
+    for r in results:
+        for name, row in r["models"].items():
+            models.setdefault(name, {}).update({k: v for k, v in row.items() if k in dict(LOADERS)})
+    fig, axes = plt.subplots(1, len(models), figsize=(max(5.0, 4.2 * len(models)), 4.2), sharey=True, squeeze=False)
+    for ax, (name, row) in zip(axes[0], models.items(), strict=True):
         loaders = [(k, label) for k, label in LOADERS if k in row]
         bottom = [0.0] * len(loaders)
         for (phase, label), color in zip(PHASES, ("#9aa5b1", "#4c78a8", "#f58518"), strict=True):
             vals = [row[k][phase] for k, _ in loaders]
             ax.bar(range(len(loaders)), vals, bottom=bottom, color=color, label=label)
             bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-        for i, total in enumerate(bottom):
-            ax.text(i, total, f"{total:.1f} s", ha="center", va="bottom", fontsize=8)
+        for i, (k, _) in enumerate(loaders):
+            ax.text(i, bottom[i], f"{row[k]['total_s']:.1f} s", ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(loaders)), [label for _, label in loaders], fontsize=8)
-        ax.set_title(f"{name} ({r['cpu_capability']}, {r['date']})", fontsize=9)
-    axes[0][0].set_ylabel("seconds from process spawn (median)")
+        ax.set_title(name, fontsize=9)
+    axes[0][0].set_ylabel("seconds from process spawn (medians)")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle("Load to first token on the CPU, fresh processes (benchmarks/load.py)", fontsize=10)
+    r = results[-1]
+    fig.suptitle(f"Load to first token, CPU ({r['cpu_capability']}), fresh processes\n{r['machine']}, {r['date']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")
-
 
 if __name__ == "__main__":
     main()

@@ -85,14 +85,16 @@ def first_streamed_token(port: int, model_id: str) -> float:
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
+    seen = []
     for line in resp:
+        seen.append(line)
         if line.startswith(b"data: {"):
             choices = json.loads(line[6:]).get("choices") or [{}]
             if choices[0].get("delta", {}).get("content"):
                 t = time.time()
                 conn.close()
                 return t
-    raise RuntimeError("the stream ended without text")
+    raise RuntimeError(f"the stream ended without text: {b''.join(seen[-5:])[-1500:]!r}")
 
 
 def server_run(argv: list[str], model_id: str, port: int, env: dict) -> dict:
