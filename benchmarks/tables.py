@@ -276,6 +276,9 @@ def serve_cold_start(*runs: dict) -> str:
                 ready = f"{x['ready_s']:.2f} s" if "ready_s" in x else ""
                 out.append(f"| {r['machine']} ({r['cpu_capability']}), torch {r['torch']}, transformers {r['transformers']}, {r['date'][:10]} "
                            f"| {name} ({row['device']}) | {label} | {ready} | {x['first_token_s']:.2f} s | {goal} |")
+            for key, error in row.get("errors", {}).items():
+                reason = error.split('"error": "')[-1].split('"')[0] if '"error"' in error else error[-160:]
+                out.append(f"| | {name} ({row['device']}) | {labels[key]} | | failed | {reason} |")
     return "\n".join(out)
 
 
