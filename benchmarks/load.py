@@ -214,17 +214,18 @@ LOADERS = [("a_gptqmodel", "GPTQModel"), ("a0_gptqmodel_cold_inductor", "GPTQMod
 
 
 def plot(results: list[dict], out: str) -> None:
-    """One panel per model: per loader, the median phases stacked (spawn to first token), the
-    median total on top. A loader measured in several files is taken from the last one."""
+    """One panel per model of the first file: per loader, the median phases stacked (spawn to
+    first token), the median total on top. A loader measured in several files is taken from the last."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models: dict[str, dict] = {}
+    models: dict[str, dict] = {name: {} for name in results[0]["models"]}  # the first file's models
     for r in results:
         for name, row in r["models"].items():
-            models.setdefault(name, {}).update({k: v for k, v in row.items() if k in dict(LOADERS)})
+            if name in models:
+                models[name].update({k: v for k, v in row.items() if k in dict(LOADERS)})
     fig, axes = plt.subplots(1, len(models), figsize=(max(5.0, 4.2 * len(models)), 4.2), sharey=True, squeeze=False)
     for ax, (name, row) in zip(axes[0], models.items(), strict=True):
         loaders = [(k, label) for k, label in LOADERS if k in row]

@@ -69,7 +69,7 @@ def load_to_first_token(r: dict) -> str:
     variants = [("a_gptqmodel", "(a) GPTQModel.load (TORCH backend) + 1 token, Inductor cache warm"),
                 ("a0_gptqmodel_cold_inductor", "(a0) same, empty Inductor cache"),
                 ("b_quantprep", "(b) quantprep.load + 1 token"),
-                ("c_floor", "(c) floor: python + torch + read the artifact's bytes + dense bf16 forward"),
+                ("c_floor", "(c) floor: python + torch + read the artifact's bytes + dense forward (bf16; float32 below AVX512 since 2026-11-23)"),
                 ("ct_floor_with_transformers", "(ct) floor + importing transformers' modeling code")]
     out = [f"{r['machine']}, {r['date']}, Python {r['python']}; median of {len(models[names[0]]['b_quantprep']['runs'])} fresh "
            "processes, seconds (imports / load / first forward)", "",
@@ -313,6 +313,22 @@ def target_ppl(*runs: dict) -> str:
     return "\n".join(out)
 
 
+def scale(r: dict) -> str:
+    """Prepack, verify and load per model size, fresh processes (benchmarks/scale.py)."""
+    out = [f"{r['machine']} ({r['cpu_capability']}), {r['memory_gib']} GiB, torch {r['torch']}, {r['date'][:10]}; Qwen2.5 shapes, "
+           "int4 g128 act-order, random codes, cpu target", "",
+           "| size | parameters | source | copy (disk) | prepack (goal <= 2x copy) | prepack peak RSS | verify | verify peak RSS "
+           "| load to first token | floor | load / floor (goal <= 1.25) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for size, x in r["sizes"].items():
+        out.append(f"| {size} | {x['params'] / 1e9:.2f} B | {x['source_bytes'] / 2**30:.2f} GiB | {x['copy_s']:.1f} s ({x['copy_mb_s']:.0f} MB/s) "
+                   f"| {x['prepack']['s']:.1f} s ({x['prepack_over_copy']:.2f}x) | {x['prepack']['peak_rss_gib']:.2f} GiB "
+                   f"| {x['verify']['s']:.1f} s | {x['verify']['peak_rss_gib']:.2f} GiB | {x['load_first_token']['total_s']:.2f} s "
+                   f"| {x['floor']['total_s']:.2f} s | {x['load_over_floor']:.2f} |")
+    for size, why in r["skipped"].items():
+        out.append(f"| {size} | skipped: {why} | | | | | | | | | |")
+    return "\n".join(out)
+
+
 GEMM_SHAPES = ("q_proj", "qkv_fused", "gate_up_fused", "down_proj")
 
 
@@ -367,6 +383,7 @@ RENDERERS = {
     "serve": serve_cold_start,
     "vs-gptqmodel": vs_gptqmodel,
     "target-ppl": target_ppl,
+    "scale": scale,
 }
 
 
