@@ -16,6 +16,7 @@ fails finding no weights file, instead of random-initializing the Linears it cou
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ from transformers.quantizers.auto import register_quantization_config, register_
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .artifact import WEIGHTS_INDEX
+from .artifact import MAX_MANIFEST_BYTES, WEIGHTS_INDEX
 from .errors import ArtifactError, ArtifactMismatch
 from .load import activate_kcache, check_tensors, finish, install_modules, open_artifact, tied_names, untie_quantized_head
 from .signing import configured_key
@@ -45,6 +46,16 @@ class QuantprepConfig(QuantizationConfigMixin):
         self.quant_method = METHOD
         self.target, self.device, self.act_dtype, self.lm_head_quantized = target, device, act_dtype, lm_head_quantized
         self.extra = kwargs  # format_version, bits, group_size: informative
+
+
+def _read_index(path: Path) -> dict:
+    if not path.is_file() or path.stat().st_size > MAX_MANIFEST_BYTES:
+        raise ArtifactError(f"{path}: missing or too large; the artifact is corrupt: rebuild it")
+    try:
+        data = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{path}: not valid JSON ({e}); the artifact is corrupt: rebuild it") from None
+    return data if isinstance(data, dict) else {}
 
 
 def _device_of(device_map, default: str | None) -> str | None:
@@ -101,7 +112,7 @@ class QuantprepQuantizer(HfQuantizer):
                                 f"{art['manifest']['target']['name']} ({art['manifest']['target']['act_dtype']}); the artifact is inconsistent: rebuild it")
         untie_quantized_head(model.config, art["manifest"])
         install_modules(model, path, art)
-        tensors = {}
+        tensors, where = {}, {}
         for shard in art["manifest"]["shards"]:
             try:
                 with safe_open(path / shard, "pt") as f:
@@ -112,11 +123,17 @@ class QuantprepQuantizer(HfQuantizer):
                             raise ArtifactError(f"{path / shard}: tensor {name} has dtype {meta.get_dtype()}; the artifact is corrupt: rebuild it")
                         tensors[name] = (self.dtype if dt.is_floating_point and self.dtype != art["packed_dtype"] else dt,
                                          tuple(meta.get_shape()))
+                        where[name] = shard
             except ArtifactError:
                 raise
             except Exception as e:
                 raise ArtifactError(f"{path / shard}: cannot read safetensors file ({e}); the artifact is corrupt: rebuild it") from None
         check_tensors(path, model, tensors, skip=tied_names(model))
+        # transformers reads the shards the index names: it must name exactly the manifest's shards' tensors
+        index = _read_index(path / WEIGHTS_INDEX)
+        if index.get("weight_map") != where:
+            raise ArtifactError(f"{path / WEIGHTS_INDEX}: does not list the tensors of the manifest's shards; the artifact is "
+                                "inconsistent: rebuild it")
         self.path, self.art = path, art
         self.kcache_status = activate_kcache(path, art, True, False, False, signed=key is not None)
         return model

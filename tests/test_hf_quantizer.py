@@ -114,6 +114,22 @@ def test_a_tensor_the_model_lacks_is_refused_before_loading(tmp_path):
         AutoModelForCausalLM.from_pretrained(art)
 
 
+def test_an_index_that_points_elsewhere_is_refused(tmp_path):
+    """transformers reads the shards the index names: one naming another file (its manifest entry
+    updated, as a consistent forgery would) is refused before anything is read."""
+    from quantprep.artifact import sha256_file
+
+    art = _artifact(tmp_path)
+    index = json.loads((art / WEIGHTS_INDEX).read_text())
+    name = next(iter(index["weight_map"]))
+    index["weight_map"][name] = "probes.safetensors"
+    (art / WEIGHTS_INDEX).write_text(json.dumps(index))
+    f = art / WEIGHTS_INDEX
+    _edit_manifest(art, lambda m: m["files"][WEIGHTS_INDEX].update(sha256=sha256_file(f), size=f.stat().st_size))
+    with pytest.raises(ArtifactError, match="does not list the tensors of the manifest's shards"):
+        AutoModelForCausalLM.from_pretrained(art)
+
+
 def test_an_unsigned_artifact_is_refused_with_a_verify_key(tmp_path, monkeypatch):
     from test_publish import _keypair
 
