@@ -52,7 +52,6 @@ real: real-setup
 	$(BIN)/quantprep eval artifacts/qwen2.5-coder-1.5b/cpu
 	$(BIN)/pip install -q "optimum>=2"
 	$(BIN)/python benchmarks/serve.py --models smollm2,qwen-coder-0.5b
-	$(BIN)/python benchmarks/vs_gptqmodel.py artifacts/qwen2.5-coder-1.5b/cpu
 
 lint: setup
 	$(BIN)/ruff check quantprep tests benchmarks

@@ -14,6 +14,10 @@ a fast bf16 GEMM, AVX2, GPTQModel's 512-token prefill takes minutes, so a full-l
 left out and its first timed prefill may include some compile). The artifact is the cpu build of
 the same checkpoint, which is found in the build cache by content.
 
+On the 2-core AVX2 VM (2026-11-23) GPTQModel's warm-up and first 512-token prefill of the 1.5B did
+not finish in 15 minutes (torch._dynamo at its recompile limit, bf16 matmuls without a fast path):
+run it where the CPU has AVX512-BF16/AMX, or with --ctx 128.
+
     python benchmarks/vs_gptqmodel.py artifacts/qwen2.5-coder-1.5b/cpu [--windows 4] [--runs 3] [--new 32]
         [--out benchmarks/results/vs-gptqmodel-qwen2.5-coder-1.5b-cpu-avx2.json]
 """
