@@ -274,16 +274,6 @@ class ArtifactWriter:
             self._lock.__exit__(None, None, None)
 
 
-def write_artifact(out: Path, tensors: dict[str, torch.Tensor], manifest: dict, side_files_from: Path | None,
-                   side_files: list[str], probes: dict[str, torch.Tensor] | None = None, progress: bool = True,
-                   force: bool = False) -> Path:
-    """Write `tensors` + side files + manifest to `out`, atomically (ArtifactWriter, all at once)."""
-    need = sum(t.numel() * t.element_size() for t in tensors.values())
-    with ArtifactWriter(out, side_files_from, side_files, need, force) as w:
-        w.add(dict(sorted(tensors.items())))
-        return w.finish(manifest, probes)
-
-
 def transformers_config(config: dict, manifest: dict) -> dict:
     """The source's config.json with quantization_config naming quantprep, so that transformers
     routes from_pretrained to quantprep's quantizer (the GPTQ settings stay in the manifest), the

@@ -161,10 +161,3 @@ def prepack_stream(ckpt: GPTQCheckpoint, packers: list[tuple[object, torch.dtype
             emit(i, {key: (t.to(act_dtype) if t.is_floating_point() else t).contiguous()})
     return modules, probes
 
-
-def prepack_checkpoint(ckpt: GPTQCheckpoint, target, act_dtype: torch.dtype, progress: bool = True, fuse: bool = True,
-                       ) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict[str, torch.Tensor]]:
-    """One target, all in memory: (tensors for the artifact, per-module metadata, verify probes)."""
-    tensors: dict[str, torch.Tensor] = {}
-    [modules], probes = prepack_stream(ckpt, [(target, act_dtype)], lambda i, t: tensors.update(t), progress, fuse)
-    return tensors, modules, probes
