@@ -88,6 +88,7 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
     `ready(info)` is called once serving (for callers that print or measure)."""
     import os
     import signal
+    import sys
     import threading
     from pathlib import Path
 
@@ -139,3 +140,13 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
         pass
     server.server.should_exit = True
     server._thread.join(timeout=10)
+    # generation runs on a daemon thread: interpreter exit while it is inside a torch op aborts the
+    # process (SIGABRT, seen in CI). The shutdown cancelled every stream, which stops at its next
+    # token; wait for the thread to be idle, and skip the teardown if a request still runs.
+    idle = server._generation_state.get_manager(key_id).submit(lambda: None)
+    try:
+        idle.result(timeout=10)
+    except TimeoutError:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

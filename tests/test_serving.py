@@ -231,10 +231,12 @@ def test_sigterm_during_a_request_stops_it_cleanly(tmp_path):
         t.start()
         assert first.wait(60)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
+        code = proc.wait(timeout=20)
+        out = proc.stdout.read()
+        assert code == 0, out[-3000:]
         t.join(timeout=20)
         assert not t.is_alive() and 0 < len(got) < 1500
-        assert "Shutting down" in proc.stdout.read()
+        assert "Shutting down" in out
     finally:
         proc.kill()
 
