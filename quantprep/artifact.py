@@ -26,13 +26,13 @@ from safetensors.torch import save_file
 from .aot import FORMATS as PACKAGE_FORMATS
 from .aot import package_format
 from .errors import ArtifactError, QuantprepError
+from .jsonfile import read_json_object
 from .version import __version__
 
 FORMAT = "quantprep-artifact"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SIGNATURE = "model.sig"  # written by `quantprep sign` / `publish --sign-key` (signing.py); covers every other file
-MAX_MANIFEST_BYTES = 64 << 20
 SHARD_BYTES = 2 << 30
 PROBES_FILE = "probes.safetensors"  # see verify.py
 # Hugging Face's shard index format under a name plain transformers does not look for: without
@@ -417,13 +417,8 @@ def read_manifest(path: Path) -> dict:
         raise ArtifactError(f"{path}: not a directory; pass an artifact directory written by `quantprep build`")
     if not mpath.is_file():
         raise ArtifactError(f"{mpath}: missing; not a quantprep artifact (or an unfinished build): rebuild it")
-    if mpath.stat().st_size > MAX_MANIFEST_BYTES:
-        raise ArtifactError(f"{mpath}: larger than {MAX_MANIFEST_BYTES >> 20} MiB; not a quantprep manifest")
-    try:
-        m = json.loads(mpath.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{mpath}: not valid JSON ({e}); the artifact is corrupt: rebuild it") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
+    m = read_json_object(mpath, ArtifactError, "the artifact is corrupt: rebuild it")
+    if m.get("format") != FORMAT:
         raise ArtifactError(f"{mpath}: 'format' is not {FORMAT!r}; not a quantprep artifact")
     if m.get("format_version") != FORMAT_VERSION:
         raise ArtifactError(f"{mpath}: format_version {m.get('format_version')!r} is not supported by quantprep {__version__} (reads {FORMAT_VERSION}); rebuild the artifact or upgrade quantprep")

@@ -16,7 +16,6 @@ fails finding no weights file, instead of random-initializing the Linears it cou
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -25,8 +24,9 @@ from transformers.quantizers.auto import register_quantization_config, register_
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .artifact import MAX_MANIFEST_BYTES, WEIGHTS_INDEX
+from .artifact import WEIGHTS_INDEX
 from .errors import ArtifactError, ArtifactMismatch
+from .jsonfile import read_json_object
 from .load import activate_kcache, check_tensors, finish, install_modules, open_artifact, tied_names, untie_quantized_head
 from .signing import configured_key
 
@@ -48,14 +48,6 @@ class QuantprepConfig(QuantizationConfigMixin):
         self.extra = kwargs  # format_version, bits, group_size: informative
 
 
-def _read_index(path: Path) -> dict:
-    if not path.is_file() or path.stat().st_size > MAX_MANIFEST_BYTES:
-        raise ArtifactError(f"{path}: missing or too large; the artifact is corrupt: rebuild it")
-    try:
-        data = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{path}: not valid JSON ({e}); the artifact is corrupt: rebuild it") from None
-    return data if isinstance(data, dict) else {}
 
 
 def _device_of(device_map, default: str | None) -> str | None:
@@ -130,7 +122,7 @@ class QuantprepQuantizer(HfQuantizer):
                 raise ArtifactError(f"{path / shard}: cannot read safetensors file ({e}); the artifact is corrupt: rebuild it") from None
         check_tensors(path, model, tensors, skip=tied_names(model))
         # transformers reads the shards the index names: it must name exactly the manifest's shards' tensors
-        index = _read_index(path / WEIGHTS_INDEX)
+        index = read_json_object(path / WEIGHTS_INDEX, ArtifactError, "the artifact is corrupt: rebuild it")
         if index.get("weight_map") != where:
             raise ArtifactError(f"{path / WEIGHTS_INDEX}: does not list the tensors of the manifest's shards; the artifact is "
                                 "inconsistent: rebuild it")

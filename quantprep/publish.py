@@ -30,6 +30,7 @@ from urllib.parse import urlparse
 from . import hub, registry
 from .artifact import MANIFEST, SIGNATURE, read_checked, read_manifest, sha256_file, staged
 from .errors import ArtifactError, ArtifactMismatch, QuantprepError
+from .jsonfile import MAX_JSON_BYTES, read_json_object
 from .signing import configured_key, sign, verify
 
 INDEX = "index.json"
@@ -155,18 +156,10 @@ def _files(manifest: dict) -> dict[str, dict]:
 
 def read_index(root: Path, ref: str) -> dict:
     path = root / INDEX
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_INDEX_BYTES + 1)
-    except FileNotFoundError:
-        raise QuantprepError(f"{ref}: no {INDEX}; not a published reference (quantprep publish writes one)") from None
-    if len(raw) > MAX_INDEX_BYTES:
-        raise ArtifactError(f"{path}: larger than {MAX_INDEX_BYTES} bytes; not a quantprep index")
-    try:
-        index = json.loads(raw)
-    except ValueError:
-        raise ArtifactError(f"{path}: not valid JSON; the published reference is corrupt") from None
-    ok = (isinstance(index, dict) and index.get("format") == INDEX_FORMAT and isinstance(index.get("variants"), list)
+    if not path.is_file():
+        raise QuantprepError(f"{ref}: no {INDEX}; not a published reference (quantprep publish writes one)")
+    index = read_json_object(path, ArtifactError, "the published reference is corrupt", MAX_INDEX_BYTES)
+    ok = (index.get("format") == INDEX_FORMAT and isinstance(index.get("variants"), list)
           and all(isinstance(v, dict) and isinstance(v.get("name"), str) and _safe_name(v["name"])
                   and isinstance(v.get("target"), str) and isinstance(v.get("compat"), dict)
                   and isinstance(v.get("manifest_sha256"), str) for v in index["variants"]))
@@ -339,7 +332,7 @@ def _copy_verified(src: Path, dest: Path, sha256: str, size: int | None, ref: st
     """Copy while hashing; stop at one byte past the expected size. Refuses a missing, truncated,
     oversized or altered file in one line naming it."""
     h, n = hashlib.sha256(), 0
-    limit = MAX_INDEX_BYTES * 64 if size is None else size  # the manifest: at most 64 MiB, as read_manifest allows
+    limit = MAX_JSON_BYTES if size is None else size  # the manifest: at most what read_manifest reads
     try:
         with open(src, "rb") as fin, open(dest, "wb") as fout:
             while chunk := fin.read(min(8 << 20, limit + 1 - n)):

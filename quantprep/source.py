@@ -8,7 +8,6 @@ when a layer is asked for, never held whole, so memory stays flat whatever the m
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 from collections.abc import Iterator, Mapping
@@ -20,6 +19,7 @@ from safetensors import safe_open
 
 from .errors import SourceError
 from .gptq_format import SUPPORTED_BITS
+from .jsonfile import read_json_object
 
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Files copied verbatim from the source into the artifact (when present).
@@ -129,19 +129,8 @@ class LazyLayers(Mapping):
         return len(self.parts)
 
 
-MAX_JSON_BYTES = 64 << 20  # config and index files are kilobytes; refuse anything absurd before parsing
-
-
 def _read_json(path: Path) -> dict:
-    if path.stat().st_size > MAX_JSON_BYTES:
-        raise SourceError(f"{path}: larger than {MAX_JSON_BYTES >> 20} MiB; not a model config or index file")
-    try:
-        data = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SourceError(f"{path}: not valid JSON ({e}); fix or re-export the file") from None
-    if not isinstance(data, dict):
-        raise SourceError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(path, SourceError, "fix or re-export the file")
 
 
 def read_quant_config(path: Path) -> QuantConfig:
