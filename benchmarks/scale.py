@@ -118,10 +118,10 @@ def main() -> None:
     for size in args.sizes.split(","):
         src, art = WORK / f"qwen2.5-{size}-gptq", WORK / f"qwen2.5-{size}-cpu"
         have = dir_bytes(src) if (src / "config.json").is_file() else 0
-        need = 3 * estimated_bytes(size) - have  # source (unless kept), its copy, the artifact
+        need = 2 * estimated_bytes(size) - have  # the source (unless kept) and its copy, then the source and the artifact
         free = shutil.disk_usage(WORK).free + (dir_bytes(art) if art.exists() else 0)
         if free < need + (2 << 30):
-            result["skipped"][size] = f"needs ~{need / 2**30:.1f} GiB of disk (source, copy, artifact), {free / 2**30:.1f} GiB free"
+            result["skipped"][size] = f"needs ~{need / 2**30:.1f} GiB of disk (the source, and its copy or the artifact), {free / 2**30:.1f} GiB free"
             print(f"{size}: skipped, {result['skipped'][size]}", flush=True)
             continue
         if not have:

@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -33,7 +34,7 @@ FORMAT = "quantprep-artifact"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SIGNATURE = "model.sig"  # written by `quantprep sign` / `publish --sign-key` (signing.py); covers every other file
-SHARD_BYTES = 2 << 30
+SHARD_BYTES = 512 << 20  # two in memory while building (one filling, one being written): ShardWriter
 PROBES_FILE = "probes.safetensors"  # see verify.py
 # Hugging Face's shard index format under a name plain transformers does not look for: without
 # quantprep's quantizer (hf_quantizer.py), from_pretrained must fail, not random-initialize the
@@ -82,17 +83,25 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     return h.hexdigest()
 
 
+def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> str:
+    digest = write_safetensors(path, tensors, {"format": "pt"})
+    _fsync(path)  # its writeback overlaps the packing too, instead of adding up in finish
+    return digest
+
+
 class ShardWriter:
     """Safetensors shards written as tensors arrive: the current shard is held until the next
-    tensor would take it past `shard_bytes`, then written and hashed (write_safetensors) and freed.
-    Memory: one shard (or one tensor larger than a shard)."""
+    tensor would take it past `shard_bytes`, then written, hashed (write_safetensors) and fsynced
+    in a thread while the next one fills (writes, hashing and fsync release the GIL), and freed.
+    Memory: two shards (or a tensor larger than a shard)."""
 
     def __init__(self, tmp: Path, shard_bytes: int):
         self.tmp, self.shard_bytes = tmp, shard_bytes
         self.pending: dict[str, torch.Tensor] = {}
         self.size = 0
-        self.done: list[tuple[Path, str, list[str]]] = []  # (temporary path, sha256, tensor names)
+        self.done: list[tuple[Path, Future, list[str]]] = []  # (temporary path, -> sha256, tensor names)
         self.total = 0
+        self.pool = ThreadPoolExecutor(1)
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
         for key, t in tensors.items():
@@ -105,21 +114,28 @@ class ShardWriter:
 
     def flush(self) -> None:
         if self.pending:
+            if self.done:
+                self.done[-1][1].result()  # one shard in writing at a time: memory stays at two
             path = self.tmp / f".shard-{len(self.done)}"
-            self.done.append((path, write_safetensors(path, self.pending, {"format": "pt"}), sorted(self.pending)))
+            self.done.append((path, self.pool.submit(_write_shard, path, self.pending), sorted(self.pending)))
             self.pending, self.size = {}, 0
             pause_point("write")
+
+    def close(self) -> None:
+        """Wait for the shard in writing (before its directory is removed or published)."""
+        self.pool.shutdown(wait=True)
 
     def finish(self) -> tuple[list[str], dict[str, str], dict[str, str]]:
         """(shard names, sha256 per shard, tensor -> shard) with the Hugging Face names
         model-0000i-of-0000n.safetensors, known once the last shard is written."""
         self.flush()
+        self.close()
         names, sha, weight_map = [], {}, {}
         for i, (path, digest, keys) in enumerate(self.done):
             name = f"model-{i + 1:05d}-of-{len(self.done):05d}.safetensors"
             path.rename(self.tmp / name)
             names.append(name)
-            sha[name] = digest
+            sha[name] = digest.result()
             weight_map.update(dict.fromkeys(keys, name))
         return names, sha, weight_map
 
@@ -269,6 +285,7 @@ class ArtifactWriter:
     def __exit__(self, kind, value, tb) -> None:
         try:
             if kind is not None:
+                self.shards.close()
                 shutil.rmtree(self.tmp, ignore_errors=True)
         finally:
             self._lock.__exit__(None, None, None)

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -19,7 +20,16 @@ from .errors import RecipeError, SourceError
 from .load import DEFAULT_SHAPES
 from .prepack import prepack_stream
 from .recipes import Recipe
-from .source import GPTQCheckpoint, _sha256_files, _tensor_files, check_against_model, is_gptq_dir, read_checkpoint, resolve_hub_model
+from .source import (
+    GPTQCheckpoint,
+    _sha256_files,
+    _tensor_files,
+    check_against_model,
+    import_model_code,
+    is_gptq_dir,
+    read_checkpoint,
+    resolve_hub_model,
+)
 from .targets import act_dtype_problem, get_target
 from .version import __version__
 from .warm import warm
@@ -176,7 +186,13 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
                               f"(or build the {target.name} target separately)")
     for target in resolved:  # and so do output directories that must not be replaced
         check_out_dir(out_for(target.name), gptq_dir, force)
-    ckpt = read_checkpoint(gptq_dir)
+    # The check against the model's own modules needs transformers' modeling code, seconds of
+    # imports: a thread does them while the source is validated. The check itself builds the model,
+    # which sets torch's process-wide default dtype: never in a thread beside other torch work.
+    with ThreadPoolExecutor(1) as pool:
+        imports = pool.submit(import_model_code, Path(gptq_dir))
+        ckpt = read_checkpoint(gptq_dir)
+        imports.result()
     check_against_model(ckpt)
     dtypes = [getattr(torch, act_dtype) if act_dtype else t.default_act_dtype for t in resolved]
     t0 = time.perf_counter()

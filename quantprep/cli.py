@@ -119,11 +119,15 @@ def _fresh_process_generate(path: Path, prompt: str, max_new_tokens: int, quiet:
     return result
 
 
-SHARD_HELP = ("safetensors shard size (default 2048): the build holds one layer and one shard per target in memory, "
-              "whatever the model's size")
+SHARD_HELP = ("safetensors shard size (default 512, artifact.SHARD_BYTES): the build holds one layer and two shards per "
+              "target in memory (one filling, one being written), whatever the model's size")
 
 
 def _shard_bytes(args) -> int:
+    if args.shard_size is None:
+        from .artifact import SHARD_BYTES
+
+        return SHARD_BYTES
     if not 1 <= args.shard_size <= 1 << 20:
         raise QuantprepError(f"--shard-size {args.shard_size}: pass MiB between 1 and {1 << 20}")
     return args.shard_size << 20
@@ -333,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--quantize-device", choices=["auto", "cpu", "cuda", "xpu"], default="auto",
                    help="where gptqmodel quantizes a float source (auto: cuda, else xpu, else cpu); recorded in the manifest")
     b.add_argument("--force", action="store_true", help="replace an output dir that is not an artifact (never the source)")
-    b.add_argument("--shard-size", type=int, metavar="MIB", default=2048, help=SHARD_HELP)
+    b.add_argument("--shard-size", type=int, metavar="MIB", default=None, help=SHARD_HELP)
     b.add_argument("--json", action="store_true", help="print a JSON summary")
     b.set_defaults(func=cmd_build)
 
@@ -345,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
                     help="prepack q/k/v and gate/up as one matmul where their act-order matches (default: on)")
     pp.add_argument("--force", action="store_true", help="replace an --out dir that is not an artifact (never the source)")
-    pp.add_argument("--shard-size", type=int, metavar="MIB", default=2048, help=SHARD_HELP)
+    pp.add_argument("--shard-size", type=int, metavar="MIB", default=None, help=SHARD_HELP)
     pp.add_argument("--json", action="store_true")
     pp.set_defaults(func=cmd_prepack)
 

@@ -21,6 +21,7 @@ from torch import nn
 from .aot import compile_regions, prefetch_runtime
 from .aot import install as install_packages
 from .artifact import read_checked
+from .background import in_thread
 from .errors import ArtifactError, ArtifactMismatch
 from .fused import install as install_fused
 from .intel_runtime import cache_warning
@@ -278,10 +279,14 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
 
     key = configured_key(verify_key)
     pulled = is_reference(path)
-    if pulled:  # a published reference: pull the variant that fits (verified, its signature too) into the cache first
+    if pulled:  # a published reference: pull the variant that fits (verified, its signature too) into the cache first,
+        # while transformers' modeling code imports (seconds of Python, which the download and hashing overlap)
         from .publish import pull
 
-        path = pull(str(path), verify_key=key)
+        job = in_thread(pull, str(path), verify_key=key)
+        import transformers.modeling_utils  # noqa: F401
+
+        path = job.result()
     path = Path(path)
     art = open_artifact(path, device, dtype, verify, None if pulled else key)
     manifest, device, dtype = art["manifest"], art["device"], art["dtype"]

@@ -64,7 +64,7 @@ def pack_int4(codes: torch.Tensor, capability: str) -> torch.Tensor:
     if n_full < N:
         c = codes[:, n_full:]
         parts.append((c[:, 0::2] | (c[:, 1::2] << 4)).reshape(-1))
-    return torch.cat(parts).reshape(N, K // 2)
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]).reshape(N, K // 2)
 
 
 def unpack_int4(packed: torch.Tensor, K: int, N: int, block: int) -> torch.Tensor:
