@@ -48,8 +48,6 @@ class QuantprepConfig(QuantizationConfigMixin):
         self.extra = kwargs  # format_version, bits, group_size: informative
 
 
-
-
 def _device_of(device_map, default: str | None) -> str | None:
     """One device for the whole model: quantprep artifacts are not split across devices."""
     if device_map is None or device_map == "auto":
