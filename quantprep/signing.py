@@ -24,6 +24,20 @@ VERIFY_ISSUER_ENV = "QUANTPREP_VERIFY_ISSUER"
 GITHUB_ISSUER = "https://token.actions.githubusercontent.com"
 SIGSTORE = "sigstore"
 
+# Signatures this process verified, by what identifies the files without reading them: a pull, serve's
+# pre-check and transformers' load each ask for the same artifact. Any write changes a file's ctime,
+# which no one can set back, so an unchanged fingerprint means unchanged bytes; a rename keeps it.
+_verified: set[tuple] = set()
+
+
+def _fingerprint(path: Path, key: str) -> tuple:
+    files = []
+    for f in sorted(path.rglob("*")):
+        st = f.lstat()
+        files.append((str(f.relative_to(path)), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode))
+    key_bytes = b"" if key.startswith(f"{SIGSTORE}:") else Path(key).read_bytes()
+    return key, key_bytes, tuple(files)
+
 
 def _model_signing():
     try:
@@ -73,7 +87,8 @@ def configured_key(key: str | os.PathLike | None = None) -> str | None:
 
 def verify(path: str | os.PathLike, key: str | os.PathLike) -> None:
     """Refuse (one line) an artifact that is unsigned, or whose signature does not verify with the
-    public key `key` (or the Sigstore identity of "sigstore:IDENTITY") against the files as they are now."""
+    public key `key` (or the Sigstore identity of "sigstore:IDENTITY") against the files as they are now.
+    Files unchanged since this process verified them with this key are not hashed again."""
     path = Path(path)
     sigstore = str(key).startswith(f"{SIGSTORE}:")
     if sigstore and not str(key)[len(SIGSTORE) + 1:]:
@@ -82,6 +97,9 @@ def verify(path: str | os.PathLike, key: str | os.PathLike) -> None:
         raise QuantprepError(f"{key}: no such public key file; pass the PEM public key the artifact was signed for")
     if not (path / SIGNATURE).is_file():
         raise ArtifactError(f"{path}: unsigned (no {SIGNATURE}), and a verify key is configured ({key}); refusing it")
+    fingerprint = _fingerprint(path, str(key))
+    if fingerprint in _verified:
+        return
     _, _, verifying = _model_signing()
     try:
         config = verifying.Config()
@@ -94,3 +112,4 @@ def verify(path: str | os.PathLike, key: str | os.PathLike) -> None:
     except Exception as e:  # model_signing raises ValueError and its dependencies' own errors
         reason = " ".join(str(e).split())[:200]
         raise ArtifactError(f"{path}: the signature does not verify with {key} ({reason}); refusing it") from None
+    _verified.add(fingerprint)

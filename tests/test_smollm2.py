@@ -9,8 +9,10 @@ fp16 near-tie makes them diverge for good (on a 2-core AMD EPYC AVX2 machine, 20
 agreed on 1 token of 32; on an AVX512 machine the day before, on all 32).
 
 Bounds, measured when set (2026-11-22, 2-core AMD EPYC, AVX2): teacher-forced, GPTQModel's token
-is quantprep's top-1 at 32 of 32 positions (bounds: all within GREEDY_MARGIN = 1.0 logit, >= 29
-exactly); top-1 agreement with GPTQModel over every position 0.944, rel 3.4e-2 (bound >= 0.85).
+is quantprep's top-1 at 32 of 32 positions (bounds: all within GREEDY_MARGIN = 1.0 logit, at most
+3 not exactly; GPTQModel may stop at its end-of-turn token sooner: on CI's machine, 2026-11-23,
+after 21 tokens, 19 exact, margins 0.125 and 0.25, so at least 16 positions are asked for); top-1
+agreement with GPTQModel over every position 0.944, rel 3.4e-2 (bound >= 0.85).
 With the act-order gather skipped (a real layout error) the margins are 3.6-31 logits and the
 top-1 agreement 0: the test fails. bf16 logits vs dense float32 on the chat prompt + 64 tokens of
 the held-out text (2026-11-23, 2-core AVX2): rel 2.2e-2, top-1 0.942 (bound: rel < 6e-2, top-1 >=
@@ -77,7 +79,8 @@ def test_greedy_matches_gptqmodel_teacher_forced(smollm2, tmp_path):
     margins = ours[pos].max(-1).values - ours[pos, seq[0, pos + 1]]
     agree = top1(ours, theirs)
     print({"margins": [round(m, 3) for m in margins.tolist()], "top1_all_positions": agree, "rel": rel_err(ours, theirs)})
-    assert bool((margins <= GREEDY_MARGIN).all()) and int((margins == 0).sum()) >= 29, margins.tolist()
+    assert len(margins) >= 16, f"GPTQModel stopped after {len(margins)} tokens"
+    assert bool((margins <= GREEDY_MARGIN).all()) and int((margins > 0).sum()) <= 3, margins.tolist()
     assert agree >= 0.85, agree
 
 
