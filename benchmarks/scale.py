@@ -12,7 +12,7 @@ A size whose source, copy and artifact do not fit the free disk is skipped and r
 Goals: prepack time linear in bytes and <= 2x the copy; peak RSS flat; load <= 1.25x the floor.
 
     python benchmarks/scale.py [--sizes 0.5b,1.5b,7b,14b,32b] [--runs 3] [--keep]
-        [--out benchmarks/results/scale-cpu-avx2.json] [--plot benchmarks/results/scale-cpu-avx2.png]
+        [--out benchmarks/results/scale-cpu-avx512.json] [--plot benchmarks/results/scale-cpu-avx512.png]
 """
 
 from __future__ import annotations

@@ -17,9 +17,11 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from safetensors.torch import save_file
@@ -54,11 +56,30 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def write_hashed(chunks: Iterable[bytes], out: BinaryIO, limit: int) -> tuple[str, int]:
+    """Write `chunks` to `out` while another thread hashes them (hashlib releases the GIL on large
+    buffers), so receiving, hashing and writing overlap. Stops at the chunk that passes `limit`
+    bytes, unwritten. Returns (sha256 hex digest, bytes seen)."""
+    h, n, hashing = hashlib.sha256(), 0, None
+    with ThreadPoolExecutor(1) as hasher:
+        for chunk in chunks:
+            n += len(chunk)
+            if n > limit:
+                break
+            if hashing is not None:
+                hashing.result()  # one chunk in the hasher at a time: memory stays at two chunks
+            hashing = hasher.submit(h.update, chunk)
+            out.write(chunk)
+        if hashing is not None:
+            hashing.result()
+    return h.hexdigest(), n
+
+
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
                       torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str]) -> str:
     """Write a safetensors file (docs: huggingface.co/docs/safetensors) and return its sha256,
     computed from the bytes as they are written: no second read of the file. Tensors go largest
     element first, then by name, as safetensors orders them, so each one is aligned to its size."""
@@ -77,9 +98,11 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
             f.write(chunk)
             h.update(chunk)
         for k in order:
-            data = memoryview(tensors[k].contiguous().reshape(-1).view(torch.uint8).numpy())
-            f.write(data)
-            h.update(data)
+            t = tensors[k]  # a tensor, or a source's StoredRows: converted and written a block at a time
+            for block in t.blocks() if hasattr(t, "blocks") else (t,):
+                data = memoryview(block.contiguous().reshape(-1).view(torch.uint8).numpy())
+                f.write(data)
+                h.update(data)
     return h.hexdigest()
 
 

@@ -155,9 +155,9 @@ def prepack_stream(ckpt: GPTQCheckpoint, packers: list[tuple[object, torch.dtype
                 emit(i, {f"{unpacked.name}.{part}": t.contiguous() for part, t in packed.items()})
                 modules[i][unpacked.name] = meta
     for key in ckpt.other_tensors:
-        t = ckpt.other_tensors[key]
-        for i, (_, act_dtype) in enumerate(packers):
-            # Float weights are stored in the activation dtype so loading is a zero-copy mmap.
-            emit(i, {key: (t.to(act_dtype) if t.is_floating_point() else t).contiguous()})
+        # Float weights are stored in the activation dtype so loading is a zero-copy mmap; large ones
+        # are read and converted block by block as their shard is written (StoredRows).
+        for i, t in enumerate(ckpt.other_tensors.read_converted(key, [act_dtype for _, act_dtype in packers])):
+            emit(i, {key: t})
     return modules, probes
 

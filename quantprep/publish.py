@@ -28,7 +28,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from . import hub, registry
-from .artifact import MANIFEST, SIGNATURE, read_checked, read_manifest, sha256_file, staged
+from .artifact import MANIFEST, SIGNATURE, read_checked, read_manifest, sha256_file, staged, write_hashed
 from .errors import ArtifactError, ArtifactMismatch, QuantprepError
 from .jsonfile import MAX_JSON_BYTES, read_json_object
 from .signing import configured_key, sign, verify
@@ -331,19 +331,13 @@ def _is_copy_of(dest: Path, variant: dict) -> bool:
 def _copy_verified(src: Path, dest: Path, sha256: str, size: int | None, ref: str) -> None:
     """Copy while hashing; stop at one byte past the expected size. Refuses a missing, truncated,
     oversized or altered file in one line naming it."""
-    h, n = hashlib.sha256(), 0
     limit = MAX_JSON_BYTES if size is None else size  # the manifest: at most what read_manifest reads
     try:
         with open(src, "rb") as fin, open(dest, "wb") as fout:
-            while chunk := fin.read(min(8 << 20, limit + 1 - n)):
-                n += len(chunk)
-                if n > limit:
-                    break
-                h.update(chunk)
-                fout.write(chunk)
+            got, n = write_hashed(iter(lambda: fin.read(8 << 20), b""), fout, limit)
     except FileNotFoundError:
         raise ArtifactError(f"{ref}: {src.name} is listed but missing from the published reference; it is incomplete: publish it again") from None
     if size is not None and n != size:
         raise ArtifactError(f"{ref}: {src} is {'larger' if n > size else 'smaller'} than the {size} bytes its manifest lists; refusing it")
-    if h.hexdigest() != sha256:
+    if got != sha256:
         raise ArtifactError(f"{ref}: {src} does not match the sha256 its manifest (or the index) lists; the published copy is corrupt or altered")

@@ -17,7 +17,7 @@ import tarfile
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .artifact import MANIFEST, SIGNATURE
+from .artifact import MANIFEST, SIGNATURE, write_hashed
 from .errors import ArtifactError, QuantprepError
 
 INDEX_MEDIA_TYPE = "application/vnd.oci.image.index.v1+json"
@@ -158,15 +158,9 @@ class Registry:
         r = self._request("GET", f"{self.base}/blobs/{digest}", stream=True)
         if r.status_code != 200:
             raise ArtifactError(f"{self.ref}: blob {digest[:19]}... is missing from the registry (HTTP {r.status_code})")
-        h, n = hashlib.sha256(), 0
         with open(dest, "wb") as f:
-            for chunk in r.iter_content(8 << 20):
-                n += len(chunk)
-                if n > size:
-                    break
-                h.update(chunk)
-                f.write(chunk)
-        if n != size or f"sha256:{h.hexdigest()}" != digest:
+            got, n = write_hashed(r.iter_content(8 << 20), f, size)
+        if n != size or f"sha256:{got}" != digest:
             raise ArtifactError(f"{self.ref}: blob {desc.get('annotations', {}).get(FILEPATH, digest[:19])} does not match its "
                                 f"digest and size; the registry's copy is corrupt or altered")
 

@@ -80,7 +80,7 @@ class GPTQCheckpoint:
     quant: QuantConfig
     model_config: dict
     layers: Mapping[str, GPTQLayer]  # read from disk and validated at each access (LazyLayers)
-    other_tensors: Mapping[str, torch.Tensor]  # embeddings, norms, float lm_head, ... (LazyTensors)
+    other_tensors: LazyTensors  # embeddings, norms, float lm_head, ... (read at each access)
     tensor_files: list[str]
     sha256_job: Future  # -> the sha256 over the source's tensor files, in name order (hashed in a thread)
     side_files: list[str] = field(default_factory=list)
@@ -90,6 +90,39 @@ class GPTQCheckpoint:
     @property
     def sha256(self) -> str:
         return self.sha256_job.result()
+
+
+FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
+@dataclass(frozen=True)
+class StoredRows:
+    """A large float tensor of the source (an embedding: 1.1 GB for a 7B model) to be written as
+    `dtype`: the artifact writer calls blocks() and writes each block as it comes, so neither the
+    stored tensor nor its conversion is ever whole in memory. The file is reopened per block so its
+    mapped pages are let go as it goes."""
+
+    path: Path
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    block_bytes: int
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def blocks(self) -> Iterator[torch.Tensor]:
+        rows = max(1, self.block_bytes // (self.numel() // self.shape[0] * self.element_size()))
+        for start in range(0, self.shape[0], rows):
+            try:
+                with safe_open(self.path, framework="pt") as f:
+                    block = f.get_slice(self.key)[start:start + rows]
+            except Exception as e:  # safetensors raises its own error types for bad data
+                raise SourceError(f"{self.path}: cannot read tensor {self.key} ({e}); re-download or re-export it") from None
+            yield block.to(self.dtype).contiguous()
 
 
 class LazyTensors(Mapping):
@@ -121,6 +154,21 @@ class LazyTensors(Mapping):
                 raise SourceError(f"{self.path / fname}: cannot read tensor(s) {', '.join(names)} ({e}); re-download or "
                                   "re-export it") from None
         return out
+
+    def read_converted(self, key: str, dtypes: list[torch.dtype], block_bytes: int = 32 << 20) -> list:
+        """The tensor `key` for each of `dtypes`: floating point ones converted, others as stored. One
+        larger than `block_bytes` comes back as StoredRows, read and converted while it is written."""
+        path = self.path / self.where[key]
+        try:
+            with safe_open(path, framework="pt") as f:
+                view = f.get_slice(key)
+                shape, stored = tuple(view.get_shape()), FLOAT_DTYPES.get(view.get_dtype())
+        except Exception as e:  # safetensors raises its own error types for bad data
+            raise SourceError(f"{path}: cannot read tensor {key} ({e}); re-download or re-export it") from None
+        if stored is not None and len(shape) >= 2 and math.prod(shape) * stored.itemsize > block_bytes:
+            return [StoredRows(path, key, shape, d, block_bytes) for d in dtypes]
+        t = self[key]
+        return [(t.to(d) if t.is_floating_point() else t).contiguous() for d in dtypes]
 
     def __contains__(self, key: object) -> bool:
         return key in self.names

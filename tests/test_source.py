@@ -176,3 +176,26 @@ def test_bad_json_files_are_one_line_errors(ckpt_dir, content):
     with pytest.raises(SourceError, match="quantize_config.json") as e:
         read_checkpoint(ckpt_dir)
     assert "\n" not in str(e.value)
+
+
+
+def test_large_float_tensors_are_converted_block_by_block(tmp_path):
+    """read_converted (embeddings and other float tensors at prepack): a tensor past block_bytes is
+    written by write_safetensors a block of rows at a time, with the bytes of a whole `.to(dtype)`;
+    smaller and integer tensors come back whole."""
+    from quantprep.artifact import write_safetensors
+    from quantprep.source import LazyTensors, StoredRows
+
+    emb, ids = torch.randn(1003, 40, dtype=torch.float16), torch.arange(7, dtype=torch.int64)
+    save_file({"emb": emb, "ids": ids}, tmp_path / "m.safetensors")
+    lazy = LazyTensors(tmp_path, {"emb": "m.safetensors", "ids": "m.safetensors"}, ["emb", "ids"])
+    dtypes = [torch.bfloat16, torch.float32, torch.float16]
+    for block in (1 << 30, 40 * 2 * 10, 1):  # whole; 10 rows (the last block partial); one row
+        got = lazy.read_converted("emb", dtypes, block_bytes=block)
+        assert all(isinstance(t, StoredRows) for t in got) == (block < emb.numel() * 2)
+        write_safetensors(tmp_path / "out.safetensors", {f"emb.{i}": t for i, t in enumerate(got)} | {"ids": ids}, {})
+        out = load_file(tmp_path / "out.safetensors")
+        for i, d in enumerate(dtypes):
+            assert out[f"emb.{i}"].dtype == d and torch.equal(out[f"emb.{i}"], emb.to(d))
+        (whole,) = lazy.read_converted("ids", [torch.bfloat16], block_bytes=block)
+        assert torch.equal(whole, ids)
