@@ -46,12 +46,13 @@ def test_prepack_memory_stays_flat_as_the_model_grows(tmp_path):
     """Streaming prepack (issue 18): a checkpoint 4x larger (8 vs 32 layers of 25 MB of int4 codes)
     raises the prepack process's peak RSS by far less than its size; holding the model (the
     source, or the prepacked tensors until the write, as before) would add 2 x 600 MB. Nor does a
-    512 MiB float16 embedding, converted to bfloat16 block by block as it is written: held whole
-    (and its source copy beside it, as before) it adds ~1 GB."""
-    import os
+    512 MiB float16 embedding, converted to bfloat16 block by block as it is written (2026-11-23:
+    +44 MB; held whole with its source copy beside it, as before, +888 MB)."""
+    import contextlib
     import shutil
     import subprocess
     import sys
+    import time
 
     from quantprep.synthetic import write_random_checkpoint_sharded
 
@@ -60,15 +61,22 @@ def test_prepack_memory_stays_flat_as_the_model_grows(tmp_path):
                "num_attention_heads": 16, "num_key_value_heads": 2, "vocab_size": vocab, "tie_word_embeddings": True}
         name = f"{layers}-{vocab}"
         src = write_random_checkpoint_sharded(tmp_path / f"gptq{name}", cfg, shard_bytes=64 << 20)
-        proc = subprocess.Popen([sys.executable, "-m", "quantprep", "prepack", str(src), "--target", "cpu", "--out",
-                                 str(tmp_path / f"art{name}"), "--shard-size", "64", "--json"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        _, status, usage = os.wait4(proc.pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0, proc.stderr.read().decode()[-2000:]
+        # the peak is VmHWM of the child's own memory, polled: wait4's ru_maxrss would include this
+        # process's RSS (Linux folds the spawner's into the child's), which held the checkpoint just written
+        peak_kib = 0
+        with open(tmp_path / f"err{name}", "w+b") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "quantprep", "prepack", str(src), "--target", "cpu", "--out",
+                                     str(tmp_path / f"art{name}"), "--shard-size", "64", "--json"],
+                                    stdout=subprocess.DEVNULL, stderr=err)
+            while proc.poll() is None:
+                with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/status") as f:
+                    peak_kib = max([peak_kib] + [int(line.split()[1]) for line in f if line.startswith("VmHWM:")])
+                time.sleep(0.02)
+        assert proc.returncode == 0, (tmp_path / f"err{name}").read_text()[-2000:]
         assert len(list((tmp_path / f"art{name}").glob("model-*.safetensors"))) > 1  # shards of 64 MiB
         shutil.rmtree(src)
-        return usage.ru_maxrss / 1024
+        return peak_kib / 1024
 
     small, large, big_embedding = peak_rss_mib(8), peak_rss_mib(32), peak_rss_mib(8, vocab=131072)
     print({"peak_rss_mib": {"8 layers": small, "32 layers": large, "8 layers, 512 MiB embedding": big_embedding}})
-    assert large - small < 250 and big_embedding - small < 400, (small, large, big_embedding)
+    assert large - small < 250 and big_embedding - small < 250, (small, large, big_embedding)
