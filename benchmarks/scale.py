@@ -4,7 +4,7 @@ For each Qwen2.5 shape, a GPTQ int4 g128 act-order checkpoint with random codes 
 flat memory, synthetic.write_random_checkpoint_sharded; kept under artifacts/.cache/bench/scale),
 then, each in a fresh process where a process is timed:
   - copy: the source's bytes copied to a new file on the same disk and fsynced (the disk's own rate)
-  - prepack: `quantprep prepack SRC --target cpu` (wall time; peak RSS from wait4)
+  - prepack: `quantprep prepack SRC --target cpu` (wall time; peak RSS: its own VmHWM)
   - verify: `quantprep verify ART` (every sha256 + the numeric probes; time and peak RSS)
   - load to first token: quantprep.load + 1 token, and the floor of benchmarks/load.py (python +
     torch + the artifact's bytes read + a dense forward), medians of --runs
