@@ -35,14 +35,25 @@ CONFIGS = [(cal, n, act, g) for g in (128, 32) for act in (True, False) for cal,
            (("builtin", 17), ("pydoc", 17), ("pydoc", 64), ("pydoc", 256)) if (g, act) == (128, True) or cal == "pydoc"]
 
 
+def cpu_name() -> str:
+    """The CPU's model name as Linux reports it (platform.processor() is often just the architecture)."""
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
 def calibration_file(dest: Path) -> Path:
-    """Python's language reference from pydoc_data, after the topics quantprep/heldout.txt holds."""
+    """Python's language reference from pydoc_data: the topics quantprep/heldout.txt does not hold,
+    less every paragraph of more than 80 characters that it holds (topics repeat each other: the
+    "compound" topic holds "if", "for", "def"...; 99 such paragraphs were left in at first)."""
     import pydoc_data.topics as t
 
     held = (Path(__file__).resolve().parent.parent / "quantprep" / "heldout.txt").read_text()
     topics = [re.sub(r"\n{3,}", "\n\n", t.topics[k].strip()) for k in sorted(t.topics)]
     rest = [x for x in topics if x not in held]
-    dest.write_text("\n\n".join(rest) + "\n")
+    paragraphs = [p for x in rest for p in x.split("\n\n") if not (len(p) > 80 and p in held)]
+    dest.write_text("\n\n".join(paragraphs) + "\n")
     return dest
 
 
@@ -84,23 +95,24 @@ def plot(files: list[Path], out: Path) -> None:
     results = [json.loads(f.read_text()) for f in files]
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.2), squeeze=False)
     for ax, r in zip(axes[0], results, strict=True):
-        for act, g, style in ((True, 128, "o-"), (False, 128, "s--"), (True, 32, "^-"), (False, 32, "v--")):
+        for act, g, style, color in ((True, 128, "o-", "C0"), (False, 128, "s--", "C1"), (True, 32, "^-", "C2"), (False, 32, "v--", "C3")):
             pts = sorted((x["samples"], x["kld_mean"]) for x in r["rows"]
                          if x["calibration"] == "pydoc" and x["desc_act"] == act and x["group_size"] == g)
             if pts:
-                ax.plot(*zip(*pts, strict=True), style, label=f"act-order {'on' if act else 'off'}, group {g}")
+                ax.plot(*zip(*pts, strict=True), style, color=color, label=f"act-order {'on' if act else 'off'}, group {g}")
         for x in r["rows"]:
             if x["calibration"] == "builtin":
                 ax.plot([x["samples"]], [x["kld_mean"]], "k*", markersize=11, label="builtin texts (17), act-order, g128")
+        ax.set_ylim(bottom=0)
         ax.set_xscale("log", base=2)
         ax.set_xticks([17, 64, 256], ["17", "64", "256"])
         ax.set_xlabel(f"calibration samples ({r['seq_len']} tokens each, Python reference text)")
         ax.set_ylabel("mean KL divergence vs the float model")
-        ax.set_title(f"{r['model']} int4, {r['eval_tokens']} held-out tokens")
+        ax.set_title(f"{r['model']} int4, {r['eval_tokens']} held-out tokens, text {r['calibration_text_sha256'][:8]}\n"
+                     f"{r['date'][:10]}, {r['machine']}", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"GPTQ calibration (gptqmodel {results[0]['gptqmodel']}, {results[0]['date'][:10]}, {results[0]['machine']})",
-                 fontsize=10)
+    fig.suptitle(f"GPTQ calibration (gptqmodel {results[0]['gptqmodel']} on the CPU)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
@@ -128,7 +140,7 @@ def main() -> None:
         work = Path(tmp)
         calib = calibration_file(work / "calibration-pydoc.txt")
         rows = [run_config(recipe, *c, calib, work, args.max_tokens) for c in configs]
-        result = {"date": datetime.now(UTC).isoformat(), "machine": platform.processor() or platform.machine(),
+        result = {"date": datetime.now(UTC).isoformat(), "machine": f"{cpu_name()} ({os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()})",
                   "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(), "model": recipe.name,
                   "gptqmodel": importlib.metadata.version("gptqmodel"), "seq_len": SEQ_LEN, "eval_tokens": rows[0]["tokens"],
                   "calibration_text_sha256": hashlib.sha256(calib.read_bytes()).hexdigest(), "rows": rows}

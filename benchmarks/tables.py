@@ -233,14 +233,15 @@ def calibration(*runs: dict) -> str:
     """Quality against the float model per calibration setting (benchmarks/calibration.py)."""
     out = []
     for r in runs:
-        out.append(f"- {r['model']}: {r['date'][:10]}, {r['machine']}, {r['cores']} cores, gptqmodel {r['gptqmodel']} on the CPU")
+        out.append(f"- {r['model']}: {r['date'][:10]}, {r['machine']}, gptqmodel {r['gptqmodel']} on the CPU")
     out += ["", "int4, sym; quantprep eval of the cpu artifact against the float model, ctx 512, the first scored tokens of "
             "the held-out text", "",
             "| model | calibration | samples | act-order | group | ppl (float) | ppl ratio | KLD mean | KLD p99 | top-1 | scored tokens | build |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in runs:
         for x in r["rows"]:
-            cal = "builtin texts" if x["calibration"] == "builtin" else f"Python reference, {x['seq_len']}-token windows"
+            cal = ("builtin texts" if x["calibration"] == "builtin"
+                   else f"Python reference {r['calibration_text_sha256'][:8]}, {x['seq_len']}-token windows")
             out.append(f"| {r['model']} | {cal} | {x['samples']} | {'on' if x['desc_act'] else 'off'} | {x['group_size']} | "
                        f"{x['ppl']:.3f} ({x['ref_ppl']:.3f}) | {x['ppl_ratio']:.4f} | {x['kld_mean']:.4f} | {x['kld_p99']:.3f} | "
                        f"{100 * x['top1_agree']:.1f}% | {x['tokens']} | {x['build_s']:.0f} s |")

@@ -3,9 +3,10 @@ text, gptqmodel version or setting never reuses a stale checkpoint."""
 
 import dataclasses
 import shutil
+from pathlib import Path
 
 import pytest
-from conftest import CALIB
+from conftest import CALIB, REPO
 from safetensors.torch import load_file, save_file
 
 from quantprep.build import quant_key, sha256_of
@@ -106,10 +107,28 @@ def test_recipes_with_gguf_parts(tmp_path):
     for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"):
         r = find_recipe(name)
         assert len(r.source["gguf_parts"]) in (22, 6) and len(r.source["gguf_sha256"]) == 64
+
     bad = tmp_path / "bad.toml"
     bad.write_text('[source]\ngguf_parts = ["a", "b"]\n')  # no sha256 to check the joined file against
     with pytest.raises(RecipeError, match="gguf_sha256"):
         parse_recipe(bad)
+
+
+def test_qwen_recipes_calibrate_on_the_measured_text_disjoint_from_the_held_out_one():
+    """The Qwen recipes' calibration file is the one BENCHMARKS.md measured (its sha256) and shares
+    no paragraph with the held-out text quantprep eval scores: quality is not measured on seen text."""
+    import hashlib
+
+    from quantprep.recipes import find_recipe
+
+    held = (REPO / "quantprep" / "heldout.txt").read_text()
+    for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "qwen2.5-1.5b"):
+        r = find_recipe(name)
+        text = Path(r.calibration).read_bytes()
+        assert hashlib.sha256(text).hexdigest() == "c600445d115549f413b936b2754cdeae6c36dc887cbee3599ec0583345d692ac"
+        assert (r.samples, r.seq_len, r.desc_act, r.group_size) == (64, 256, True, 128)
+        paragraphs = [p for p in text.decode().split("\n\n") if len(p) > 80]
+        assert len(paragraphs) > 800 and not [p[:80] for p in paragraphs if p in held]
 
 
 def test_quantize_device_is_one_that_is_present():
