@@ -3,7 +3,8 @@
 For each Qwen2.5 shape, a GPTQ int4 g128 act-order checkpoint with random codes (written once with
 flat memory, synthetic.write_random_checkpoint_sharded; kept under artifacts/.cache/bench/scale),
 then, each in a fresh process where a process is timed:
-  - copy: the source's bytes copied to a new file on the same disk and fsynced (the disk's own rate)
+  - copy: the source's bytes copied to a new file on the same disk and fsynced (the disk's own
+    rate), before the prepack, after it and after verify: the median of the three
   - prepack: `quantprep prepack SRC --target cpu` (wall time; peak RSS: its own VmHWM)
   - verify: `quantprep verify ART` (every sha256 + the numeric probes; time and peak RSS)
   - load to first token: quantprep.load + 1 token, and the floor of benchmarks/load.py (python +
@@ -22,6 +23,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -131,10 +133,10 @@ def main() -> None:
     for size in args.sizes.split(","):
         src, art = WORK / f"qwen2.5-{size}-gptq", WORK / f"qwen2.5-{size}-cpu"
         have = dir_bytes(src) if (src / "config.json").is_file() else 0
-        need = 2 * estimated_bytes(size) - have  # the source (unless kept) and its copy, then the source and the artifact
+        need = 3 * estimated_bytes(size) - have  # the source (unless kept), the artifact and a copy of the source
         free = shutil.disk_usage(WORK).free + (dir_bytes(art) if art.exists() else 0)
         if free < need + (2 << 30):
-            result["skipped"][size] = f"needs ~{need / 2**30:.1f} GiB of disk (the source, and its copy or the artifact), {free / 2**30:.1f} GiB free"
+            result["skipped"][size] = f"needs ~{need / 2**30:.1f} GiB of disk (the source, the artifact and a copy of the source), {free / 2**30:.1f} GiB free"
             print(f"{size}: skipped, {result['skipped'][size]}", flush=True)
             continue
         if not have:
@@ -144,10 +146,17 @@ def main() -> None:
             write_random_checkpoint_sharded(tmp, config(size))
             tmp.rename(src)
         src_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-        row = {"params": params(size), "source_bytes": src_bytes, "copy_s": round(copy_time(src, WORK / "copy.tmp"), 2)}
+        # the copy before the prepack, after it and after verify, and their median: this VM's disk
+        # rate swings several-fold within minutes (writes land in the host's cache at times)
+        copies = [copy_time(src, WORK / "copy.tmp")]
+        row = {"params": params(size), "source_bytes": src_bytes}
         row["prepack"] = run_timed([sys.executable, "-m", "quantprep", "prepack", str(src), "--target", "cpu", "--out", str(art), "--force"])
+        copies.append(copy_time(src, WORK / "copy.tmp"))
         row["artifact_bytes"] = dir_bytes(art)
         row["verify"] = run_timed([sys.executable, "-m", "quantprep", "verify", str(art)])
+        copies.append(copy_time(src, WORK / "copy.tmp"))
+        row["copy_runs_s"] = [round(c, 2) for c in copies]
+        row["copy_s"] = round(statistics.median(copies), 2)
         row["load_first_token"] = median_runs(CHILD_QUANTPREP, [str(art)], args.runs)
         row["floor"] = median_runs(CHILD_FLOOR, [str(art)], args.runs)
         # the floor plus importing transformers' modeling code, which quantprep.load cannot skip while it returns a transformers model
