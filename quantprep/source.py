@@ -160,14 +160,14 @@ class LazyTensors(Mapping):
         larger than `block_bytes` comes back as StoredRows, read and converted while it is written."""
         path = self.path / self.where[key]
         try:
-            with safe_open(path, framework="pt") as f:
+            with safe_open(path, framework="pt") as f:  # one open (it parses the whole header) for both cases
                 view = f.get_slice(key)
                 shape, stored = tuple(view.get_shape()), FLOAT_DTYPES.get(view.get_dtype())
+                if stored is not None and len(shape) >= 2 and math.prod(shape) * stored.itemsize > block_bytes:
+                    return [StoredRows(path, key, shape, d, block_bytes) for d in dtypes]
+                t = f.get_tensor(key)
         except Exception as e:  # safetensors raises its own error types for bad data
             raise SourceError(f"{path}: cannot read tensor {key} ({e}); re-download or re-export it") from None
-        if stored is not None and len(shape) >= 2 and math.prod(shape) * stored.itemsize > block_bytes:
-            return [StoredRows(path, key, shape, d, block_bytes) for d in dtypes]
-        t = self[key]
         return [(t.to(d) if t.is_floating_point() else t).contiguous() for d in dtypes]
 
     def __contains__(self, key: object) -> bool:
