@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from quantprep.prepack import fuse_layers, unpack_layer
+from quantprep.prepack import unpack_layer, unpack_layers
 from quantprep.source import QuantConfig, _validate_layer
 from quantprep.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
@@ -34,9 +34,9 @@ def layers_sharing_perm(parts, seed):
     out = []
     for name, n in parts:
         raw = random_gptq_tensors(K, n, 4, 128, True, True, True, bias=False, generator=gen)
-        out.append(unpack_layer(_validate_layer(name, raw, QuantConfig(4, 128, True, True, "gptq"))))
-    for x in out[1:]:
-        x.perm = out[0].perm  # real checkpoints: q/k/v (gate/up) share g_idx; codes are random anyway
+        if out:
+            raw["g_idx"] = out[0].g_idx  # real checkpoints: q/k/v (gate/up) share g_idx; codes are random anyway
+        out.append(_validate_layer(name, raw, QuantConfig(4, 128, True, True, "gptq")))
     return out
 
 
@@ -116,8 +116,8 @@ def main() -> None:
     rows = []
     for group, parts in GROUPS.items():
         layers = layers_sharing_perm(parts, seed=len(rows))
-        separate = [module(target, x, device, dtype) for x in layers]
-        fused = module(target, fuse_layers(group, layers), device, dtype)
+        separate = [module(target, unpack_layer(x), device, dtype) for x in layers]
+        fused = module(target, unpack_layers(group, layers), device, dtype)
         splits = [n for _, n in parts]
         for M in (1, 16, 128, 512):
             x = torch.randn(1, M, K, device=device, dtype=dtype)

@@ -79,10 +79,11 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
                       torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str]) -> str:
+def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str], release: bool = False) -> str:
     """Write a safetensors file (docs: huggingface.co/docs/safetensors) and return its sha256,
     computed from the bytes as they are written: no second read of the file. Tensors go largest
-    element first, then by name, as safetensors orders them, so each one is aligned to its size."""
+    element first, then by name, as safetensors orders them, so each one is aligned to its size.
+    `release` drops each tensor from `tensors` once written, so its memory goes as the file grows."""
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     header, offset = {"__metadata__": metadata}, 0
     for k in order:
@@ -98,16 +99,20 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str]) -> st
             f.write(chunk)
             h.update(chunk)
         for k in order:
-            t = tensors[k]  # a tensor, or a source's StoredRows: converted and written a block at a time
-            for block in t.blocks() if hasattr(t, "blocks") else (t,):
-                data = memoryview(block.contiguous().reshape(-1).view(torch.uint8).numpy())
-                f.write(data)
-                h.update(data)
+            _write_tensor(f, h, tensors.pop(k) if release else tensors[k])
     return h.hexdigest()
 
 
+def _write_tensor(f, h, t) -> None:
+    # t: a tensor, or a source's StoredRows: converted and written a block at a time
+    for block in t.blocks() if hasattr(t, "blocks") else (t,):
+        data = memoryview(block.contiguous().reshape(-1).view(torch.uint8).numpy())
+        f.write(data)
+        h.update(data)
+
+
 def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> str:
-    digest = write_safetensors(path, tensors, {"format": "pt"})
+    digest = write_safetensors(path, tensors, {"format": "pt"}, release=True)
     _fsync(path)  # its writeback overlaps the packing too, instead of adding up in finish
     return digest
 
@@ -115,8 +120,9 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> str:
 class ShardWriter:
     """Safetensors shards written as tensors arrive: the current shard is held until the next
     tensor would take it past `shard_bytes`, then written, hashed (write_safetensors) and fsynced
-    in a thread while the next one fills (writes, hashing and fsync release the GIL), and freed.
-    Memory: two shards (or a tensor larger than a shard)."""
+    in a thread while the next one fills (writes, hashing and fsync release the GIL); each tensor
+    is freed once written. Memory: the filling shard plus what is not yet written of the previous
+    one (or a tensor larger than a shard)."""
 
     def __init__(self, tmp: Path, shard_bytes: int):
         self.tmp, self.shard_bytes = tmp, shard_bytes

@@ -191,3 +191,21 @@ def test_not_enough_disk_space_is_refused_before_writing(random_gptq, tmp_path, 
     with pytest.raises(QuantprepError, match=r"GiB free, the artifact needs .* GiB"):
         build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: out, progress=False)
     assert not out.exists() and leftovers(out) == []
+
+
+def test_a_shard_frees_each_tensor_once_written(tmp_path):
+    """ShardWriter's writing shard shrinks as it is written (release=True), with the same bytes."""
+    import weakref
+
+    from safetensors.torch import load_file
+
+    from quantprep.artifact import write_safetensors
+
+    tensors = {"a": torch.randn(64, 8), "b": torch.arange(10, dtype=torch.int32), "c": torch.randn(3).half()}
+    kept = write_safetensors(tmp_path / "kept.safetensors", dict(tensors), {"format": "pt"})
+    given = {k: v.clone() for k, v in tensors.items()}
+    alive = [weakref.ref(v) for v in given.values()]
+    released = write_safetensors(tmp_path / "released.safetensors", given, {"format": "pt"}, release=True)
+    assert released == kept and given == {}
+    assert all(r() is None for r in alive)  # nothing else held them
+    assert all(torch.equal(v, tensors[k]) for k, v in load_file(tmp_path / "released.safetensors").items())

@@ -1,10 +1,11 @@
 """Unpack + act-order permutation against a dense reference built directly from the raw values."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantprep.prepack import act_order_perm, unpack_layer
+from quantprep.prepack import act_order_perm, can_fuse, unpack_layer, unpack_layers
 from quantprep.source import QuantConfig, _validate_layer
 from quantprep.synthetic import pack_gptq, random_gptq_codes
 
@@ -21,19 +22,57 @@ combos = st.tuples(st.sampled_from([4, 8]), st.sampled_from([-1, 32, 64, 128]), 
 
 @settings(max_examples=80, deadline=None)
 @given(combo=combos, k_groups=st.integers(1, 5), k_extra=st.sampled_from([0, 8, 16, 40]), n8=st.integers(1, 6),
-       seed=st.integers(0, 2**31 - 1), scale_dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
-def test_unpack_dequantize_matches_truth(combo, k_groups, k_extra, n8, seed, scale_dtype):
+       seed=st.integers(0, 2**31 - 1), scale_dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+       block=st.sampled_from([1 << 24, 1, 300]))
+def test_unpack_dequantize_matches_truth(combo, k_groups, k_extra, n8, seed, scale_dtype, block):
     bits, group_size, sym, act_order, v1 = combo
     K = k_groups * (group_size if group_size > 0 else 64) + k_extra  # k_extra > 0: partial last group
     N = 8 * n8
     gen = torch.Generator().manual_seed(seed)
     v = random_gptq_codes(K, N, bits, group_size, sym, act_order, scale_dtype, generator=gen)
     q = QuantConfig(bits, group_size, sym, act_order, "gptq" if v1 else "gptq_v2")
-    layer = unpack_layer(_validate_layer("m", pack_gptq(v, bits, v1), q))
+    layer = unpack_layers("m", [_validate_layer("m", pack_gptq(v, bits, v1), q)], block=block)  # block: codes per step
     # With a single group every input order groups the same, so act-order needs no gather.
     single_group = group_size == -1 or K <= group_size
     assert (layer.perm is None) == (not act_order or single_group)
     assert torch.equal(layer.dequantize(), dense_truth(v, K))
+
+
+def _layers(n_out: list[int], K: int = 320, seed: int = 0, same_g_idx: bool = True):
+    gen, q, out = torch.Generator().manual_seed(seed), QuantConfig(4, 64, True, True, "gptq"), []
+    for i, n in enumerate(n_out):
+        v = random_gptq_codes(K, n, 4, 64, True, True, generator=gen)
+        if same_g_idx and out:
+            v["g_idx"] = out[0].g_idx.to(torch.int32)
+        out.append(_validate_layer(f"m{i}", pack_gptq(v, 4, True), q))
+    return out
+
+
+@pytest.mark.parametrize("block", [1 << 24, 1, 1000])
+def test_fused_unpack_is_the_members_side_by_side(block):
+    layers = _layers([48, 16, 32])
+    parts = [unpack_layer(x) for x in layers]
+    fused = unpack_layers("qkv", layers, block=block)
+    assert fused.out_features == 96 and torch.equal(fused.perm, parts[0].perm)
+    for field in ("codes", "zeros", "scales"):
+        assert torch.equal(getattr(fused, field), torch.cat([getattr(x, field) for x in parts], 1)), field
+    assert torch.equal(fused.dequantize(), torch.cat([x.dequantize() for x in parts], 1))
+
+
+def test_layers_with_different_g_idx_are_not_fused():
+    layers = _layers([16, 16], same_g_idx=False)
+    assert not can_fuse(layers)
+    with pytest.raises(ValueError, match="cannot be fused"):
+        unpack_layers("qkv", layers)
+
+
+@pytest.mark.parametrize("block", [1 << 23, 1, 5000])
+def test_blockwise_reference_matmul_equals_the_dense_product(block):
+    layer = unpack_layers("m", _layers([40], K=328))  # partial last group, act-order
+    x = torch.randn(4, 328, generator=torch.Generator().manual_seed(1))
+    ref = x.double() @ layer.dequantize().double()
+    y = layer.reference_matmul(x, block=block)
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-6
 
 
 def test_identity_permutation_is_skipped():

@@ -50,21 +50,24 @@ if TYPE_CHECKING:  # the load path never imports the build side
 FAST_PACK_BLOCK_N = {"AVX512": 64, "AVX2": 32}
 
 
-def pack_int4(codes: torch.Tensor, capability: str) -> torch.Tensor:
-    """uint8 codes [K, N] (N % 16 == 0) -> the kernel's packed uint8 [N, K/2] for this ISA."""
+def pack_int4(codes: torch.Tensor, capability: str, step: int = 1 << 24) -> torch.Tensor:
+    """uint8 codes [K, N] (N % 16 == 0) -> the kernel's packed uint8 [N, K/2] for this ISA, about
+    `step` codes at a time (memory: the result and one step of temporaries)."""
     K, N = codes.shape
     block = FAST_PACK_BLOCK_N.get(capability)
     if block is None:
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.T.to(torch.int32).contiguous(), 1)
+    out = torch.empty(N * K // 2, dtype=torch.uint8)
     n_full = N // block * block
-    parts = []
-    if n_full:
-        c = codes[:, :n_full].reshape(K, n_full // block, 2, block // 2)
-        parts.append((c[:, :, 0] | (c[:, :, 1] << 4)).permute(1, 0, 2).reshape(-1))
-    if n_full < N:
+    cols = max(1, step // (K * block)) * block
+    for n0 in range(0, n_full, cols):
+        n1 = min(n0 + cols, n_full)
+        c = codes[:, n0:n1].reshape(K, (n1 - n0) // block, 2, block // 2)
+        out[n0 * K // 2:n1 * K // 2] = (c[:, :, 0] | (c[:, :, 1] << 4)).permute(1, 0, 2).reshape(-1)
+    if n_full < N:  # the last, partial block pairs adjacent rows
         c = codes[:, n_full:]
-        parts.append((c[:, 0::2] | (c[:, 1::2] << 4)).reshape(-1))
-    return (torch.cat(parts) if len(parts) > 1 else parts[0]).reshape(N, K // 2)
+        out[n_full * K // 2:] = (c[:, 0::2] | (c[:, 1::2] << 4)).reshape(-1)
+    return out.view(N, K // 2)
 
 
 def unpack_int4(packed: torch.Tensor, K: int, N: int, block: int) -> torch.Tensor:

@@ -28,10 +28,17 @@ if TYPE_CHECKING:  # the load path never imports the build side
     from ..prepack import UnpackedLayer
 
 
-def pack_int4_nk(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [K, N] -> int32 [N, K/8], element k at bits 4*(k%8) (little-endian bytes)."""
-    nk = codes.T.contiguous()
-    return (nk[:, 0::2] | (nk[:, 1::2] << 4)).contiguous().view(torch.int32)
+def pack_int4_nk(codes: torch.Tensor, block: int = 1 << 24) -> torch.Tensor:
+    """uint8 codes [K, N] -> int32 [N, K/8], element k at bits 4*(k%8) (little-endian bytes).
+    About `block` codes (a slab of columns) at a time: nibble pairs packed along K, then only the
+    half-size slab transposed. Memory: the result and one slab."""
+    K, N = codes.shape
+    out = torch.empty(N, K // 2, dtype=torch.uint8)
+    cols = max(1, block // K)
+    for n0 in range(0, N, cols):
+        slab = codes[:, n0:n0 + cols]
+        out[n0:n0 + cols] = (slab[0::2] | (slab[1::2] << 4)).T
+    return out.view(torch.int32)
 
 
 class XpuInt4Linear(PackedLinear):

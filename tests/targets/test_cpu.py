@@ -71,12 +71,13 @@ def test_a_wrong_zero_is_caught():
 
 
 @pytest.mark.parametrize("N,K", [(64, 64), (128, 576), (80, 64), (208, 576), (16, 32), (1536, 512)])
-def test_fast_pack_equals_upstream_op(N, K):
+@pytest.mark.parametrize("step", [1 << 24, 1, 70_000])  # codes packed per step: whole, one block, a few blocks
+def test_fast_pack_equals_upstream_op(N, K, step):
     from quantprep.targets.cpu import pack_int4
 
     codes = torch.randint(0, 16, (K, N), dtype=torch.uint8)
     ref = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.T.to(torch.int32).contiguous(), 1)
-    assert torch.equal(pack_int4(codes, torch.backends.cpu.get_cpu_capability()), ref)
+    assert torch.equal(pack_int4(codes, torch.backends.cpu.get_cpu_capability(), step), ref)
 
 
 @pytest.mark.parametrize("N,K", [(64, 64), (128, 576), (80, 64), (208, 576), (16, 32), (1536, 512)])

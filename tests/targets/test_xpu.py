@@ -63,10 +63,11 @@ def test_prepacked_linear_matches_dense(bits, group_size, sym, act_order, v1, dt
     assert (y.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
 
 
-def test_weight_is_gptq_qweight_transposed():
+@pytest.mark.parametrize("block", [1 << 24, 1, 3000])  # codes packed per slab: whole, one column, a few
+def test_weight_is_gptq_qweight_transposed(block):
     """The docs' claim: with K in act-order, the xpu weight is exactly GPTQ's qweight.T."""
     codes = torch.randint(0, 16, (256, 48), dtype=torch.uint8)
-    assert torch.equal(pack_int4_nk(codes), pack_rows(codes, 4).T.contiguous())
+    assert torch.equal(pack_int4_nk(codes, block), pack_rows(codes, 4).T.contiguous())
 
 
 def test_emulator_refuses_what_the_kernel_refuses():
