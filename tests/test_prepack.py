@@ -95,10 +95,10 @@ def test_prepack_memory_stays_flat_as_the_model_grows(tmp_path):
 
     from quantprep.synthetic import write_random_checkpoint_sharded
 
-    def peak_rss_mib(layers: int, vocab: int = 1024) -> float:
-        cfg = {"model_type": "qwen2", "hidden_size": 2048, "intermediate_size": 5504, "num_hidden_layers": layers,
+    def peak_rss_mib(layers: int, vocab: int = 1024, intermediate: int = 5504) -> float:
+        cfg = {"model_type": "qwen2", "hidden_size": 2048, "intermediate_size": intermediate, "num_hidden_layers": layers,
                "num_attention_heads": 16, "num_key_value_heads": 2, "vocab_size": vocab, "tie_word_embeddings": True}
-        name = f"{layers}-{vocab}"
+        name = f"{layers}-{vocab}-{intermediate}"
         src = write_random_checkpoint_sharded(tmp_path / f"gptq{name}", cfg, shard_bytes=64 << 20)
         # the peak is VmHWM of the child's own memory, polled: wait4's ru_maxrss would include this
         # process's RSS (Linux folds the spawner's into the child's), which held the checkpoint just written
@@ -117,5 +117,10 @@ def test_prepack_memory_stays_flat_as_the_model_grows(tmp_path):
         return peak_kib / 1024
 
     small, large, big_embedding = peak_rss_mib(8), peak_rss_mib(32), peak_rss_mib(8, vocab=131072)
-    print({"peak_rss_mib": {"8 layers": small, "32 layers": large, "8 layers, 512 MiB embedding": big_embedding}})
+    # 6x wider MLPs (a fused gate/up of 135 M codes, as wide as a 14B's): layers are unpacked, probed and
+    # packed a block at a time, so only the layer's own codes and packed result should count
+    wide = peak_rss_mib(3, intermediate=6 * 5504)
+    print({"peak_rss_mib": {"8 layers": small, "32 layers": large, "8 layers, 512 MiB embedding": big_embedding,
+                            "3 layers, 6x wider MLP": wide}})
     assert large - small < 250 and big_embedding - small < 250, (small, large, big_embedding)
+    assert wide - small < 400, (small, wide)
