@@ -306,12 +306,13 @@ def vs_gptqmodel(*runs: dict) -> str:
 
 def target_ppl(*runs: dict) -> str:
     """The same checkpoint's perplexity per target, against its dequantized model (quantprep eval --json files)."""
-    out = ["| target (device) | ppl | dequantized reference ppl | ratio | KLD mean | top-1 | scored tokens | vs the cpu artifact |",
+    out = ["| target (device) | ppl | reference ppl (kind) | ratio | KLD mean | top-1 | scored tokens | vs the cpu artifact |",
            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    runs = [r.get("eval", r) for r in runs]  # a quantprep eval --json file, or a results file holding one
     cpu = next((r["ppl"] for r in runs if r["target"] == "cpu"), None)
     for r in runs:
         vs = f"{100 * (r['ppl'] / cpu - 1):+.3f}%" if cpu else ""
-        out.append(f"| {r['target']} ({r['device']}) | {r['ppl']:.4f} | {r['reference']['ppl']:.4f} | {r['ppl_ratio']:.5f} | "
+        out.append(f"| {r['target']} ({r['device']}) | {r['ppl']:.4f} | {r['reference']['ppl']:.4f} ({r['reference']['kind']}) | {r['ppl_ratio']:.5f} | "
                    f"{r['kld']['mean']:.5f} | {100 * r['top1_agree']:.1f}% | {r['tokens']} | {vs} |")
     return "\n".join(out)
 
