@@ -16,10 +16,11 @@ the same checkpoint, which is found in the build cache by content.
 
 On the 2-core AVX2 VM (2026-11-23) GPTQModel's warm-up and first 512-token prefill of the 1.5B did
 not finish in 15 minutes (torch._dynamo at its recompile limit, bf16 matmuls without a fast path):
-run it where the CPU has AVX512-BF16/AMX, or with --ctx 128.
+run it where the CPU has AVX512-BF16/AMX, or with --ctx 128. On a 2-core AVX512 VM with AVX512-BF16
+the whole run (--windows 8) took about 4 minutes.
 
     python benchmarks/vs_gptqmodel.py artifacts/qwen2.5-coder-1.5b/cpu [--windows 4] [--runs 3] [--new 32]
-        [--out benchmarks/results/vs-gptqmodel-qwen2.5-coder-1.5b-cpu-avx2.json]
+        [--out benchmarks/results/vs-gptqmodel-qwen2.5-coder-1.5b-cpu-avx512.json]
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ FORMAT = "quantprep-artifact"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SIGNATURE = "model.sig"  # written by `quantprep sign` / `publish --sign-key` (signing.py); covers every other file
-SHARD_BYTES = 512 << 20  # two in memory while building (one filling, one being written): ShardWriter
+SHARD_BYTES = 512 << 20  # in memory while building: one filling, and what is not yet written of the last (ShardWriter)
 PROBES_FILE = "probes.safetensors"  # see verify.py
 # Hugging Face's shard index format under a name plain transformers does not look for: without
 # quantprep's quantizer (hf_quantizer.py), from_pretrained must fail, not random-initialize the
@@ -144,7 +144,7 @@ class ShardWriter:
     def flush(self) -> None:
         if self.pending:
             if self.done:
-                self.done[-1][1].result()  # one shard in writing at a time: memory stays at two
+                self.done[-1][1].result()  # one shard in writing at a time
             path = self.tmp / f".shard-{len(self.done)}"
             self.done.append((path, self.pool.submit(_write_shard, path, self.pending), sorted(self.pending)))
             self.pending, self.size = {}, 0

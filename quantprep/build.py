@@ -174,7 +174,7 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
                     progress: bool = True, serving: dict | None = None, warm_here: bool = False,
                     fuse: bool = True, force: bool = False, shard_bytes: int = SHARD_BYTES) -> list[dict]:
     """Prepack every target in one pass over the checkpoint, layer by layer, each artifact written
-    shard by shard as it streams (memory: one layer + two shards per target, ShardWriter). `out_for(target)` -> dir.
+    shard by shard as it streams (memory: one layer + about one shard per target, ShardWriter). `out_for(target)` -> dir.
     serving: the shapes (and compile flag) `warm` will run; warm_here: warm each artifact whose
     device is present on this machine; fuse: prepack q/k/v and gate/up as one matmul where exact;
     force: replace an output directory that is not an artifact (never the source)."""

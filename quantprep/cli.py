@@ -119,8 +119,8 @@ def _fresh_process_generate(path: Path, prompt: str, max_new_tokens: int, quiet:
     return result
 
 
-SHARD_HELP = ("safetensors shard size (default 512, artifact.SHARD_BYTES): the build holds one layer and two shards per "
-              "target in memory (one filling, one being written), whatever the model's size")
+SHARD_HELP = ("safetensors shard size (default 512, artifact.SHARD_BYTES): the build holds one layer and one shard per "
+              "target in memory (the one filling, and what is not yet written of the last), whatever the model's size")
 
 
 def _shard_bytes(args) -> int:
