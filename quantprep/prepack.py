@@ -156,13 +156,13 @@ def prepack_stream(ckpt: GPTQCheckpoint, packers: list[tuple[object, torch.dtype
     probe_names = probe_layer_names([name for name, _ in plan])
     names = ", ".join(t.name for t, _ in packers)
     for name, members in tqdm(plan, desc=f"prepack {names}", unit="layer", disable=not progress):
-        layers = [ckpt.layers[m] for m in members]
+        layers, fused = [ckpt.layers[m] for m in members], None
         if len(layers) > 1 and can_fuse(layers):
-            emit_layers = [(unpack_layers(name, layers), {"members": [m.rpartition(".")[2] for m in members],
-                                                          "sizes": [x.out_features for x in layers]})]
-        else:  # not fusable here (different act-order or groups): keep the layers separate
-            emit_layers = [(unpack_layer(x), None) for x in layers]
-        for j, (unpacked, fused) in enumerate(emit_layers):
+            fused = {"members": [m.rpartition(".")[2] for m in members], "sizes": [x.out_features for x in layers]}
+            layers = [unpack_layers(name, layers)]  # the packed sources go once unpacked
+        # else not fusable here (different act-order or groups): the layers stay separate
+        for j, layer in enumerate(layers):
+            unpacked = layer if fused else unpack_layer(layer)
             if name in probe_names and j == 0:
                 probes.update(make_probe(unpacked))
                 pause_point("prepack")
@@ -172,6 +172,8 @@ def prepack_stream(ckpt: GPTQCheckpoint, packers: list[tuple[object, torch.dtype
                     meta["fused"] = fused
                 emit(i, {f"{unpacked.name}.{part}": t.contiguous() for part, t in packed.items()})
                 modules[i][unpacked.name] = meta
+            del unpacked, layer  # one unpacked layer in memory at a time, also across iterations
+        del layers
     for key in ckpt.other_tensors:
         # Float weights are stored in the activation dtype so loading is a zero-copy mmap; large ones
         # are read and converted block by block as their shard is written (StoredRows).
