@@ -146,7 +146,8 @@ class ShardWriter:
             if self.done:
                 self.done[-1][1].result()  # one shard in writing at a time
             path = self.tmp / f".shard-{len(self.done)}"
-            self.done.append((path, self.pool.submit(_write_shard, path, self.pending), sorted(self.pending)))
+            keys = sorted(self.pending)  # before the writer, which empties the dict as it writes
+            self.done.append((path, self.pool.submit(_write_shard, path, self.pending), keys))
             self.pending, self.size = {}, 0
             pause_point("write")
 

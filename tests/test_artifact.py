@@ -209,3 +209,23 @@ def test_a_shard_frees_each_tensor_once_written(tmp_path):
     assert released == kept and given == {}
     assert all(r() is None for r in alive)  # nothing else held them
     assert all(torch.equal(v, tensors[k]) for k, v in load_file(tmp_path / "released.safetensors").items())
+
+
+def test_the_shard_index_lists_every_tensor_of_every_shard(random_gptq, tmp_path):
+    """The writer frees a shard's tensors as it writes them; the index must still name them all (it
+    once read the names from the dict the writer was emptying). One tensor per shard here."""
+    from safetensors import safe_open
+
+    from quantprep.artifact import WEIGHTS_INDEX
+
+    out = tmp_path / "art"
+    build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu", "xpu"], lambda t: out / t, progress=False, shard_bytes=1)
+    for target in ("cpu", "xpu"):
+        art = out / target
+        shards = sorted(art.glob("model-*.safetensors"))
+        assert len(shards) > 3
+        where = {}
+        for shard in shards:
+            with safe_open(shard, "pt") as f:
+                where.update(dict.fromkeys(f.keys(), shard.name))
+        assert json.loads((art / WEIGHTS_INDEX).read_text())["weight_map"] == where
