@@ -33,13 +33,15 @@ class UnpackedLayer:
 
     def dequantize(self) -> torch.Tensor:
         """Dense float32 weight [K, N] in the ORIGINAL input order: the reference every kernel is checked against."""
-        gs = self.group_size
-        s = self.scales.float().repeat_interleave(gs, 0)[: self.in_features]
-        z = self.zeros.float().repeat_interleave(gs, 0)[: self.in_features]
-        w = (self.codes.float() - z) * s
+        w = self.dequantize_rows(0, self.in_features)
         if self.perm is not None:
             w = torch.empty_like(w).index_copy_(0, self.perm, w)
         return w
+
+    def dequantize_rows(self, k0: int, k1: int) -> torch.Tensor:
+        """Float32 rows k0:k1 of the weight in the permuted (act-order) input order: (code - zero) * scale."""
+        group = torch.arange(k0, k1) // self.group_size
+        return self.codes[k0:k1].float().sub_(self.zeros[group]).mul_(self.scales[group])
 
     def reference_matmul(self, x: torch.Tensor, block: int = 1 << 23) -> torch.Tensor:
         """x [M, K] float32 @ dequantize(), about `block` weights at a time: the whole float32
@@ -48,10 +50,7 @@ class UnpackedLayer:
             x = x.index_select(1, self.perm)
         y, rows = x.new_zeros(x.shape[0], self.out_features), max(1, block // self.out_features)
         for k0 in range(0, self.in_features, rows):
-            k1 = min(k0 + rows, self.in_features)
-            group = torch.arange(k0, k1) // self.group_size
-            w = self.codes[k0:k1].float().sub_(self.zeros[group]).mul_(self.scales[group])
-            y.addmm_(x[:, k0:k1], w)
+            y.addmm_(x[:, k0:k0 + rows], self.dequantize_rows(k0, min(k0 + rows, self.in_features)))
         return y
 
 

@@ -107,7 +107,6 @@ def test_recipes_with_gguf_parts(tmp_path):
     for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"):
         r = find_recipe(name)
         assert len(r.source["gguf_parts"]) in (22, 6) and len(r.source["gguf_sha256"]) == 64
-
     bad = tmp_path / "bad.toml"
     bad.write_text('[source]\ngguf_parts = ["a", "b"]\n')  # no sha256 to check the joined file against
     with pytest.raises(RecipeError, match="gguf_sha256"):
