@@ -8,7 +8,8 @@ then, each in a fresh process where a process is timed:
   - prepack: `quantprep prepack SRC --target cpu` (wall time; peak RSS: its own VmHWM)
   - verify: `quantprep verify ART` (every sha256 + the numeric probes; time and peak RSS)
   - load to first token: quantprep.load + 1 token, and the floor of benchmarks/load.py (python +
-    torch + the artifact's bytes read + a dense forward), medians of --runs
+    torch + the artifact's bytes read + a dense forward), medians of --runs interleaved (warm page
+    cache), and twice each after dropping the page cache (cold; root only)
 A size whose source, copy and artifact do not fit the free disk is skipped and reported as such.
 Goals: prepack time linear in bytes and <= 2x the copy; peak RSS flat; load <= 1.25x the floor.
 
@@ -106,6 +107,68 @@ def copy_time(src: Path, dest: Path) -> float:
     return t
 
 
+# Load to first token and its floors, each a fresh process (benchmarks/load.py): quantprep.load + 1
+# token (and without its readahead, load.read_ahead); the floor (python, torch, the artifact's
+# bytes read, a dense forward); the floor plus importing transformers' modeling code, which
+# quantprep.load cannot skip while it returns a transformers model.
+def load_children(art: Path) -> dict[str, tuple[str, list[str]]]:
+    from benchmarks.load import CHILD_FLOOR, CHILD_QUANTPREP
+
+    without = CHILD_QUANTPREP.replace("quantprep.load(sys.argv[1])", "quantprep.load(sys.argv[1], readahead=False)")
+    assert without != CHILD_QUANTPREP
+    return {"floor": (CHILD_FLOOR, [str(art)]), "floor_with_transformers": (CHILD_FLOOR, [str(art), "transformers"]),
+            "load_first_token": (CHILD_QUANTPREP, [str(art)]), "load_without_readahead": (without, [str(art)])}
+
+
+def load_runs(art: Path, runs: int) -> dict:
+    """Warm: one pass of the floors and the load discarded, then `runs` rounds of them
+    interleaved, so each sees the page cache the others see (run one after the other, the first
+    load after verify and the copy read a 32B artifact from disk and the floors after it found it
+    in memory: the 1.83x of the 2026-11-23 32B rerun). Cold: where the page cache can be dropped
+    (root), the floor with transformers and the load with and without readahead twice each,
+    alternating, each after dropping it: a first start after boot reads every byte from disk."""
+    from benchmarks.load import fresh_process
+
+    children = load_children(art)
+    warm = ("floor", "floor_with_transformers", "load_first_token")
+    for name in warm:
+        fresh_process(*children[name])
+    rows: dict[str, list[dict]] = {name: [] for name in warm}
+    for _ in range(runs):
+        for name in warm:
+            rows[name].append(fresh_process(*children[name]))
+    out = {name: medians(r) for name, r in rows.items()}
+    out["load_over_floor"] = out["load_first_token"]["total_s"] / out["floor"]["total_s"]
+    out["load_over_floor_with_transformers"] = out["load_first_token"]["total_s"] / out["floor_with_transformers"]["total_s"]
+    if not drop_page_cache():
+        out["cold"] = "not measured: dropping the page cache needs root (/proc/sys/vm/drop_caches)"
+        return out
+    cold: dict[str, list[dict]] = {"floor_with_transformers": [], "load_first_token": [], "load_without_readahead": []}
+    for _ in range(2):
+        for name in cold:
+            drop_page_cache()
+            cold[name].append(fresh_process(*children[name]))
+    out["cold"] = {name: medians(r) for name, r in cold.items()}
+    floor = out["cold"]["floor_with_transformers"]["total_s"]
+    out["cold"]["load_over_floor_with_transformers"] = out["cold"]["load_first_token"]["total_s"] / floor
+    out["cold"]["without_readahead_over_floor_with_transformers"] = out["cold"]["load_without_readahead"]["total_s"] / floor
+    return out
+
+
+def medians(rows: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"runs": [round(r["total_s"], 2) for r in rows]}
+
+
+def drop_page_cache() -> bool:
+    """Write back dirty pages, then drop clean ones from the page cache; False where not allowed."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return True
+    except OSError:
+        return False
+
+
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -123,7 +186,6 @@ def main() -> None:
         return plot(json.loads(Path(args.results[0]).read_text()), args.plot)
     import torch
 
-    from benchmarks.load import CHILD_FLOOR, CHILD_QUANTPREP, median_runs
     from quantprep.synthetic import write_random_checkpoint_sharded
 
     result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
@@ -157,10 +219,7 @@ def main() -> None:
         copies.append(copy_time(src, WORK / "copy.tmp"))
         row["copy_runs_s"] = [round(c, 2) for c in copies]
         row["copy_s"] = round(statistics.median(copies), 2)
-        row["load_first_token"] = median_runs(CHILD_QUANTPREP, [str(art)], args.runs)
-        row["floor"] = median_runs(CHILD_FLOOR, [str(art)], args.runs)
-        # the floor plus importing transformers' modeling code, which quantprep.load cannot skip while it returns a transformers model
-        row["floor_with_transformers"] = median_runs(CHILD_FLOOR, [str(art), "transformers"], args.runs)
+        row |= load_runs(art, args.runs)
         row["prepack_over_copy"] = row["prepack"]["s"] / row["copy_s"]
         row["load_over_floor"] = row["load_first_token"]["total_s"] / row["floor"]["total_s"]
         row["load_over_floor_with_transformers"] = row["load_first_token"]["total_s"] / row["floor_with_transformers"]["total_s"]

@@ -322,17 +322,23 @@ def scale(r: dict) -> str:
     out = [f"{r['machine']} ({r['cpu_capability']}), {r['memory_gib']} GiB, torch {r['torch']}, {r['date'][:10]}; Qwen2.5 shapes, "
            "int4 g128 act-order, random codes, cpu target", "",
            "| size | parameters | source | copy (disk; median, range) | prepack (goal <= 2x copy) | prepack peak RSS | verify | verify peak RSS "
-           "| load to first token | floor | load / floor (goal <= 1.25) | floor with transformers' imports | load / that floor |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| load to first token | floor | load / floor (goal <= 1.25) | floor with transformers' imports | load / that floor |"
+           + (" cold: load (without readahead), floor with transformers' imports, ratio (without) |" if any("cold" in x for x in r["sizes"].values()) else ""),
+           "| --- " * (13 + any("cold" in x for x in r["sizes"].values())) + "|"]
     for size, x in r["sizes"].items():
         with_tf = x.get("floor_with_transformers")
+        cold = x.get("cold")
         runs = x.get("copy_runs_s")
         spread = f"; {min(runs):.1f}-{max(runs):.1f} s" if runs else ""
         out.append(f"| {size} | {x['params'] / 1e9:.2f} B | {x['source_bytes'] / 2**30:.2f} GiB | {x['copy_s']:.1f} s ({x['copy_mb_s']:.0f} MB/s{spread}) "
                    f"| {x['prepack']['s']:.1f} s ({x['prepack_over_copy']:.2f}x) | {x['prepack']['peak_rss_gib']:.2f} GiB "
                    f"| {x['verify']['s']:.1f} s | {x['verify']['peak_rss_gib']:.2f} GiB | {x['load_first_token']['total_s']:.2f} s "
                    f"| {x['floor']['total_s']:.2f} s | {x['load_over_floor']:.2f} "
-                   + (f"| {with_tf['total_s']:.2f} s | {x['load_over_floor_with_transformers']:.2f} |" if with_tf else "| | |"))
+                   + (f"| {with_tf['total_s']:.2f} s | {x['load_over_floor_with_transformers']:.2f} |" if with_tf else "| | |")
+                   + ("" if cold is None else f" {cold} |" if isinstance(cold, str) else
+                      f" {cold['load_first_token']['total_s']:.1f} s ({cold['load_without_readahead']['total_s']:.1f} s), "
+                      f"{cold['floor_with_transformers']['total_s']:.1f} s, {cold['load_over_floor_with_transformers']:.2f} "
+                      f"({cold['without_readahead_over_floor_with_transformers']:.2f}) |"))
     for size, why in r["skipped"].items():
         out.append(f"| {size} | skipped: {why} | | | | | | | | | | | |")
     return "\n".join(out)
