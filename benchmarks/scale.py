@@ -108,16 +108,14 @@ def copy_time(src: Path, dest: Path) -> float:
 
 
 # Load to first token and its floors, each a fresh process (benchmarks/load.py): quantprep.load + 1
-# token (and without its readahead, load.read_ahead); the floor (python, torch, the artifact's
-# bytes read, a dense forward); the floor plus importing transformers' modeling code, which
-# quantprep.load cannot skip while it returns a transformers model.
+# token; the floor (python, torch, the artifact's bytes read, a dense forward); the floor plus
+# importing transformers' modeling code, which quantprep.load cannot skip while it returns a
+# transformers model.
 def load_children(art: Path) -> dict[str, tuple[str, list[str]]]:
     from benchmarks.load import CHILD_FLOOR, CHILD_QUANTPREP
 
-    without = CHILD_QUANTPREP.replace("quantprep.load(sys.argv[1])", "quantprep.load(sys.argv[1], readahead=False)")
-    assert without != CHILD_QUANTPREP
     return {"floor": (CHILD_FLOOR, [str(art)]), "floor_with_transformers": (CHILD_FLOOR, [str(art), "transformers"]),
-            "load_first_token": (CHILD_QUANTPREP, [str(art)]), "load_without_readahead": (without, [str(art)])}
+            "load_first_token": (CHILD_QUANTPREP, [str(art)])}
 
 
 def load_runs(art: Path, runs: int) -> dict:
@@ -125,33 +123,30 @@ def load_runs(art: Path, runs: int) -> dict:
     interleaved, so each sees the page cache the others see (run one after the other, the first
     load after verify and the copy read a 32B artifact from disk and the floors after it found it
     in memory: the 1.83x of the 2026-11-23 32B rerun). Cold: where the page cache can be dropped
-    (root), the floor with transformers and the load with and without readahead twice each,
-    alternating, each after dropping it: a first start after boot reads every byte from disk."""
+    (root), the floor with transformers and the load twice each, alternating, each after
+    dropping it: a first start after boot reads every byte from disk."""
     from benchmarks.load import fresh_process
 
     children = load_children(art)
-    warm = ("floor", "floor_with_transformers", "load_first_token")
-    for name in warm:
-        fresh_process(*children[name])
-    rows: dict[str, list[dict]] = {name: [] for name in warm}
+    for code, argv in children.values():
+        fresh_process(code, argv)
+    rows: dict[str, list[dict]] = {name: [] for name in children}
     for _ in range(runs):
-        for name in warm:
-            rows[name].append(fresh_process(*children[name]))
+        for name, (code, argv) in children.items():
+            rows[name].append(fresh_process(code, argv))
     out = {name: medians(r) for name, r in rows.items()}
     out["load_over_floor"] = out["load_first_token"]["total_s"] / out["floor"]["total_s"]
     out["load_over_floor_with_transformers"] = out["load_first_token"]["total_s"] / out["floor_with_transformers"]["total_s"]
     if not drop_page_cache():
         out["cold"] = "not measured: dropping the page cache needs root (/proc/sys/vm/drop_caches)"
         return out
-    cold: dict[str, list[dict]] = {"floor_with_transformers": [], "load_first_token": [], "load_without_readahead": []}
+    cold: dict[str, list[dict]] = {"floor_with_transformers": [], "load_first_token": []}
     for _ in range(2):
         for name in cold:
             drop_page_cache()
             cold[name].append(fresh_process(*children[name]))
     out["cold"] = {name: medians(r) for name, r in cold.items()}
-    floor = out["cold"]["floor_with_transformers"]["total_s"]
-    out["cold"]["load_over_floor_with_transformers"] = out["cold"]["load_first_token"]["total_s"] / floor
-    out["cold"]["without_readahead_over_floor_with_transformers"] = out["cold"]["load_without_readahead"]["total_s"] / floor
+    out["cold"]["load_over_floor_with_transformers"] = out["cold"]["load_first_token"]["total_s"] / out["cold"]["floor_with_transformers"]["total_s"]
     return out
 
 

@@ -323,7 +323,7 @@ def scale(r: dict) -> str:
            "int4 g128 act-order, random codes, cpu target", "",
            "| size | parameters | source | copy (disk; median, range) | prepack (goal <= 2x copy) | prepack peak RSS | verify | verify peak RSS "
            "| load to first token | floor | load / floor (goal <= 1.25) | floor with transformers' imports | load / that floor |"
-           + (" cold: load (without readahead), floor with transformers' imports, ratio (without) |" if any("cold" in x for x in r["sizes"].values()) else ""),
+           + (" cold: load, floor with transformers' imports, ratio |" if any("cold" in x for x in r["sizes"].values()) else ""),
            "| --- " * (13 + any("cold" in x for x in r["sizes"].values())) + "|"]
     for size, x in r["sizes"].items():
         with_tf = x.get("floor_with_transformers")
@@ -336,9 +336,8 @@ def scale(r: dict) -> str:
                    f"| {x['floor']['total_s']:.2f} s | {x['load_over_floor']:.2f} "
                    + (f"| {with_tf['total_s']:.2f} s | {x['load_over_floor_with_transformers']:.2f} |" if with_tf else "| | |")
                    + ("" if cold is None else f" {cold} |" if isinstance(cold, str) else
-                      f" {cold['load_first_token']['total_s']:.1f} s ({cold['load_without_readahead']['total_s']:.1f} s), "
-                      f"{cold['floor_with_transformers']['total_s']:.1f} s, {cold['load_over_floor_with_transformers']:.2f} "
-                      f"({cold['without_readahead_over_floor_with_transformers']:.2f}) |"))
+                      f" {cold['load_first_token']['total_s']:.1f} s, {cold['floor_with_transformers']['total_s']:.1f} s, "
+                      f"{cold['load_over_floor_with_transformers']:.2f} |"))
     for size, why in r["skipped"].items():
         out.append(f"| {size} | skipped: {why} | | | | | | | | | | | |")
     return "\n".join(out)

@@ -12,7 +12,6 @@ import contextlib
 import os
 import time
 import warnings
-from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -180,43 +179,6 @@ def activate_kcache(path: Path, art: dict, kcache: bool, compile: bool, trust_kc
     return status
 
 
-READAHEAD_SPARE = 2 << 30  # memory left to the process itself when the shards are read ahead
-
-
-def available_memory() -> int:
-    """MemAvailable from /proc/meminfo (0 where there is none: then nothing is read ahead)."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next((int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:")), 0)
-    except OSError:
-        return 0
-
-
-def read_ahead(path: Path, shards: list[str], budget: int | None = None) -> Future:
-    """Ask the kernel to read the shards into the page cache (POSIX_FADV_WILLNEED) in a background
-    thread, in manifest order, while the model is built: a cold start then reads the disk at its
-    sequential rate while Python works, instead of the first forward faulting each page in as it
-    touches it. Only the shards that fit in `budget` (default: the available memory less
-    READAHEAD_SPARE): more would evict what was read first. A warm start finds the pages there."""
-    budget = available_memory() - READAHEAD_SPARE if budget is None else budget
-
-    def run() -> int:
-        done = 0
-        for shard in shards:
-            fd = os.open(path / shard, os.O_RDONLY)
-            try:
-                size = os.fstat(fd).st_size
-                if done + size > budget:
-                    break
-                os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
-                done += size
-            finally:
-                os.close(fd)
-        return done
-
-    return in_thread(run)
-
-
 def untie_quantized_head(config, manifest: dict) -> None:
     """A quantized lm_head cannot share the embedding's weight."""
     if config.tie_word_embeddings and "lm_head" in manifest["modules"]:
@@ -289,7 +251,7 @@ def finish(model, path: Path, art: dict, kcache_status: dict, compile: bool, war
 
 def load(path: str | os.PathLike, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
          verify: bool = False, compile: bool = False, warmup: bool = False, kcache: bool = True,
-         trust_kcache: bool = False, verify_key: str | os.PathLike | None = None, readahead: bool = True):
+         trust_kcache: bool = False, verify_key: str | os.PathLike | None = None):
     """Load an artifact as a transformers `PreTrainedModel` in eval mode.
 
     path: an artifact directory, or a published reference (a directory `quantprep publish` wrote, or
@@ -311,10 +273,10 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     without compile: nothing to use). `model.quantprep_kcache` says what happened.
     verify_key: a PEM public key (default: QUANTPREP_VERIFY_KEY): the artifact must carry a
     signature (`quantprep sign`) that verifies with it, and its kcache is then trusted.
-    readahead: read the weight files into the page cache in the background while the model is
-    built, as far as they fit in the available memory (`read_ahead`; helps a cold start).
     Raises ArtifactMismatch for an artifact built for another machine, ArtifactError if corrupt.
     """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     key = configured_key(verify_key)
     pulled = is_reference(path)
     if pulled:  # a published reference: pull the variant that fits (verified, its signature too) into the cache first,
@@ -328,10 +290,6 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     path = Path(path)
     art = open_artifact(path, device, dtype, verify, None if pulled else key)
     manifest, device, dtype = art["manifest"], art["device"], art["dtype"]
-    if readahead and hasattr(os, "posix_fadvise"):  # before transformers' imports, which it overlaps too
-        read_ahead(path, manifest["shards"])
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     kcache_status = activate_kcache(path, art, kcache, compile, trust_kcache, signed=key is not None)
 
     config = AutoConfig.from_pretrained(path)

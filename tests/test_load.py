@@ -12,11 +12,8 @@ token ids); measured when set (2026-11-21): fp32 3e-7 (int4) / 0 (int8), bf16 6e
   difference is GPTQModel's fp16 arithmetic.
 """
 
-import json
-import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -24,7 +21,6 @@ from conftest import dense_reference_model, gptqmodel_run, rel_err, top1
 
 import quantprep
 from quantprep.build import build_artifacts
-from quantprep.load import read_ahead
 
 
 def _build(gptq_dir, out, act_dtype=None):
@@ -192,47 +188,3 @@ def test_gptqmodel_parity(name, tiny_float, tmp_path):
     print(name, measured)
     assert measured["gptqmodel-vs-fp32"][0] < 1e-2 and measured["gptqmodel-vs-fp32"][1] >= 0.95, measured
     assert measured["fp32-vs-dense"][0] < 1e-5, measured
-
-
-def resident_bytes(path) -> int:
-    """Bytes of the file in the page cache (util-linux fincore: mincore(2) over the whole file)."""
-    try:
-        out = subprocess.run(["fincore", "--bytes", "--noheadings", "-o", "RES", str(path)], capture_output=True, text=True, check=True)
-    except FileNotFoundError:
-        pytest.skip("fincore (util-linux) is not installed: cannot see the page cache")
-    return int(out.stdout)
-
-
-def evicted_shards(art) -> list:
-    """The artifact's shards, each dropped from the page cache (written back first)."""
-    shards = json.loads((art / "manifest.json").read_text())["shards"]
-    for shard in shards:
-        fd = os.open(art / shard, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    if any(resident_bytes(art / s) for s in shards):
-        pytest.skip(f"{art}'s filesystem keeps its files in memory (tmpfs?): there is nothing to read ahead")
-    return shards
-
-
-def test_read_ahead_brings_the_shards_into_the_page_cache(case):
-    _, art, _ = case
-    shards = evicted_shards(art)
-    sizes = [(art / s).stat().st_size for s in shards]
-    assert read_ahead(art, shards, budget=sum(sizes)).result(timeout=30) == sum(sizes)
-    whole = [-(-n // os.sysconf("SC_PAGE_SIZE")) * os.sysconf("SC_PAGE_SIZE") for n in sizes]  # fincore counts pages
-    deadline = time.monotonic() + 10  # WILLNEED starts the reads; they land soon after
-    while [resident_bytes(art / s) for s in shards] != whole and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert [resident_bytes(art / s) for s in shards] == whole
-
-
-def test_read_ahead_reads_only_what_fits_its_budget(case):
-    _, art, _ = case
-    shards = evicted_shards(art)
-    assert read_ahead(art, shards, budget=(art / shards[0]).stat().st_size - 1).result(timeout=30) == 0
-    time.sleep(0.5)
-    assert [resident_bytes(art / s) for s in shards] == [0] * len(shards)
