@@ -235,7 +235,7 @@ def main() -> None:
 
 
 def plot(r: dict, out: str) -> None:
-    """Log-log: prepack, copy, verify and load time, and peak RSS, against parameters."""
+    """Log-log: prepack, copy, verify and load time (warm and cold), and peak RSS, against parameters."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -244,10 +244,14 @@ def plot(r: dict, out: str) -> None:
     sizes = list(r["sizes"])
     x = [r["sizes"][s]["params"] / 1e9 for s in sizes]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for label, key in (("prepack", lambda v: v["prepack"]["s"]), ("copy of the source", lambda v: v["copy_s"]),
-                       ("verify", lambda v: v["verify"]["s"]), ("load to first token", lambda v: v["load_first_token"]["total_s"]),
-                       ("floor", lambda v: v["floor"]["total_s"])):
-        a.plot(x, [key(r["sizes"][s]) for s in sizes], marker="o", label=label)
+    series = [("prepack", lambda v: v["prepack"]["s"], "-"), ("copy of the source", lambda v: v["copy_s"], "-"),
+              ("verify", lambda v: v["verify"]["s"], "-"), ("load to first token", lambda v: v["load_first_token"]["total_s"], "-"),
+              ("its floor (with transformers' imports)", lambda v: v["floor_with_transformers"]["total_s"], "-")]
+    if all(isinstance(r["sizes"][s].get("cold"), dict) for s in sizes):
+        series += [("load, cold page cache", lambda v: v["cold"]["load_first_token"]["total_s"], "--"),
+                   ("its floor, cold", lambda v: v["cold"]["floor_with_transformers"]["total_s"], "--")]
+    for label, key, style in series:
+        a.plot(x, [key(r["sizes"][s]) for s in sizes], marker="o", linestyle=style, label=label)
     a.set(xscale="log", yscale="log", xlabel="parameters (billions)", ylabel="seconds", title="time")
     for label, key in (("prepack", "prepack"), ("verify", "verify")):
         b.plot(x, [r["sizes"][s][key]["peak_rss_gib"] for s in sizes], marker="o", label=f"{label} peak RSS")
@@ -255,8 +259,8 @@ def plot(r: dict, out: str) -> None:
     b.set(xscale="log", yscale="log", xlabel="parameters (billions)", ylabel="GiB", title="memory")
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-    for ax, ticks in ((a, [1, 2, 5, 10, 20, 50, 100, 200, 500]), (b, [0.25, 0.5, 1, 2, 4, 8, 16, 32])):
-        ax.legend(fontsize=8)
+    for ax, ticks in ((a, [0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500]), (b, [0.25, 0.5, 1, 2, 4, 8, 16, 32])):
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
         ax.set_xticks(x, [s for s in sizes])
         ax.xaxis.set_minor_formatter(NullFormatter())
         lo, hi = ax.get_ylim()
@@ -266,7 +270,7 @@ def plot(r: dict, out: str) -> None:
     skipped = f"; skipped: {', '.join(r['skipped'])}" if r["skipped"] else ""
     fig.suptitle(f"Qwen2.5 shapes, int4 g128, cpu target ({r['machine']}, {r['memory_gib']} GiB, {r['date'][:10]}{skipped})", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
     print(f"wrote {out}")
 
 
