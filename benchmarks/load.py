@@ -117,7 +117,11 @@ def fresh_process(code: str, args: list[str], cold_inductor: bool = False) -> di
 
 
 def median_runs(code: str, args: list[str], runs: int, cold_inductor: bool = False) -> dict:
-    rows = [fresh_process(code, args, cold_inductor) for _ in range(runs)]
+    return medians([fresh_process(code, args, cold_inductor) for _ in range(runs)])
+
+
+def medians(rows: list[dict]) -> dict:
+    """fresh_process rows -> the median of each phase, and every run's total."""
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"runs": [r["total_s"] for r in rows]}
 
 

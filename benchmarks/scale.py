@@ -125,7 +125,7 @@ def load_runs(art: Path, runs: int) -> dict:
     in memory: the 1.83x of the 2026-11-23 32B rerun). Cold: where the page cache can be dropped
     (root), the floor with transformers and the load twice each, alternating, each after
     dropping it: a first start after boot reads every byte from disk."""
-    from benchmarks.load import fresh_process
+    from benchmarks.load import fresh_process, medians
 
     children = load_children(art)
     for code, argv in children.values():
@@ -148,10 +148,6 @@ def load_runs(art: Path, runs: int) -> dict:
     out["cold"] = {name: medians(r) for name, r in cold.items()}
     out["cold"]["load_over_floor_with_transformers"] = out["cold"]["load_first_token"]["total_s"] / out["cold"]["floor_with_transformers"]["total_s"]
     return out
-
-
-def medians(rows: list[dict]) -> dict:
-    return {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"runs": [round(r["total_s"], 2) for r in rows]}
 
 
 def drop_page_cache() -> bool:
@@ -216,8 +212,6 @@ def main() -> None:
         row["copy_s"] = round(statistics.median(copies), 2)
         row |= load_runs(art, args.runs)
         row["prepack_over_copy"] = row["prepack"]["s"] / row["copy_s"]
-        row["load_over_floor"] = row["load_first_token"]["total_s"] / row["floor"]["total_s"]
-        row["load_over_floor_with_transformers"] = row["load_first_token"]["total_s"] / row["floor_with_transformers"]["total_s"]
         row["write_mb_s"] = round(row["artifact_bytes"] / row["prepack"]["s"] / 1e6, 1)
         row["copy_mb_s"] = round(src_bytes / row["copy_s"] / 1e6, 1)
         result["sizes"][size] = row
