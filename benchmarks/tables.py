@@ -343,6 +343,21 @@ def scale(r: dict) -> str:
     return "\n".join(out)
 
 
+def thp_prepack(r: dict) -> str:
+    """Prepack with THP_MEM_ALLOC_ENABLE 0 and 1, alternating, fresh processes (benchmarks/thp.py)."""
+    out = [f"{r['machine']} ({r['cpu_capability']}), torch {r['torch']}, THP mode `{r['thp_mode']}`, {r['date'][:10]}; "
+           "`quantprep prepack --target cpu`, page cache dropped before each run", "",
+           "| size | source | off: median (runs) | on: median (runs) | off / on | peak RSS off / on (max) |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for size, x in r["sizes"].items():
+        off, on = x["runs"]["0"], x["runs"]["1"]
+        off_runs, on_runs = (", ".join(f"{v['s']:.1f}" for v in rows) for rows in (off, on))
+        out.append(f"| {size} | {x['source_bytes'] / 2**30:.2f} GiB | {x['median_s']['0']:.1f} s ({off_runs}) "
+                   f"| {x['median_s']['1']:.1f} s ({on_runs}) | {x['off_over_on']:.2f} "
+                   f"| {max(v['peak_rss_gib'] for v in off):.2f} / {max(v['peak_rss_gib'] for v in on):.2f} GiB |")
+    return "\n".join(out)
+
+
 GEMM_SHAPES = ("q_proj", "qkv_fused", "gate_up_fused", "down_proj")
 
 
@@ -398,6 +413,7 @@ RENDERERS = {
     "vs-gptqmodel": vs_gptqmodel,
     "target-ppl": target_ppl,
     "scale": scale,
+    "thp-prepack": thp_prepack,
 }
 
 

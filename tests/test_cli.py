@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -226,3 +227,26 @@ def test_verify_exit_codes_for_failed_and_skipped(capsys, random_artifact):
     one_line_error(code, err, "--allow-skip")
     code, out, _ = run(capsys, "verify", str(random_artifact), "--json", "--allow-skip")
     assert code == 0 and json.loads(out)["numeric"] == "skipped"
+
+
+def test_the_command_line_puts_torch_tensors_on_huge_pages(tmp_path):
+    """cli.main sets THP_MEM_ALLOC_ENABLE before PyTorch's first allocation reads it (after every
+    import the command line makes): a large tensor then lands on transparent huge pages."""
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.is_file() or "[madvise]" not in mode.read_text():
+        pytest.skip("needs transparent huge pages in madvise mode (where only the allocator's request turns them on)")
+    code = """
+import contextlib, io, os, sys
+os.environ.pop("THP_MEM_ALLOC_ENABLE", None)
+import quantprep.cli as cli
+if sys.argv[1] == "cli":
+    with contextlib.redirect_stdout(io.StringIO()):
+        cli.main(["list"])
+import torch
+x = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
+print(next(int(line.split()[1]) for line in open("/proc/self/smaps_rollup") if line.startswith("AnonHugePages:")))
+"""
+    huge = {how: int(subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, check=True).stdout.split()[-1])
+            for how in ("cli", "plain")}
+    assert huge["plain"] == 0, huge  # without the setting, no huge pages: the check below can fail
+    assert huge["cli"] >= 32 << 10, huge  # KiB: most of the 64 MiB tensor
