@@ -160,6 +160,17 @@ def drop_page_cache() -> bool:
         return False
 
 
+def write_checkpoint(size: str, src: Path) -> None:
+    """A random GPTQ checkpoint of this Qwen2.5 shape at `src`, written beside it and renamed into
+    place: an interrupted write leaves no checkpoint that looks whole."""
+    from quantprep.synthetic import write_random_checkpoint_sharded
+
+    tmp = src.with_name(src.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_random_checkpoint_sharded(tmp, config(size))
+    tmp.rename(src)
+
+
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -177,8 +188,6 @@ def main() -> None:
         return plot(json.loads(Path(args.results[0]).read_text()), args.plot)
     import torch
 
-    from quantprep.synthetic import write_random_checkpoint_sharded
-
     result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
               "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1), "sizes": {}, "skipped": {}}
@@ -194,10 +203,7 @@ def main() -> None:
             continue
         if not have:
             print(f"{size}: writing a random GPTQ checkpoint...", flush=True)
-            tmp = src.with_name(src.name + ".partial")
-            shutil.rmtree(tmp, ignore_errors=True)
-            write_random_checkpoint_sharded(tmp, config(size))
-            tmp.rename(src)
+            write_checkpoint(size, src)
         src_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
         # the copy before the prepack, after it and after verify, and their median: this VM's disk
         # rate swings several-fold within minutes (writes land in the host's cache at times)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.scale import WORK, config, drop_page_cache, run_timed  # noqa: E402
+from benchmarks.scale import WORK, drop_page_cache, run_timed, write_checkpoint  # noqa: E402
 
 
 def main() -> None:
@@ -35,8 +35,6 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
-    from quantprep.synthetic import write_random_checkpoint_sharded
-
     result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
               "thp_mode": Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip(), "sizes": {}}
@@ -45,10 +43,7 @@ def main() -> None:
         src, art = WORK / f"qwen2.5-{size}-gptq", WORK / "thp-art"
         kept = (src / "config.json").is_file()
         if not kept:
-            tmp = src.with_name(src.name + ".partial")
-            shutil.rmtree(tmp, ignore_errors=True)
-            write_random_checkpoint_sharded(tmp, config(size))
-            tmp.rename(src)
+            write_checkpoint(size, src)
         src_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
         runs: dict[str, list[dict]] = {"0": [], "1": []}
         for r in range(args.rounds):
