@@ -249,4 +249,4 @@ print(next(int(line.split()[1]) for line in open("/proc/self/smaps_rollup") if l
     huge = {how: int(subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, check=True).stdout.split()[-1])
             for how in ("cli", "plain")}
     assert huge["plain"] == 0, huge  # without the setting, no huge pages: the check below can fail
-    assert huge["cli"] >= 32 << 10, huge  # KiB: most of the 64 MiB tensor
+    assert huge["cli"] >= 2 << 10, huge  # KiB: at least one 2 MiB page (the kernel may not find more under fragmentation)
