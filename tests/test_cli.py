@@ -229,7 +229,7 @@ def test_verify_exit_codes_for_failed_and_skipped(capsys, random_artifact):
     assert code == 0 and json.loads(out)["numeric"] == "skipped"
 
 
-def test_the_command_line_puts_torch_tensors_on_huge_pages(tmp_path):
+def test_the_command_line_puts_torch_tensors_on_huge_pages():
     """cli.main sets THP_MEM_ALLOC_ENABLE before PyTorch's first allocation reads it (after every
     import the command line makes): a large tensor then lands on transparent huge pages."""
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
