@@ -319,12 +319,13 @@ def target_ppl(*runs: dict) -> str:
 
 def scale(r: dict) -> str:
     """Prepack, verify and load per model size, fresh processes (benchmarks/scale.py)."""
+    has_cold = any("cold" in x for x in r["sizes"].values())
     out = [f"{r['machine']} ({r['cpu_capability']}), {r['memory_gib']} GiB, torch {r['torch']}, {r['date'][:10]}; Qwen2.5 shapes, "
            "int4 g128 act-order, random codes, cpu target", "",
            "| size | parameters | source | copy (disk; median, range) | prepack (goal <= 2x copy) | prepack peak RSS | verify | verify peak RSS "
            "| load to first token | floor | load / floor | floor with transformers' imports | load / that floor (goal <= 1.25) |"
-           + (" cold: load, floor with transformers' imports, ratio |" if any("cold" in x for x in r["sizes"].values()) else ""),
-           "| --- " * (13 + any("cold" in x for x in r["sizes"].values())) + "|"]
+           + (" cold: load, floor with transformers' imports, ratio |" if has_cold else ""),
+           "| --- " * (13 + has_cold) + "|"]
     for size, x in r["sizes"].items():
         with_tf = x.get("floor_with_transformers")
         cold = x.get("cold")
