@@ -1,13 +1,15 @@
 """Stage 2, prepack: everything GPTQModel does at load or first forward, done once, offline.
 
-Unpack the integer codes, apply act-order (permute K by a stable argsort of `g_idx` so every
+Unpack zeros and scales, find the act-order permutation (a stable argsort of `g_idx`, so every
 group becomes contiguous), then hand the layer to the target, which converts it to its kernel's
-layout. All tensor ops are vectorized; the only loop is over layers.
+layout: from the unpacked codes (K permuted), or straight from GPTQ's packed int32 where a target
+has a fused packer (the cpu target). The only Python loop is over layers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from tqdm import tqdm
@@ -25,11 +27,26 @@ class UnpackedLayer:
     group_size: int
     in_features: int  # K
     out_features: int  # N
-    codes: torch.Tensor  # uint8 [K, N], permuted K
+    qweight: torch.Tensor  # int32 [K * bits/32, N] as GPTQ packs it, K in the ORIGINAL order (fused: members side by side)
     zeros: torch.Tensor  # uint8 [G, N], v2 (w = (code - zero) * scale)
     scales: torch.Tensor  # [G, N] as stored
     perm: torch.Tensor | None  # int64 [K]: permuted input k reads original input perm[k]; None = identity
     bias: torch.Tensor | None
+
+    @cached_property
+    def codes(self) -> torch.Tensor:
+        """uint8 [K, N], permuted K: unpacked at first use (a target with a fused packer never asks)."""
+        return self.unpack_codes()
+
+    def unpack_codes(self, block: int = 1 << 24) -> torch.Tensor:
+        """The codes, unpacked and put in act-order about `block` codes at a time, straight into the
+        result: whole, the temporaries of a Qwen2.5-32B gate/up took 680 MB beside its 283 MB of codes."""
+        K, N = self.in_features, self.out_features
+        codes, cols = torch.empty(K, N, dtype=torch.uint8), max(1, block // K)
+        for c0 in range(0, N, cols):
+            part = unpack_rows(self.qweight[:, c0:c0 + cols], self.bits)
+            codes[:, c0:c0 + part.shape[1]] = part if self.perm is None else part.index_select(0, self.perm)
+        return codes
 
     def dequantize(self) -> torch.Tensor:
         """Dense float32 weight [K, N] in the ORIGINAL input order: the reference every kernel is checked against."""
@@ -66,30 +83,22 @@ def unpack_layer(layer: GPTQLayer) -> UnpackedLayer:
     return unpack_layers(layer.name, [layer])
 
 
-def unpack_layers(name: str, layers: list[GPTQLayer], block: int = 1 << 24) -> UnpackedLayer:
+def unpack_layers(name: str, layers: list[GPTQLayer]) -> UnpackedLayer:
     """One layer, or layers that read the same input concatenated along N (fused: one matmul, one
-    gather; exact when `can_fuse`). The codes are unpacked and put in act-order about `block`
-    codes at a time, straight into the result: whole, the temporaries of a Qwen2.5-32B gate/up
-    took 680 MB beside its 283 MB of codes."""
+    gather; exact when `can_fuse`). The codes stay packed until a target asks for them."""
     if len(layers) > 1 and not can_fuse(layers):
         raise ValueError(f"{name}: layers {[x.name for x in layers]} cannot be fused")
     first = layers[0]
     K, N = first.in_features, sum(x.out_features for x in layers)
     perm = act_order_perm(first.g_idx)
-    codes, n0 = torch.empty(K, N, dtype=torch.uint8), 0
-    cols = max(1, block // K)
-    for x in layers:
-        for c0 in range(0, x.out_features, cols):
-            part = unpack_rows(x.qweight[:, c0:c0 + cols], x.bits)
-            codes[:, n0 + c0:n0 + c0 + part.shape[1]] = part if perm is None else part.index_select(0, perm)
-        n0 += x.out_features
+    qweight = torch.cat([x.qweight for x in layers], 1) if len(layers) > 1 else first.qweight
     zeros = torch.cat([unpack_cols(x.qzeros, x.bits)[:, : x.out_features] for x in layers], 1)
     scales = torch.cat([x.scales.to(first.scales.dtype) for x in layers], 1)
     bias = None
     if any(x.bias is not None for x in layers):
         dtype = next(x.bias.dtype for x in layers if x.bias is not None)
         bias = torch.cat([x.bias.to(dtype) if x.bias is not None else torch.zeros(x.out_features, dtype=dtype) for x in layers])
-    return UnpackedLayer(name, first.bits, first.group_size, K, N, codes, zeros, scales, perm, bias)
+    return UnpackedLayer(name, first.bits, first.group_size, K, N, qweight, zeros, scales, perm, bias)
 
 
 def can_fuse(layers: list[GPTQLayer]) -> bool:

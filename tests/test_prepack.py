@@ -31,7 +31,8 @@ def test_unpack_dequantize_matches_truth(combo, k_groups, k_extra, n8, seed, sca
     gen = torch.Generator().manual_seed(seed)
     v = random_gptq_codes(K, N, bits, group_size, sym, act_order, scale_dtype, generator=gen)
     q = QuantConfig(bits, group_size, sym, act_order, "gptq" if v1 else "gptq_v2")
-    layer = unpack_layers("m", [_validate_layer("m", pack_gptq(v, bits, v1), q)], block=block)  # block: codes per step
+    layer = unpack_layers("m", [_validate_layer("m", pack_gptq(v, bits, v1), q)])
+    assert torch.equal(layer.unpack_codes(block), layer.codes)  # block: codes per step
     # With a single group every input order groups the same, so act-order needs no gather.
     single_group = group_size == -1 or K <= group_size
     assert (layer.perm is None) == (not act_order or single_group)
@@ -52,9 +53,10 @@ def _layers(n_out: list[int], K: int = 320, seed: int = 0, same_g_idx: bool = Tr
 def test_fused_unpack_is_the_members_side_by_side(block):
     layers = _layers([48, 16, 32])
     parts = [unpack_layer(x) for x in layers]
-    fused = unpack_layers("qkv", layers, block=block)
+    fused = unpack_layers("qkv", layers)
     assert fused.out_features == 96 and torch.equal(fused.perm, parts[0].perm)
-    for field in ("codes", "zeros", "scales"):
+    assert torch.equal(fused.unpack_codes(block), torch.cat([x.codes for x in parts], 1))
+    for field in ("qweight", "codes", "zeros", "scales"):
         assert torch.equal(getattr(fused, field), torch.cat([getattr(x, field) for x in parts], 1)), field
     assert torch.equal(fused.dequantize(), torch.cat([x.dequantize() for x in parts], 1))
 

@@ -80,6 +80,52 @@ def test_fast_pack_equals_upstream_op(N, K, step):
     assert torch.equal(pack_int4(codes, torch.backends.cpu.get_cpu_capability(), step), ref)
 
 
+def _native_or_skip():
+    from quantprep.targets.cpu import native_packer
+
+    if native_packer() is None:
+        pytest.skip("no C compiler (cc) here: prepack packs with the tensor ops, which the tests above cover")
+
+
+# (K, N, Kp, Np): as is; N with a partial last block; K and N padded (kernel group, N % 16)
+@pytest.mark.parametrize("K,N,Kp,Np", [(576, 192, 576, 192), (576, 208, 576, 208), (200, 200, 224, 208), (32, 16, 32, 16)])
+@pytest.mark.parametrize("act_order", [True, False])
+@pytest.mark.parametrize("isa", ["AVX512", "AVX2"])
+def test_native_pack_from_gptq_equals_the_tensor_ops(K, N, Kp, Np, act_order, isa):
+    """The C packer reads GPTQ's int32 codes and the act-order perm; the tensor-ops path unpacks,
+    gathers, pads with 8 and packs. Same bytes for both ISAs' blocks (whatever this CPU is)."""
+    from quantprep.gptq_format import unpack_rows
+    from quantprep.targets.cpu import FAST_PACK_BLOCK_N, pack_int4, pack_int4_from_gptq
+
+    _native_or_skip()
+    gen = torch.Generator().manual_seed(K * N)
+    qweight = torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, generator=gen)
+    perm = torch.randperm(K, generator=gen) if act_order else None
+    codes = unpack_rows(qweight, 4) if perm is None else unpack_rows(qweight, 4)[perm]
+    codes = torch.nn.functional.pad(codes, (0, Np - N, 0, Kp - K), value=8)
+    assert torch.equal(pack_int4_from_gptq(qweight, perm, Kp, Np, FAST_PACK_BLOCK_N[isa]), pack_int4(codes, isa))
+    if isa == torch.backends.cpu.get_cpu_capability():  # and the upstream op on this CPU
+        ref = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.T.to(torch.int32).contiguous(), 1)
+        assert torch.equal(pack_int4_from_gptq(qweight, perm, Kp, Np, FAST_PACK_BLOCK_N[isa]), ref)
+
+
+def test_the_target_packs_from_gptq_codes_without_unpacking_them(monkeypatch):
+    """With a C compiler the cpu target never unpacks the codes, and its tensors equal those of the
+    tensor-ops path (QUANTPREP_PACK=torch)."""
+    from quantprep.prepack import unpack_layer
+    from quantprep.source import _validate_layer
+    from quantprep.targets import cpu
+
+    _native_or_skip()
+    raw = random_gptq_tensors(576, 200, 4, 128, False, True, True, generator=torch.Generator().manual_seed(3))
+    layer = unpack_layer(_validate_layer("m", raw, QuantConfig(4, 128, False, True, "gptq")))
+    native, _ = CPU.pack(layer, torch.bfloat16)
+    assert "codes" not in layer.__dict__  # the cached property was never computed
+    monkeypatch.setattr(cpu, "native_packer", lambda: None)
+    ops, _ = CPU.pack(layer, torch.bfloat16)
+    assert native.keys() == ops.keys() and all(torch.equal(native[k], ops[k]) for k in native)
+
+
 @pytest.mark.parametrize("N,K", [(64, 64), (128, 576), (80, 64), (208, 576), (16, 32), (1536, 512)])
 @pytest.mark.parametrize("block", [64, 32])
 def test_unpack_inverts_pack(N, K, block):
