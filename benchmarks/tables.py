@@ -344,18 +344,20 @@ def scale(r: dict) -> str:
     return "\n".join(out)
 
 
-def thp_prepack(r: dict) -> str:
-    """Prepack with THP_MEM_ALLOC_ENABLE 0 and 1, alternating, fresh processes (benchmarks/thp.py)."""
+def prepack_env(r: dict) -> str:
+    """Prepack with an environment variable one way and the other, alternating, fresh processes
+    (benchmarks/prepack_env.py; the THP file predates "var"/"values" and named its ratio off_over_on)."""
+    var, (a, b) = r.get("var", "THP_MEM_ALLOC_ENABLE"), r.get("values", ["0", "1"])
     out = [f"{r['machine']} ({r['cpu_capability']}), torch {r['torch']}, THP mode `{r['thp_mode']}`, {r['date'][:10]}; "
            "`quantprep prepack --target cpu`, page cache dropped before each run", "",
-           "| size | source | off: median (runs) | on: median (runs) | off / on | peak RSS off / on (max) |",
+           f"| size | source | {var}={a}: median (runs) | {var}={b}: median (runs) | {a} / {b} | peak RSS {a} / {b} (max) |",
            "| --- | --- | --- | --- | --- | --- |"]
     for size, x in r["sizes"].items():
-        off, on = x["runs"]["0"], x["runs"]["1"]
-        off_runs, on_runs = (", ".join(f"{v['s']:.1f}" for v in rows) for rows in (off, on))
-        out.append(f"| {size} | {x['source_bytes'] / 2**30:.2f} GiB | {x['median_s']['0']:.1f} s ({off_runs}) "
-                   f"| {x['median_s']['1']:.1f} s ({on_runs}) | {x['off_over_on']:.2f} "
-                   f"| {max(v['peak_rss_gib'] for v in off):.2f} / {max(v['peak_rss_gib'] for v in on):.2f} GiB |")
+        ra, rb = x["runs"][a], x["runs"][b]
+        a_runs, b_runs = (", ".join(f"{v['s']:.1f}" for v in rows) for rows in (ra, rb))
+        out.append(f"| {size} | {x['source_bytes'] / 2**30:.2f} GiB | {x['median_s'][a]:.1f} s ({a_runs}) "
+                   f"| {x['median_s'][b]:.1f} s ({b_runs}) | {x.get('ratio', x.get('off_over_on')):.2f} "
+                   f"| {max(v['peak_rss_gib'] for v in ra):.2f} / {max(v['peak_rss_gib'] for v in rb):.2f} GiB |")
     return "\n".join(out)
 
 
@@ -414,7 +416,7 @@ RENDERERS = {
     "vs-gptqmodel": vs_gptqmodel,
     "target-ppl": target_ppl,
     "scale": scale,
-    "thp-prepack": thp_prepack,
+    "prepack-env": prepack_env,
 }
 
 

@@ -84,28 +84,27 @@ def pack_int4(codes: torch.Tensor, capability: str, step: int = 1 << 24) -> torc
 # compiler (the build side only; the artifact never carries it); without one, the tensor ops.
 NATIVE_PACK_SOURCE = r"""
 #include <stdint.h>
-/* qweight [K/8, N]: code k of column n at bits 4*(k%8) of qweight[k/8][n]. perm [K] or NULL:
-   row k of the result reads source row perm[k]. out: per block of `block` columns, [K, block/2]
-   bytes, byte j of row k = code(n0+j+block/2) << 4 | code(n0+j); the last, partial block pairs
-   adjacent columns. */
-void pack_int4_cpu(const uint32_t *qweight, const int64_t *perm, int64_t K, int64_t N, int64_t block, uint8_t *out) {
-    int64_t half = block / 2, n_full = N / block * block, rem = N - n_full;
-    for (int64_t n0 = 0; n0 < n_full; n0 += block)
-        for (int64_t k = 0; k < K; k++) {
-            int64_t src = perm ? perm[k] : k;
-            const uint32_t *row = qweight + (src >> 3) * N + n0;
-            unsigned sh = 4 * (src & 7);
-            uint8_t *o = out + n0 * K / 2 + k * half;
-            for (int64_t j = 0; j < half; j++)
-                o[j] = (uint8_t)(((row[j] >> sh) & 15) | (((row[j + half] >> sh) & 15) << 4));
+/* qweight [K/8, N]: code k of column n at bits 4*(k%8) of qweight[k/8][n]. dest [K] or NULL: source
+   row k goes to row dest[k] of the result. out: per block of `block` columns, [K, block/2] bytes,
+   byte j of row k = code(n0+j+block/2) << 4 | code(n0+j); a last, partial block pairs adjacent
+   columns. Each source word is read once: a block's 8 rows at a time, written where they go. */
+void pack_int4_cpu(const uint32_t *qweight, const int64_t *dest, int64_t K, int64_t N, int64_t block, uint8_t *out) {
+    int64_t n_full = N / block * block;
+    for (int64_t n0 = 0; n0 < N; n0 += block) {
+        int64_t width = n0 < n_full ? block : N - n_full, half = width / 2;
+        uint8_t *blk = out + n0 * K / 2;
+        for (int64_t w = 0; w < K / 8; w++) {
+            const uint32_t *row = qweight + w * N + n0;
+            for (int r = 0; r < 8; r++) {
+                uint8_t *o = blk + (dest ? dest[8 * w + r] : 8 * w + r) * half;
+                if (n0 < n_full)
+                    for (int64_t j = 0; j < half; j++)
+                        o[j] = (uint8_t)(((row[j] >> (4 * r)) & 15) | (((row[j + half] >> (4 * r)) & 15) << 4));
+                else
+                    for (int64_t j = 0; j < half; j++)
+                        o[j] = (uint8_t)(((row[2 * j] >> (4 * r)) & 15) | (((row[2 * j + 1] >> (4 * r)) & 15) << 4));
+            }
         }
-    for (int64_t k = 0; k < K && rem; k++) {
-        int64_t src = perm ? perm[k] : k;
-        const uint32_t *row = qweight + (src >> 3) * N + n_full;
-        unsigned sh = 4 * (src & 7);
-        uint8_t *o = out + n_full * K / 2 + k * (rem / 2);
-        for (int64_t j = 0; j < rem / 2; j++)
-            o[j] = (uint8_t)(((row[2 * j] >> sh) & 15) | (((row[2 * j + 1] >> sh) & 15) << 4));
     }
 }
 """
@@ -139,14 +138,16 @@ def pack_int4_from_gptq(qweight: torch.Tensor, perm: torch.Tensor | None, Kp: in
     q = qweight.contiguous()
     if Np != N:
         q = torch.cat([q, torch.full((K // 8, Np - N), 0x88888888 - (1 << 32), dtype=torch.int32)], 1)
-    if Kp != K:  # padded rows are source rows K.. of code 8, read in order after the permuted ones
+    if Kp != K:  # padded rows: source rows K.. of code 8, kept in place after the permuted ones
         q = torch.cat([q, torch.full(((Kp - K) // 8, Np), 0x88888888 - (1 << 32), dtype=torch.int32)], 0)
-        if perm is not None:
-            perm = torch.cat([perm, torch.arange(K, Kp)])
-    p = None if perm is None else perm.to(torch.int64).contiguous()
-    assert q.dtype == torch.int32 and q.shape == (Kp // 8, Np) and (p is None or p.shape == (Kp,))
+    dest = None
+    if perm is not None:  # result row k reads source row perm[k]: source row perm[k] goes to row k
+        dest = torch.empty(Kp, dtype=torch.int64)
+        dest[perm] = torch.arange(K)
+        dest[K:] = torch.arange(K, Kp)
+    assert q.dtype == torch.int32 and q.shape == (Kp // 8, Np)
     out = torch.empty(Np * Kp // 2, dtype=torch.uint8)
-    fn(q.data_ptr(), None if p is None else p.data_ptr(), Kp, Np, block, out.data_ptr())
+    fn(q.data_ptr(), None if dest is None else dest.data_ptr(), Kp, Np, block, out.data_ptr())
     return out.view(Np, Kp // 2)
 
 
