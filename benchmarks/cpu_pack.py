@@ -1,7 +1,7 @@
 """The cpu target's int4 packing, two ways side by side in one process, on Qwen2.5 layer shapes:
 the tensor ops (unpack the codes, act-order gather, pack_int4) and the compiled packer straight
 from GPTQ's int32 codes (pack_int4_from_gptq). Act-order on, as in benchmarks/scale.py's
-checkpoints; fused q/k/v and gate/up as prepack fuses them. Medians of --reps calls, alternating,
+checkpoints; fused q/k/v and gate/up as prepack fuses them. Medians of --reps calls after a warm-up, alternating,
 torch at its default thread count (as prepack runs it); the compiled packer is one thread.
 
     python benchmarks/cpu_pack.py [--out benchmarks/results/cpu-pack-avx512.json]
@@ -59,7 +59,7 @@ def main() -> None:
                 layer = unpack_layer(gptq)
                 return pack_int4_from_gptq(layer.qweight, layer.perm, K, N, block)
 
-            assert torch.equal(tensor_ops(), native())
+            assert torch.equal(tensor_ops(), native())  # and a warm-up of both
             times = {"tensor_ops": [], "native": []}
             for _ in range(args.reps):
                 for label, fn in (("tensor_ops", tensor_ops), ("native", native)):

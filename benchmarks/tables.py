@@ -361,6 +361,17 @@ def prepack_env(r: dict) -> str:
     return "\n".join(out)
 
 
+def cpu_pack(r: dict) -> str:
+    """The cpu target's int4 packing, tensor ops against the compiled packer, per layer (benchmarks/cpu_pack.py)."""
+    out = [f"{_machine(r)}, torch {r['torch']} ({r['torch_threads']} threads; the compiled packer: 1); "
+           "act-order, medians", "", "| size | layer (K x N) | GPTQ qweight | tensor ops | compiled packer | ratio |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for x in r["rows"]:
+        out.append(f"| {x['size']} | {x['layer']} ({x['K']} x {x['N']}) | {x['qweight_mb']:.1f} MB | {x['tensor_ops_ms']:.1f} ms "
+                   f"| {x['native_ms']:.1f} ms | {x['tensor_ops_over_native']:.2f}x |")
+    return "\n".join(out)
+
+
 GEMM_SHAPES = ("q_proj", "qkv_fused", "gate_up_fused", "down_proj")
 
 
@@ -417,6 +428,7 @@ RENDERERS = {
     "target-ppl": target_ppl,
     "scale": scale,
     "prepack-env": prepack_env,
+    "cpu-pack": cpu_pack,
 }
 
 
