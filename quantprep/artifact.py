@@ -17,7 +17,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
@@ -79,9 +79,13 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
                       torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
+WRITE_CHUNK = 16 << 20
+
+
 def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str], release: bool = False) -> str:
     """Write a safetensors file (docs: huggingface.co/docs/safetensors) and return its sha256,
-    computed from the bytes as they are written: no second read of the file. Tensors go largest
+    computed from the bytes as they are written, in a second thread (write_hashed): no second
+    read of the file. Tensors go largest
     element first, then by name, as safetensors orders them, so each one is aligned to its size.
     `release` drops each tensor from `tensors` once written, so its memory goes as the file grows."""
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
@@ -93,22 +97,20 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str], relea
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    h = hashlib.sha256()
-    with open(path, "wb") as f:
-        for chunk in (len(raw).to_bytes(8, "little"), raw):
-            f.write(chunk)
-            h.update(chunk)
+
+    def chunks() -> Iterator[memoryview | bytes]:
+        yield len(raw).to_bytes(8, "little") + raw
         for k in order:
-            _write_tensor(f, h, tensors.pop(k) if release else tensors[k])
-    return h.hexdigest()
+            t = tensors.pop(k) if release else tensors[k]
+            # t: a tensor, or a source's StoredRows: converted and written a block at a time
+            for block in t.blocks() if hasattr(t, "blocks") else (t,):
+                data = memoryview(block.contiguous().reshape(-1).view(torch.uint8).numpy())
+                for i in range(0, len(data), WRITE_CHUNK):  # so writing and hashing overlap within a tensor
+                    yield data[i:i + WRITE_CHUNK]
 
-
-def _write_tensor(f, h, t) -> None:
-    # t: a tensor, or a source's StoredRows: converted and written a block at a time
-    for block in t.blocks() if hasattr(t, "blocks") else (t,):
-        data = memoryview(block.contiguous().reshape(-1).view(torch.uint8).numpy())
-        f.write(data)
-        h.update(data)
+    with open(path, "wb") as f:
+        digest, _ = write_hashed(chunks(), f, 8 + len(raw) + offset)
+    return digest
 
 
 def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> str:
