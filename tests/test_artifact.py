@@ -211,6 +211,21 @@ def test_a_shard_frees_each_tensor_once_written(tmp_path):
     assert all(torch.equal(v, tensors[k]) for k, v in load_file(tmp_path / "released.safetensors").items())
 
 
+def test_the_digest_is_the_written_files_sha256_across_write_chunks(tmp_path):
+    """write_safetensors hashes in a second thread while it writes, 16 MiB at a time: a tensor of
+    several chunks with a partial last one, then small tensors of other dtypes: the digest is the file's sha256."""
+    from safetensors.torch import load_file
+
+    from quantprep.artifact import WRITE_CHUNK, sha256_file, write_safetensors
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"big": torch.randn(WRITE_CHUNK // 4 * 2 + 12345, generator=gen), "ids": torch.arange(7, dtype=torch.int32),
+               "h": torch.randn(5, 3, generator=gen).half()}
+    digest = write_safetensors(tmp_path / "t.safetensors", dict(tensors), {"format": "pt"})
+    assert digest == sha256_file(tmp_path / "t.safetensors")
+    assert all(torch.equal(v, tensors[k]) for k, v in load_file(tmp_path / "t.safetensors").items())
+
+
 def test_the_shard_index_lists_every_tensor_of_every_shard(random_gptq, tmp_path):
     """The writer frees a shard's tensors as it writes them; the index must still name them all (it
     once read the names from the dict the writer was emptying). One tensor per shard here."""

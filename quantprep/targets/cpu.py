@@ -142,11 +142,9 @@ def pack_int4_from_gptq(qweight: torch.Tensor, perm: torch.Tensor | None, Kp: in
     if Kp != K:  # padded rows: source rows K.. of code 8, kept in place after the permuted ones
         q = torch.cat([q, torch.full(((Kp - K) // 8, Np), 0x88888888 - (1 << 32), dtype=torch.int32)], 0)
     dest = None
-    if perm is not None:  # result row k reads source row perm[k]: source row perm[k] goes to row k
-        dest = torch.empty(Kp, dtype=torch.int64)
-        dest[perm] = torch.arange(K)
-        dest[K:] = torch.arange(K, Kp)
-    assert q.dtype == torch.int32 and q.shape == (Kp // 8, Np)
+    if perm is not None:  # result row k reads source row perm[k], so source row i goes to argsort(perm)[i]
+        dest = torch.cat([torch.argsort(perm), torch.arange(K, Kp)])  # a permutation of 0..Kp-1 whatever perm is
+    assert q.dtype == torch.int32 and q.shape == (Kp // 8, Np) and (dest is None or dest.shape == (Kp,))
     out = torch.empty(Np * Kp // 2, dtype=torch.uint8)
     fn(q.data_ptr(), None if dest is None else dest.data_ptr(), Kp, Np, block, out.data_ptr())
     return out.view(Np, Kp // 2)
