@@ -170,6 +170,24 @@ def build_manifest(ckpt: GPTQCheckpoint, target, act_dtype: torch.dtype, modules
     }
 
 
+@contextlib.contextmanager
+def one_torch_thread():
+    """torch on one thread for a build, unless OMP_NUM_THREADS says otherwise. Its OpenMP workers
+    spin between ops (libgomp's default wait policy): in a 14B prepack that spinning was 22% of
+    the CPU time (perf) on a 2-core machine, taken from the threads that import, read, hash and
+    write, while prepack's own torch ops are small (benchmarks/prepack_env.py, BENCHMARKS.md)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@one_torch_thread()
 def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for, act_dtype: str | None = None,
                     progress: bool = True, serving: dict | None = None, warm_here: bool = False,
                     fuse: bool = True, force: bool = False, shard_bytes: int = SHARD_BYTES) -> list[dict]:
