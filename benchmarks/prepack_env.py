@@ -2,11 +2,13 @@
 
     python benchmarks/prepack_env.py --var THP_MEM_ALLOC_ENABLE --values 0,1 [--out benchmarks/results/thp-prepack-cpu-avx512.json]
     python benchmarks/prepack_env.py --var QUANTPREP_PACK --values torch,native [--out benchmarks/results/pack-prepack-cpu-avx512.json]
+    python benchmarks/prepack_env.py --var OMP_NUM_THREADS --values 2,unset [--out benchmarks/results/threads-prepack-cpu-avx512.json]
 
 THP_MEM_ALLOC_ENABLE: the quantprep CLI sets it to 1 unless the environment sets it (cli.main), so
 prepack's large temporaries sit on transparent huge pages instead of faulting in 4 KiB at a time.
 QUANTPREP_PACK=torch: the cpu target packs with tensor ops instead of its compiled packer
-(targets/cpu.py; any other value: the compiled packer).
+(targets/cpu.py; any other value: the compiled packer). OMP_NUM_THREADS: a build runs torch on one
+thread unless it is set (build.one_torch_thread).
 
 `quantprep prepack --target cpu` of benchmarks/scale.py's random Qwen2.5-shaped checkpoints,
 fresh processes, the page cache dropped before each run where allowed (root), the two values
@@ -33,7 +35,7 @@ from benchmarks.scale import WORK, drop_page_cache, run_timed, write_checkpoint 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--var", default="THP_MEM_ALLOC_ENABLE")
-    p.add_argument("--values", default="0,1", help="two values, comma-separated; the ratio is first / second")
+    p.add_argument("--values", default="0,1", help="two values, comma-separated (unset: not in the environment); the ratio is first / second")
     p.add_argument("--sizes", default="7b,14b,32b")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out")
@@ -58,7 +60,10 @@ def main() -> None:
             for value in values if r % 2 == 0 else values[::-1]:
                 shutil.rmtree(art, ignore_errors=True)
                 cold = drop_page_cache()
-                os.environ[args.var] = value
+                if value == "unset":
+                    os.environ.pop(args.var, None)
+                else:
+                    os.environ[args.var] = value
                 row = run_timed([sys.executable, "-m", "quantprep", "prepack", str(src), "--target", "cpu", "--out", str(art), "--force"])
                 runs[value].append(row | {"page_cache_dropped": cold})
                 print(size, f"{args.var}={value}", row, flush=True)

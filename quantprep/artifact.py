@@ -85,9 +85,9 @@ WRITE_CHUNK = 16 << 20
 def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str], release: bool = False) -> str:
     """Write a safetensors file (docs: huggingface.co/docs/safetensors) and return its sha256,
     computed from the bytes as they are written, in a second thread (write_hashed): no second
-    read of the file. Tensors go largest
-    element first, then by name, as safetensors orders them, so each one is aligned to its size.
-    `release` drops each tensor from `tensors` once written, so its memory goes as the file grows."""
+    read of the file. Tensors go largest element first, then by name, as safetensors orders them,
+    so each one is aligned to its size. `release` drops each tensor from `tensors` once written,
+    so its memory goes as the file grows."""
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     header, offset = {"__metadata__": metadata}, 0
     for k in order:

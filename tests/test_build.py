@@ -178,3 +178,25 @@ def test_a_recipe_calibration_file_is_relative_to_the_recipe(tmp_path):
     (tmp_path / "r.toml").write_text('[source]\npath = "x"\n[quantize]\ncalibration = "texts/c.txt"\nsamples = 64\nseq_len = 256\n')
     r = parse_recipe(tmp_path / "r.toml")
     assert r.calibration == str((tmp_path / "texts" / "c.txt").resolve()) and (r.samples, r.seq_len) == (64, 256)
+
+
+def test_a_build_runs_torch_on_one_thread_unless_the_environment_says(random_gptq, tmp_path, monkeypatch):
+    """libgomp's workers spin between ops; a build's own torch ops are small: one thread while it
+    streams (observed inside prepack_stream), the caller's count after; OMP_NUM_THREADS wins."""
+    import torch
+
+    from quantprep import build
+
+    seen, stream = [], build.prepack_stream
+    monkeypatch.setattr(build, "prepack_stream", lambda *a, **k: (seen.append(torch.get_num_threads()), stream(*a, **k))[1])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        build.build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: tmp_path / "a", progress=False)
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        build.build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: tmp_path / "b", progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [1, 2]
