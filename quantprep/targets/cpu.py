@@ -80,7 +80,7 @@ def pack_int4(codes: torch.Tensor, capability: str, step: int = 1 << 24) -> torc
 # The same layout straight from GPTQ's packed int32 codes, act-order gather included: one pass
 # where the tensor ops take six over unpacked bytes (unpack, gather, shift, or, permute copy).
 # On Qwen2.5 7B-32B layer shapes it packs 5.3-8.6x faster than unpack_codes + pack_int4 on two
-# threads, and prepack of the 32B checkpoint takes 52.8 s instead of 80.5 s (benchmarks/cpu_pack.py,
+# threads, and prepack of the 32B checkpoint took 52.8 s instead of 80.5 s (benchmarks/cpu_pack.py,
 # benchmarks/prepack_env.py; BENCHMARKS.md). Compiled once per process with the system's C
 # compiler (the build side only; an artifact never carries it); without one, the tensor ops.
 NATIVE_PACK_SOURCE = r"""
