@@ -129,6 +129,9 @@ def native_packer():
     return fn
 
 
+CODE_8_WORD = 0x88888888 - (1 << 32)  # eight codes of 8 in one int32: the padding, as pack_int4 pads
+
+
 def pack_int4_from_gptq(qweight: torch.Tensor, perm: torch.Tensor | None, Kp: int, Np: int, block: int) -> torch.Tensor | None:
     """GPTQ int4 qweight [K/8, N] (+ act-order perm) -> pack_int4's result for codes padded to
     [Kp, Np] with 8; None when there is no native packer."""
@@ -138,9 +141,9 @@ def pack_int4_from_gptq(qweight: torch.Tensor, perm: torch.Tensor | None, Kp: in
     K, N = qweight.shape[0] * 8, qweight.shape[1]
     q = qweight.contiguous()
     if Np != N:
-        q = torch.cat([q, torch.full((K // 8, Np - N), 0x88888888 - (1 << 32), dtype=torch.int32)], 1)
+        q = torch.cat([q, torch.full((K // 8, Np - N), CODE_8_WORD, dtype=torch.int32)], 1)
     if Kp != K:  # padded rows: source rows K.. of code 8, kept in place after the permuted ones
-        q = torch.cat([q, torch.full(((Kp - K) // 8, Np), 0x88888888 - (1 << 32), dtype=torch.int32)], 0)
+        q = torch.cat([q, torch.full(((Kp - K) // 8, Np), CODE_8_WORD, dtype=torch.int32)], 0)
     dest = None
     if perm is not None:  # result row k reads source row perm[k], so source row i goes to argsort(perm)[i]
         dest = torch.cat([torch.argsort(perm), torch.arange(K, Kp)])  # a permutation of 0..Kp-1 whatever perm is
@@ -227,7 +230,7 @@ class CpuTarget:
             packed = pack_int4(codes, capability)
         tensors["qweight"] = packed
         tensors["scales_and_zeros"] = sz.to(act_dtype)
-        meta.update(kernel_group_size=c, padded_in=Kp, padded_out=Np, pack_block_n=FAST_PACK_BLOCK_N.get(capability))
+        meta.update(kernel_group_size=c, padded_in=Kp, padded_out=Np, pack_block_n=block)
         return tensors, meta
 
     def make_module(self, meta: dict, act_dtype: torch.dtype) -> nn.Module:
