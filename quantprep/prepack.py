@@ -153,9 +153,9 @@ def fusion_plan(names: list[str], fuse: bool = True) -> list[tuple[str, list[str
 def prepack_stream(ckpt: GPTQCheckpoint, packers: list[tuple[object, torch.dtype]], emit, progress: bool = True,
                    fuse: bool = True) -> tuple[list[dict[str, dict]], dict[str, torch.Tensor]]:
     """Prepack every layer for each (target, act dtype) in `packers` in one pass over the source:
-    each layer is read (ckpt.layers reads it from disk), unpacked once, packed per target and
-    handed to `emit(i, tensors)` for packer i, then dropped, so memory holds one layer, not the
-    model. Returns (per-module manifest metadata per packer, verify probes)."""
+    each layer is read (ckpt.layers reads it from disk), its codes unpacked at most once (when a
+    target or the verify probe asks), packed per target and handed to `emit(i, tensors)` for
+    packer i, then dropped, so memory holds one layer, not the model. Returns (per-module manifest metadata per packer, verify probes)."""
     from .artifact import pause_point
 
     modules: list[dict[str, dict]] = [{} for _ in packers]
