@@ -1,22 +1,18 @@
 """Stage 3, artifact: write a verified artifact directory atomically, and read/check one.
 
 Layout and every manifest field are specified in docs/artifact-format.md; this module follows it.
-Writing: build in a temporary sibling directory, fsync every file and the directory, then rename
-into place. A killed build leaves only a `.<name>.partial-*` sibling, which is never loadable
-(no manifest at the published path) and is removed by the next build.
+Writing goes through staging.py (the one rule for replacing a directory): a staging sibling,
+fsynced, swapped in whole; a killed build leaves only a marked `.<name>.partial-*` sibling, never
+loadable, which the next writer removes.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import fcntl
 import hashlib
 import json
 import os
 import shutil
 import sys
-import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -30,6 +26,7 @@ from .aot import FORMATS as PACKAGE_FORMATS
 from .aot import package_format
 from .errors import ArtifactError, QuantprepError
 from .jsonfile import read_json_object
+from .staging import MARKER, fsync_path, pause_point, staging
 from .version import __version__
 
 FORMAT = "quantprep-artifact"
@@ -115,7 +112,7 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str], relea
 
 def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> str:
     digest = write_safetensors(path, tensors, {"format": "pt"}, release=True)
-    _fsync(path)  # its writeback overlaps the packing too, instead of adding up in finish
+    fsync_path(path)  # its writeback overlaps the packing too, instead of adding up in finish
     return digest
 
 
@@ -180,75 +177,13 @@ def follow_umask(path: Path) -> None:
     os.chmod(path, 0o666 & ~mask)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def is_artifact(path: Path) -> bool:
+    """`path` is provably an artifact (its manifest parses and checks): staging may replace it."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def clean_stale_partials(out: Path) -> None:
-    """Remove temporary siblings left by killed builds of `out` (their owner pid is gone)."""
-    for p in out.parent.glob(f".{out.name}.partial-*"):
-        pid = p.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and _pid_alive(int(pid)):
-            continue
-        shutil.rmtree(p, ignore_errors=True)
-    old = out.parent / f".{out.name}.old"
-    if old.exists():
-        if not out.exists():
-            os.rename(old, out)  # killed between the two renames of a publish: restore the old artifact
-        else:
-            shutil.rmtree(old, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+        read_manifest(path)
         return True
-    return pid != os.getpid()
-
-
-@contextlib.contextmanager
-def publish_lock(out: Path):
-    """One writer per artifact path: a second build of the same path waits here (flock on a
-    sibling `.<name>.lock`, released by the OS if the holder dies)."""
-    with open(out.parent / f".{out.name}.lock", "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"quantprep: waiting for another build writing {out} to finish", file=sys.stderr, flush=True)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        yield
-
-
-def check_out_dir(out: Path, source: Path | None = None, force: bool = False) -> None:
-    """Publishing replaces whatever `out` holds. Refuse unless it is missing, empty or an artifact
-    (its manifest reads), so a mistyped --out never deletes a user's files; `force` overrides,
-    except where the source itself would be deleted (out is the source or a folder above it)."""
-    out = Path(out).absolute()
-    if source is not None:
-        src = Path(source).resolve()
-        if out.resolve() == src or out.resolve() in src.parents:
-            raise QuantprepError(f"{out}: holds the source checkpoint {src}; writing the artifact there would delete it: choose another --out")
-    ancestor = next(p for p in out.parents if p.exists())
-    if not ancestor.is_dir():
-        raise QuantprepError(f"{ancestor}: is a file, so {out} cannot be created; choose another --out")
-    if not out.exists() or force:
-        return
-    if not out.is_dir():
-        raise QuantprepError(f"{out}: exists and is not a directory; choose another --out")
-    if not any(out.iterdir()):
-        return
-    try:
-        read_manifest(out)
     except ArtifactError:
-        raise QuantprepError(f"{out}: exists and is not a quantprep artifact; building there would delete its contents: "
-                             "choose another --out, or pass --force to replace it") from None
+        return False
 
 
 class ArtifactWriter:
@@ -266,24 +201,17 @@ class ArtifactWriter:
         self.out = Path(out).absolute()
         self.side_files_from, self.side_files, self.need, self.force = side_files_from, side_files, need_bytes, force
         self.shard_bytes = shard_bytes
-        self._lock = None
 
     def __enter__(self) -> ArtifactWriter:
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = publish_lock(self.out)
-        self._lock.__enter__()
+        self._staging = staging(self.out, is_artifact, "quantprep artifact", self.force, self.side_files_from)
+        self.tmp = self._staging.__enter__()
         try:
-            check_out_dir(self.out, self.side_files_from, self.force)
-            clean_stale_partials(self.out)
             free = shutil.disk_usage(self.out.parent).free
             if free < self.need + (64 << 20):
                 raise QuantprepError(f"{self.out.parent}: {free / 2**30:.2f} GiB free, the artifact needs about "
                                      f"{(self.need + (64 << 20)) / 2**30:.2f} GiB; free disk space or pass --out elsewhere")
-            self.tmp = self.out.parent / f".{self.out.name}.partial-{os.getpid()}"
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            self.tmp.mkdir()
         except BaseException:
-            self._lock.__exit__(None, None, None)
+            self._staging.__exit__(*sys.exc_info())
             raise
         self.shards = ShardWriter(self.tmp, self.shard_bytes)
         return self
@@ -304,23 +232,19 @@ class ArtifactWriter:
             write_json_durably(tmp / "config.json", transformers_config(json.loads((tmp / "config.json").read_text()), manifest))
         files = {}
         for p in sorted(tmp.iterdir()):
+            if p.name == MARKER:
+                continue
             follow_umask(p)
-            _fsync(p)
             files[p.name] = {"sha256": digests.get(p.name) or sha256_file(p), "size": p.stat().st_size}
         manifest = dict(manifest, created=build_time().isoformat(timespec="seconds"), shards=names, files=files)
         manifest["manifest_sha256"] = manifest_digest(manifest)
         write_json_durably(tmp / MANIFEST, manifest)
-        _fsync(tmp)
-        publish(tmp, self.out)
-        return self.out
+        return self.out  # published when the `with` block ends
 
     def __exit__(self, kind, value, tb) -> None:
-        try:
-            if kind is not None:
-                self.shards.close()
-                shutil.rmtree(self.tmp, ignore_errors=True)
-        finally:
-            self._lock.__exit__(None, None, None)
+        if kind is not None:
+            self.shards.close()
+        self._staging.__exit__(kind, value, tb)
 
 
 def transformers_config(config: dict, manifest: dict) -> dict:
@@ -340,60 +264,31 @@ def transformers_config(config: dict, manifest: dict) -> dict:
         **{k: manifest["quant"][k] for k in ("bits", "group_size") if k in manifest["quant"]}})
 
 
-@contextlib.contextmanager
-def staged(out: Path, mode: int = 0o777):
-    """A fresh partial directory beside `out`, under the publish lock: published in one atomic step
-    when the block ends, removed when it raises (a kill leaves a partial that the next writer cleans)."""
-    with publish_lock(out):
-        clean_stale_partials(out)
-        tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(mode=mode)
-        try:
-            yield tmp
-            _fsync(tmp)
-            publish(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-
 def republish(out: Path, add_from: Path, add_as: str | None, add_files: list[str], manifest_update: dict) -> None:
     """Publish `out` again with `add_from/<file>` copied to `add_as/<file>` (replacing any previous
     `add_as/`) and `manifest_update` merged into the manifest. The other files are hard links (no
     copy; files are never modified in place), so the swap is as atomic as a first build's. The
     kcache stays unless it is what is replaced (add_as "kcache")."""
-    with publish_lock(out):
-        clean_stale_partials(out)
+    with staging(out, is_artifact, "quantprep artifact") as tmp:
         manifest = read_manifest(out)
         check_files(out, manifest, full_hash=False)
-        tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            keep = list(manifest["files"])
-            if add_as != "kcache":
-                keep += [f"kcache/{rel}" for rel in manifest.get("kcache", {}).get("files", {})]
-            for name in keep:
-                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    os.link(out / name, tmp / name)
-                except OSError:  # a filesystem without hard links
-                    shutil.copyfile(out / name, tmp / name)
-            for rel in add_files:
-                dest = tmp / add_as / rel
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(add_from / rel, dest)
-                _fsync(dest)
-            manifest = {k: v for k, v in manifest.items() if k != "manifest_sha256"} | manifest_update
-            manifest["manifest_sha256"] = manifest_digest(manifest)
-            write_json_durably(tmp / MANIFEST, manifest)
-            _fsync(tmp)
-            pause_point("warm")
-            publish(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        keep = list(manifest["files"])
+        if add_as != "kcache":
+            keep += [f"kcache/{rel}" for rel in manifest.get("kcache", {}).get("files", {})]
+        for name in keep:
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(out / name, tmp / name)
+            except OSError:  # a filesystem without hard links
+                shutil.copyfile(out / name, tmp / name)
+        for rel in add_files:
+            dest = tmp / add_as / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(add_from / rel, dest)
+        manifest = {k: v for k, v in manifest.items() if k != "manifest_sha256"} | manifest_update
+        manifest["manifest_sha256"] = manifest_digest(manifest)
+        write_json_durably(tmp / MANIFEST, manifest)
+        pause_point("warm")
 
 
 def build_time() -> datetime:
@@ -419,44 +314,6 @@ def write_json_durably(path: Path, data: dict) -> None:
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-def pause_point(stage: str) -> None:
-    """Fault-injection hook for the kill tests: QUANTPREP_PAUSE_AT=<stage> stops here, and the
-    test SIGKILLs the process. Stages: quantize, prepack, write, publish, warm."""
-    if os.environ.get("QUANTPREP_PAUSE_AT") == stage:
-        print(f"quantprep: paused at {stage}", file=sys.stderr, flush=True)
-        time.sleep(3600)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two directories (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
-
-
-def publish(tmp: Path, out: Path) -> None:
-    """Move a complete directory into place. A reader sees the old artifact or the new one, never a mix.
-
-    Replacing an artifact swaps the two directories in one atomic step where the kernel and the
-    filesystem support it, so the path never lacks an artifact; elsewhere the old one is renamed
-    aside first (a kill between the two renames is repaired by the next build)."""
-    if out.exists() and _exchange(tmp, out):
-        _fsync(out.parent)
-        pause_point("publish")
-        shutil.rmtree(tmp, ignore_errors=True)  # now holds the old artifact
-        return
-    old = out.parent / f".{out.name}.old"
-    if out.exists():
-        os.rename(out, old)
-    os.rename(tmp, out)
-    _fsync(out.parent)
-    pause_point("publish")
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def read_manifest(path: Path) -> dict:
@@ -540,6 +397,7 @@ def check_files(path: Path, manifest: dict, full_hash: bool) -> None:
     """Sizes always (cheap, catches truncation); sha256 of every file when `full_hash`."""
     path = Path(path)
     listed = set(manifest["files"]) | {MANIFEST, SIGNATURE} | ({"kcache"} if "kcache" in manifest else set())  # kcache/: warm.py
+    listed.add(MARKER)  # a directory being staged (pull checks its copy before swapping it in)
     for p in path.iterdir():
         if p.name not in listed:
             raise ArtifactError(f"{p}: unknown file in the artifact (not in manifest.json); remove it or rebuild")

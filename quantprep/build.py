@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .artifact import FORMAT, FORMAT_VERSION, SHARD_BYTES, ArtifactWriter, build_time, check_out_dir, sha256_file
+from .artifact import FORMAT, FORMAT_VERSION, SHARD_BYTES, ArtifactWriter, build_time, is_artifact, sha256_file
 from .errors import RecipeError, SourceError
 from .load import DEFAULT_SHAPES
 from .prepack import prepack_stream
@@ -30,6 +30,7 @@ from .source import (
     read_checkpoint,
     resolve_hub_model,
 )
+from .staging import check_replaceable
 from .targets import act_dtype_problem, get_target
 from .version import __version__
 from .warm import warm
@@ -203,7 +204,7 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
             raise RecipeError(f"act dtype {act_dtype}: {problem}; pass --act-dtype {str(target.default_act_dtype).removeprefix('torch.')} "
                               f"(or build the {target.name} target separately)")
     for target in resolved:  # and so do output directories that must not be replaced
-        check_out_dir(out_for(target.name), gptq_dir, force)
+        check_replaceable(out_for(target.name), is_artifact, "quantprep artifact", force, gptq_dir)
     # The check against the model's own modules needs transformers' modeling code, seconds of
     # imports: a thread does them while the source is validated. The check itself builds the model,
     # which sets torch's process-wide default dtype: never in a thread beside other torch work.

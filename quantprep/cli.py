@@ -25,9 +25,10 @@ def _print_json_or(args, data, text: str) -> None:
 
 
 def cmd_build(args) -> int:
-    from .artifact import check_out_dir
+    from .artifact import is_artifact
     from .build import DEFAULT_OUT, build_artifacts, resolve_source
     from .recipes import find_recipe
+    from .staging import check_replaceable
     from .targets import get_target
 
     shard_bytes = _shard_bytes(args)  # bad options fail before any work
@@ -45,7 +46,7 @@ def cmd_build(args) -> int:
     user_source = Path(args.source) if args.source and Path(args.source).exists() else None
     for t in targets:
         get_target(t)  # unknown names and output dirs that must not be replaced fail before quantizing
-        check_out_dir(out_root / t, user_source, args.force)
+        check_replaceable(out_root / t, is_artifact, "quantprep artifact", args.force, user_source)
     gptq_dir, identity = resolve_source(recipe, args.source, args.quantize_device)
     if on := identity.get("quantized_on"):
         print(f"GPTQ checkpoint {gptq_dir} (quantized by gptqmodel on {on})", file=sys.stderr)
@@ -249,7 +250,8 @@ def cmd_selftest(args) -> int:
 def cmd_publish(args) -> int:
     from .publish import publish
 
-    plan = publish(args.dirs, args.to, dry_run=args.dry_run, sign_key=args.sign_key, plain_http=args.plain_http, tag=args.tag)
+    plan = publish(args.dirs, args.to, dry_run=args.dry_run, sign_key=args.sign_key, plain_http=args.plain_http, tag=args.tag,
+                   force=args.force)
     lines = [f"{'would publish' if args.dry_run else 'published'} {len(plan['variants'])} variant(s) to {plan['to']}"]
     lines += [f"  {v['name']}: {v['from']} ({v['files']} files, {v['bytes'] / 2**20:.1f} MiB)" for v in plan["variants"]]
     lines += [f"release: {plan['release']}"] if "release" in plan else []
@@ -269,7 +271,7 @@ def cmd_sign(args) -> int:
 def cmd_pull(args) -> int:
     from .publish import pull
 
-    path = pull(args.ref, out=args.out, target=args.target, verify_key=args.verify_key, plain_http=args.plain_http)
+    path = pull(args.ref, out=args.out, target=args.target, verify_key=args.verify_key, plain_http=args.plain_http, force=args.force)
     _print_json_or(args, {"ref": args.ref, "path": str(path)}, f"pulled {args.ref} -> {path} (every file's sha256 checked)")
     return 0
 
@@ -427,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       "(keyless, the CI's OIDC identity) (model_signing)")
     pb.add_argument("--plain-http", action="store_true", help="speak plain HTTP to an OCI registry (loopback ones always do)")
     pb.add_argument("--tag", help="hf:// only: the release tag (default quantprep-<index digest>)")
+    pb.add_argument("--force", action="store_true", help="replace a destination directory that is not a published reference")
     pb.add_argument("--json", action="store_true")
     pb.set_defaults(func=cmd_publish)
 
@@ -439,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                                                         "sigstore:IDENTITY (keyless; issuer QUANTPREP_VERIFY_ISSUER, default GitHub "
                                                         "Actions') (default: QUANTPREP_VERIFY_KEY); a verified signature makes "
                                                         "its kcache trusted")
+    pl.add_argument("--force", action="store_true", help="replace an --out directory that is not an artifact")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_pull)
 

@@ -28,10 +28,11 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from . import hub, registry
-from .artifact import MANIFEST, SIGNATURE, read_checked, read_manifest, sha256_file, staged, write_hashed
+from .artifact import MANIFEST, SIGNATURE, is_artifact, read_checked, read_manifest, write_hashed
 from .errors import ArtifactError, ArtifactMismatch, QuantprepError
 from .jsonfile import MAX_JSON_BYTES, read_json_object
 from .signing import configured_key, sign, verify
+from .staging import staging
 
 INDEX = "index.json"
 INDEX_FORMAT = "quantprep-index"
@@ -65,11 +66,12 @@ def destination(ref: str) -> Path:
 
 
 def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False, sign_key: str | os.PathLike | None = None,
-            plain_http: bool = False, tag: str | None = None) -> dict:
+            plain_http: bool = False, tag: str | None = None, force: bool = False) -> dict:
     """Publish the artifacts in `dirs` as the variants of one reference. Each is verified first
     (every file's sha256). The reference is replaced as a whole and atomically. sign_key: sign
     each published variant (signing.py; the source directories are not modified); a variant
-    signed before (quantprep sign) carries its signature. tag: the Hub's release tag (hf:// only)."""
+    signed before (quantprep sign) carries its signature. tag: the Hub's release tag (hf:// only).
+    force: replace a destination directory that is not a published reference."""
     oci, hf = to.startswith("oci://"), to.startswith("hf://")
     if oci:
         registry.parse_ref(to, plain_http)  # a malformed reference fails before any work
@@ -109,10 +111,7 @@ def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False, sign_
             else:
                 plan["release"] = hub.push(ready, (INDEX, _index_bytes(index)), to, tag)
         return plan
-    if dest.exists() and any(dest.iterdir()) and not (dest / INDEX).is_file():
-        raise QuantprepError(f"{dest}: exists and is not a published reference (no {INDEX}); choose another destination")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with staged(dest) as tmp:
+    with staging(dest, is_published, "published quantprep reference", force) as tmp:
         for (d, m, name), entry in zip(variants, index["variants"], strict=True):
             _record_signature(_stage_variant(d, m, tmp / name, entry, sign_key, link=False), entry)
         (tmp / INDEX).write_bytes(_index_bytes(index))
@@ -170,6 +169,16 @@ def read_index(root: Path, ref: str) -> dict:
     return index
 
 
+def is_published(path: Path) -> bool:
+    """`path` is provably a reference `publish` wrote: its index parses, and every other entry is
+    a variant folder the index names (staging may replace it)."""
+    try:
+        names = {v["name"] for v in read_index(path, str(path))["variants"]}
+    except (QuantprepError, OSError):
+        return False
+    return all(p.name == INDEX or (p.name in names and p.is_dir() and not p.is_symlink()) for p in path.iterdir())
+
+
 def _safe_name(name: str) -> bool:
     return bool(name) and all(c.isalnum() or c in "-_." for c in name) and name not in (".", "..")
 
@@ -216,10 +225,11 @@ def cache_root() -> Path:
 
 
 def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = None,
-         verify_key: str | os.PathLike | None = None, plain_http: bool = False) -> Path:
+         verify_key: str | os.PathLike | None = None, plain_http: bool = False, force: bool = False) -> Path:
     """The variant of `ref` that fits this machine (or `target`), verified, in the local cache or
     `out`. Returns the artifact's directory. An unchanged reference is not copied again.
-    verify_key (default: QUANTPREP_VERIFY_KEY): the variant must be signed, and verify with it."""
+    verify_key (default: QUANTPREP_VERIFY_KEY): the variant must be signed, and verify with it.
+    force: replace an `out` that is not an artifact."""
     key = configured_key(verify_key)
     if ref.startswith("oci://"):
         reg, variants = registry.read_index(ref, plain_http)
@@ -240,10 +250,7 @@ def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = No
         if key is not None:
             verify(dest, key)
         return dest
-    if dest.exists() and any(dest.iterdir()) and not (dest / MANIFEST).is_file():
-        raise QuantprepError(f"{dest}: exists and is not an artifact; choose another --out")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with staged(dest, mode=0o700) as tmp:
+    with staging(dest, is_artifact, "quantprep artifact", force, mode=0o700) as tmp:
         if ref.startswith("oci://"):
             source = _OciSource(reg, variant, ref)
         elif ref.startswith("hf://"):  # huggingface_hub's cache, copied out while hashed like a directory
@@ -297,22 +304,20 @@ class _OciSource:
             raise ArtifactError(f"{self.ref}: {rel} is listed but has no layer in the published variant; it is incomplete: publish it again")
         if desc.get("digest") != f"sha256:{sha256}" or (size is not None and desc.get("size") != size):
             raise ArtifactError(f"{self.ref}: the layer for {rel} is not the file its manifest (or the index) lists; refusing it")
-        self.reg.get_blob(desc, dest)
+        self.reg.get_blob(desc, dest, MAX_JSON_BYTES if size is None else size)  # no size listed: the manifest or signature, JSON
 
     def kcache(self, tmp: Path, files: dict) -> None:
         desc = self.layers.get("kcache")
         if desc is None:
             raise ArtifactError(f"{self.ref}: the manifest lists kcache files but the variant has no kcache layer; publish it again")
         tar = tmp / ".kcache.tar"
-        self.reg.get_blob(desc, tar)  # checked against the layer's digest; each file against the manifest below
+        self.reg.get_blob(desc, tar, registry.kcache_tar_bound(files))  # the layer's digest; each file's sha256 as extracted
         try:
             registry.extract_kcache(tar, tmp / "kcache", files)
+        except ArtifactError as e:
+            raise ArtifactError(f"{self.ref}: {e}") from None
         finally:
             tar.unlink()
-        for rel, f in files.items():
-            p = tmp / "kcache" / rel
-            if not p.is_file() or p.stat().st_size != f["size"] or sha256_file(p) != f["sha256"]:
-                raise ArtifactError(f"{self.ref}: kcache/{rel} in the kcache layer does not match the manifest; refusing it")
 
 
 def _is_copy_of(dest: Path, variant: dict) -> bool:

@@ -12,11 +12,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 from pathlib import Path
 
-from .artifact import clean_stale_partials, pause_point, publish
 from .errors import SourceError
+from .staging import pause_point, staging
 
 CALIBRATION_FILE = Path(__file__).with_name("calibration.txt")
 
@@ -144,13 +143,9 @@ def quantize_device(requested: str = "auto") -> str:
     return requested
 
 
-def _atomic_dir(out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_partials(out)  # left by killed runs
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
+def _cache_dir(out: Path):
+    """Stage a build-cache directory (staging.py): only a missing or empty one is ever replaced."""
+    return staging(out, lambda _: False, "quantprep build-cache directory")
 
 
 def export_gguf(gguf: Path, out: Path) -> Path:
@@ -160,8 +155,7 @@ def export_gguf(gguf: Path, out: Path) -> Path:
 
     if (out / "config.json").is_file():
         return out
-    tmp = _atomic_dir(out)
-    try:
+    with _cache_dir(out) as tmp:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tied = model.config.tie_word_embeddings
@@ -174,10 +168,6 @@ def export_gguf(gguf: Path, out: Path) -> Path:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         model.generation_config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -206,8 +196,7 @@ def quantize_gptq(float_dir: Path, out: Path, bits: int, group_size: int, desc_a
     random.seed(seed)
     numpy.random.seed(seed)
     torch.manual_seed(seed)
-    tmp = _atomic_dir(out)
-    try:
+    with _cache_dir(out) as tmp:
         # gptqmodel's act_group_aware ordering (its default) needs groups; one group over K has none
         extra = {"act_group_aware": False} if group_size == -1 else {}
         qc = QuantizeConfig(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym, format=checkpoint_format, **extra)
@@ -219,8 +208,4 @@ def quantize_gptq(float_dir: Path, out: Path, bits: int, group_size: int, desc_a
         model.save(str(tmp))
         (tmp / QUANTIZED_ON).write_text(json.dumps({"device": device, "s": round(time.perf_counter() - t0, 1)}) + "\n")
         pause_point("quantize")  # kill tests: a complete but unpublished checkpoint must not be used
-        publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 
 from .artifact import MANIFEST, SIGNATURE, write_hashed
 from .errors import ArtifactError, QuantprepError
+from .jsonfile import parse_json_object
 
 INDEX_MEDIA_TYPE = "application/vnd.oci.image.index.v1+json"
 MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"
@@ -31,7 +32,10 @@ QUANTPREP_MANIFEST = "application/vnd.quantprep.manifest.v1+json"
 SIGNATURE_MEDIA_TYPE = "application/vnd.quantprep.signature.v1+json"
 FILEPATH = "org.cncf.model.filepath"
 VARIANT = "org.quantprep.variant"
+ENTRY = "org.quantprep.entry"  # publish.py's index entry of the variant, as JSON text
 MAX_MANIFEST_BYTES = 4 << 20
+PROBE_BYTES = 4 << 10  # the /v2/ probe's body is read only this far: a registry's answer is untrusted
+ERROR_BYTES = 512  # of an error answer, quoted in the one-line message
 
 
 def parse_ref(ref: str, plain_http: bool = False) -> tuple[str, str, str, bool]:
@@ -72,7 +76,8 @@ class Registry:
         import requests
 
         try:
-            requests.get(url, timeout=10, verify=self.client._tls_verify)
+            with requests.get(url, timeout=10, verify=self.client._tls_verify, stream=True) as r:
+                r.raw.read(PROBE_BYTES)  # never the whole body: it is the registry's to make endless
         except requests.RequestException as e:
             raise QuantprepError(f"{self.ref}: registry {self.host} unreachable ({type(e).__name__}); check the address and that it runs") from None
 
@@ -82,6 +87,7 @@ class Registry:
         # oras's do_request without its retry decorator, which sleeps ~2 minutes over five tries
         # before a refused login or a dead address gives up; the probe above covers the address.
         do_request = getattr(type(self.client).do_request, "__wrapped__", type(self.client).do_request)
+        kw.setdefault("stream", True)  # every body is read bounded (_text, get_manifest, get_blob)
         try:
             response = do_request(self.client, url, method, **kw)
         except requests.RequestException as e:
@@ -94,6 +100,11 @@ class Registry:
             raise QuantprepError(f"{self.ref}: the registry refused access (HTTP {response.status_code}); log in "
                                  f"(docker login {self.host}) or check the repository's permissions")
         return response
+
+    @staticmethod
+    def _text(response) -> str:
+        """The start of an error answer's body, for a message (never the whole body)."""
+        return response.raw.read(ERROR_BYTES, decode_content=True).decode(errors="replace").replace("\n", " ")
 
     # --- push ---------------------------------------------------------------------------------
 
@@ -124,13 +135,13 @@ class Registry:
         else:
             done = self._request("PUT", url, data=data_or_path, headers={"Content-Type": "application/octet-stream"})
         if done.status_code != 201:
-            raise QuantprepError(f"{self.ref}: the registry refused a blob (HTTP {done.status_code}: {done.text[:200]})")
+            raise QuantprepError(f"{self.ref}: the registry refused a blob (HTTP {done.status_code}: {self._text(done)[:200]})")
         return desc
 
     def push_manifest(self, body: bytes, media_type: str, reference: str) -> None:
         r = self._request("PUT", f"{self.base}/manifests/{reference}", data=body, headers={"Content-Type": media_type})
         if r.status_code != 201:
-            raise QuantprepError(f"{self.ref}: the registry refused a manifest (HTTP {r.status_code}: {r.text[:200]})")
+            raise QuantprepError(f"{self.ref}: the registry refused a manifest (HTTP {r.status_code}: {self._text(r)[:200]})")
 
     # --- pull ---------------------------------------------------------------------------------
 
@@ -145,24 +156,32 @@ class Registry:
             raise ArtifactError(f"{self.ref}: manifest {reference!r} is larger than {MAX_MANIFEST_BYTES} bytes; refusing it")
         if reference.startswith("sha256:") and f"sha256:{hashlib.sha256(body).hexdigest()}" != reference:
             raise ArtifactError(f"{self.ref}: manifest {reference} does not match its digest; the registry's copy is corrupt or altered")
-        try:
-            return json.loads(body), body
-        except ValueError:
-            raise ArtifactError(f"{self.ref}: manifest {reference!r} is not valid JSON") from None
+        return parse_json_object(body, f"{self.ref}: manifest {reference!r}", ArtifactError, "refusing it", MAX_MANIFEST_BYTES), body
 
-    def get_blob(self, desc: dict, dest: Path) -> None:
-        """Download a blob to `dest`, checking its size and digest (oras checks neither)."""
+    def get_blob(self, desc: dict, dest: Path, max_size: int) -> None:
+        """Download a blob to `dest`, checking its size and digest (oras checks neither). A blob
+        whose descriptor says more than `max_size` bytes (what quantprep's manifest allows for
+        that file) is refused before any byte is fetched."""
         digest, size = desc.get("digest", ""), desc.get("size")
         if not (isinstance(digest, str) and digest.startswith("sha256:") and isinstance(size, int) and size >= 0):
             raise ArtifactError(f"{self.ref}: a layer descriptor without a sha256 digest and size; refusing it")
+        if size > max_size:
+            raise ArtifactError(f"{self.ref}: layer {digest[:19]}... says {size} bytes, more than the {max_size} its file may have; refusing it")
         r = self._request("GET", f"{self.base}/blobs/{digest}", stream=True)
         if r.status_code != 200:
             raise ArtifactError(f"{self.ref}: blob {digest[:19]}... is missing from the registry (HTTP {r.status_code})")
         with open(dest, "wb") as f:
             got, n = write_hashed(r.iter_content(8 << 20), f, size)
         if n != size or f"sha256:{got}" != digest:
-            raise ArtifactError(f"{self.ref}: blob {desc.get('annotations', {}).get(FILEPATH, digest[:19])} does not match its "
+            raise ArtifactError(f"{self.ref}: blob {_filepath(desc) or digest[:19]} does not match its "
                                 f"digest and size; the registry's copy is corrupt or altered")
+
+
+def _filepath(desc) -> str | None:
+    """A layer descriptor's file path annotation; None when it has none or is malformed."""
+    annotations = desc.get("annotations") if isinstance(desc, dict) else None
+    path = annotations.get(FILEPATH) if isinstance(annotations, dict) else None
+    return path if isinstance(path, str) else None
 
 
 def _media_type(rel: str) -> str:
@@ -205,7 +224,7 @@ def push(variants: list[tuple[Path, dict, str, dict]], ref: str, plain_http: boo
         digest = f"sha256:{hashlib.sha256(body).hexdigest()}"
         reg.push_manifest(body, MANIFEST_MEDIA_TYPE, digest)
         entries.append({"mediaType": MANIFEST_MEDIA_TYPE, "artifactType": ARTIFACT_TYPE, "digest": digest, "size": len(body),
-                        "annotations": {VARIANT: name, "org.quantprep.entry": json.dumps(entry, sort_keys=True)}})
+                        "annotations": {VARIANT: name, ENTRY: json.dumps(entry, sort_keys=True)}})
     index = {"schemaVersion": 2, "mediaType": INDEX_MEDIA_TYPE, "manifests": entries}
     reg.push_manifest(json.dumps(index, sort_keys=True).encode(), INDEX_MEDIA_TYPE, reg.tag)
 
@@ -215,13 +234,16 @@ def read_index(ref: str, plain_http: bool = False) -> tuple[Registry, list[dict]
     reg = Registry(ref, plain_http)
     index, _ = reg.get_manifest(reg.tag, INDEX_MEDIA_TYPE)
     variants = []
-    for m in index.get("manifests", []) if isinstance(index, dict) else []:
-        try:
-            entry = json.loads(m["annotations"]["org.quantprep.entry"])
-        except (KeyError, TypeError, ValueError):
+    manifests = index.get("manifests")
+    if not isinstance(manifests, list):
+        raise ArtifactError(f"{ref}: the image index has no list of manifests; not a quantprep publish")
+    for m in manifests:
+        annotations = m.get("annotations") if isinstance(m, dict) else None
+        raw = annotations.get(ENTRY) if isinstance(annotations, dict) else None
+        if not isinstance(raw, str):
             continue  # not a quantprep variant
-        if isinstance(entry, dict):
-            variants.append(dict(entry, digest=m.get("digest")))
+        entry = parse_json_object(raw, f"{ref}: the index entry of {m.get('digest')!r}", ArtifactError, "refusing the publish")
+        variants.append(dict(entry, digest=m.get("digest")))
     return reg, variants
 
 
@@ -230,8 +252,11 @@ def variant_layers(reg: Registry, variant: dict) -> dict:
     against it); the caller downloads and checks each against quantprep's manifest."""
     manifest, _ = reg.get_manifest(variant["digest"], MANIFEST_MEDIA_TYPE)
     layers = {}
-    for desc in manifest.get("layers", []) if isinstance(manifest, dict) else []:
-        rel = desc.get("annotations", {}).get(FILEPATH) if isinstance(desc, dict) else None
+    descs = manifest.get("layers")
+    if not isinstance(descs, list):
+        raise ArtifactError(f"{reg.ref}: variant {variant.get('name')} has no list of layers; not a quantprep publish")
+    for desc in descs:
+        rel = _filepath(desc)
         if not isinstance(rel, str) or "/" in rel or rel.startswith(".") or not rel:
             raise ArtifactError(f"{reg.ref}: a layer names {rel!r} as its file path; refusing the variant")
         layers[rel] = desc
@@ -240,14 +265,34 @@ def variant_layers(reg: Registry, variant: dict) -> dict:
     return layers
 
 
+def _blocks(n: int) -> int:
+    return -(-n // 512) * 512
+
+
+def kcache_tar_bound(listed: dict) -> int:
+    """The most bytes the kcache tar of these files can take (_kcache_tar's layout): per member a
+    header, a PAX header with its records, the data padded to 512; then tar's closing record."""
+    return tarfile.RECORDSIZE + sum(2 * 512 + _blocks(len(rel.encode()) + 512) + _blocks(f["size"]) for rel, f in listed.items())
+
+
 def extract_kcache(tar_path: Path, dest: Path, listed: dict) -> None:
-    """Unpack the kcache tar: regular files only, each named in the manifest's kcache entry."""
+    """Unpack the kcache tar: regular, non-sparse members only, each named in the manifest's
+    kcache entry with exactly its listed size, hashed while written and compared with its listed
+    sha256 (so nothing larger than the manifest says is ever written, and nothing is read twice)."""
+    seen = set()
     with tarfile.open(tar_path, mode="r:") as tar:
         for member in tar:
-            if not member.isfile() or member.name not in listed:
-                raise ArtifactError(f"kcache layer: {member.name!r} is not a file listed in the manifest; refusing the variant")
+            f = listed.get(member.name)
+            if not member.isfile() or member.issparse() or f is None or member.name in seen:
+                raise ArtifactError(f"kcache layer: {member.name!r} is not a plain file listed once in the manifest; refusing the variant")
+            if member.size != f["size"]:
+                raise ArtifactError(f"kcache layer: {member.name!r} is {member.size} bytes, the manifest lists {f['size']}; refusing the variant")
+            seen.add(member.name)
             target = dest / member.name
             target.parent.mkdir(parents=True, exist_ok=True)
             with tar.extractfile(member) as fin, open(target, "wb") as fout:
-                while chunk := fin.read(8 << 20):
-                    fout.write(chunk)
+                got, n = write_hashed(iter(lambda: fin.read(8 << 20), b""), fout, f["size"])
+            if n != f["size"] or got != f["sha256"]:
+                raise ArtifactError(f"kcache layer: {member.name!r} does not match the sha256 and size the manifest lists; refusing the variant")
+    if missing := sorted(set(listed) - seen):
+        raise ArtifactError(f"kcache layer: {missing[0]!r} is listed in the manifest but missing; refusing the variant")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .artifact import SIGNATURE
 from .errors import ArtifactError, QuantprepError
+from .staging import MARKER
 
 VERIFY_KEY_ENV = "QUANTPREP_VERIFY_KEY"
 VERIFY_ISSUER_ENV = "QUANTPREP_VERIFY_ISSUER"
@@ -33,6 +34,8 @@ _verified: set[tuple] = set()
 def _fingerprint(path: Path, key: str) -> tuple:
     files = []
     for f in sorted(path.rglob("*")):
+        if f.name == MARKER:
+            continue
         st = f.lstat()
         files.append((str(f.relative_to(path)), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode))
     key_bytes = b"" if key.startswith(f"{SIGSTORE}:") else Path(key).read_bytes()
@@ -50,7 +53,7 @@ def _model_signing():
 def _hashing(path: Path):
     hashing, _, _ = _model_signing()
     config = hashing.Config()
-    config.add_ignored_paths(model_path=path, paths=[SIGNATURE])
+    config.add_ignored_paths(model_path=path, paths=[SIGNATURE, MARKER])  # MARKER: a pull verifies its staging copy
     return config
 
 
