@@ -155,12 +155,16 @@ def swap_in(tmp: Path, out: Path) -> None:
         pause_point("publish")
         shutil.rmtree(tmp, ignore_errors=True)
         return
+    if not out.exists():
+        os.rename(tmp, out)
+        fsync_path(out.parent)
+        pause_point("publish")
+        return
     old = out.parent / f".{out.name}.old"
-    if out.exists():
-        if os.path.lexists(old):
-            raise QuantprepError(f"{old}: in the way of replacing {out} (not left by quantprep); move it away")
-        os.rename(out, old)
-        _mark(old, out)
+    if os.path.lexists(old):
+        raise QuantprepError(f"{old}: in the way of replacing {out} (not left by quantprep); move it away")
+    os.rename(out, old)
+    _mark(old, out)
     os.rename(tmp, out)
     fsync_path(out.parent)
     pause_point("publish")

@@ -216,3 +216,31 @@ def serve(argv: list[str], probe_url: str, what: str, timeout: float = 60, **pop
             proc.kill()
 
     return stop
+
+
+def edit_manifest(art: Path, edit) -> dict:
+    """Change an artifact's manifest as anyone can (edit(manifest) in place), with a fresh self-digest."""
+    from quantprep.artifact import MANIFEST, manifest_digest
+
+    m = json.loads((art / MANIFEST).read_text())
+    edit(m)
+    m["manifest_sha256"] = manifest_digest(m)
+    (art / MANIFEST).write_text(json.dumps(m))
+    return m
+
+
+def relist(art: Path, *names: str) -> dict:
+    """Record the files `names` as they are now in the artifact's manifest (sha256 and size)."""
+    from quantprep.artifact import sha256_file
+
+    def edit(m):
+        for name in names:
+            m["files"][name] = {"sha256": sha256_file(art / name), "size": (art / name).stat().st_size}
+    return edit_manifest(art, edit)
+
+
+def one_line_error(capsys) -> str:
+    """The CLI's stderr after exit 2: exactly one line, no traceback."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]

@@ -1,0 +1,250 @@
+"""Hostile artifacts, registries, repos and clients (issue 29): each case of the outside review,
+reproduced as the attacker would and seen refused (exit 2, one line) or leaving the user's files
+unchanged. Case numbers are the issue's."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+from conftest import edit_manifest, one_line_error
+from hostile_registry import HostileRegistry
+
+from quantprep.artifact import MANIFEST, sha256_file
+from quantprep.cli import main
+from quantprep.errors import ArtifactError
+from quantprep.publish import INDEX, publish, pull
+
+
+@pytest.fixture
+def art(random_gptq, tmp_path) -> Path:
+    from quantprep.build import build_artifacts
+
+    out = tmp_path / "art"
+    build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: out, progress=False)
+    return out
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUANTPREP_PULL_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def hostile():
+    reg = HostileRegistry()
+    yield reg
+    reg.close()
+
+
+def tree(root: Path) -> dict:
+    """Every path under root with its bytes (files) and mtime: what 'unchanged' is compared by."""
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None, p.lstat().st_mtime_ns)
+            for p in sorted(root.rglob("*"))}
+
+
+# --- 1. a command replaces only what is provably its own -------------------------------------------
+
+def _site(root: Path, **files: str) -> Path:
+    root.mkdir(parents=True)
+    for name, text in files.items():
+        (root / name).write_text(text)
+    return root
+
+
+def test_case01_publish_keeps_a_directory_with_a_foreign_index(art, tmp_path, capsys):
+    site = _site(tmp_path / "site", **{"index.json": '{"pages": ["home"]}', "home.html": "<p>mine</p>"})
+    before = tree(site)
+    assert main(["publish", str(art), "--to", str(site)]) == 2
+    assert "not a published quantprep reference" in one_line_error(capsys) and tree(site) == before
+    # a real quantprep index, plus a file of the user's: not provably ours either
+    ref = tmp_path / "ref"
+    publish([art], str(ref))
+    (ref / "notes.txt").write_text("mine")
+    assert main(["publish", str(art), "--to", str(ref)]) == 2
+    one_line_error(capsys)
+    assert (ref / "notes.txt").read_text() == "mine"
+    (ref / "notes.txt").unlink()
+    assert main(["publish", str(art), "--to", str(ref)]) == 0  # its own: replaced
+    assert main(["publish", str(art), "--to", str(site), "--force"]) == 0 and (site / INDEX).is_file()
+    assert not (site / "home.html").exists()  # --force replaces it, as asked
+
+
+@pytest.mark.parametrize("command", ["pull", "prepack"])
+def test_case01_pull_and_prepack_keep_a_directory_with_a_foreign_manifest(art, random_gptq, tmp_path, capsys, command):
+    extension = _site(tmp_path / "ext", **{"manifest.json": '{"manifest_version": 3, "name": "mine"}', "bg.js": "1;"})
+    before = tree(extension)
+    ref = tmp_path / "ref"
+    publish([art], str(ref))
+    argv = (["pull", str(ref), "--out", str(extension)] if command == "pull"
+            else ["prepack", str(random_gptq), "--target", "cpu", "--out", str(extension)])
+    assert main(argv) == 2
+    assert "not a quantprep artifact" in one_line_error(capsys) and tree(extension) == before
+
+
+def test_case01_leftover_names_without_quantprep_marker_are_never_touched(art, tmp_path, capsys):
+    """A user's directories named like staging leftovers (a dead pid, an `.old`) stay as they are,
+    also when the destination is missing (the `.old` is not 'restored' into its place)."""
+    ref = tmp_path / "ref"
+    partial = _site(tmp_path / ".ref.partial-999999", **{"data.txt": "mine"})
+    old = _site(tmp_path / ".ref.old", **{"data.txt": "mine too"})
+    before = tree(tmp_path / ".ref.partial-999999"), tree(old)
+    publish([art], str(ref))  # the destination is missing: nothing to restore from `.ref.old`
+    assert main(["publish", str(art), "--to", str(ref)]) == 0  # a replace, with a user's `.old` in the way of none
+    assert (tree(partial), tree(old)) == before
+    # quantprep's own leftovers (marked, their writer dead) are cleaned by the next writer
+    from quantprep.staging import MARKER
+
+    mine = tmp_path / ".ref.partial-999998"
+    mine.mkdir()
+    (mine / MARKER).write_text(json.dumps({"pid": 999998, "out": "ref"}))
+    publish([art], str(ref))
+    assert not mine.exists() and (tree(partial), tree(old)) == before
+
+
+# --- 13. everything is on disk before the rename that publishes it ---------------------------------
+
+@pytest.mark.parametrize("command", ["pull", "publish"])
+def test_case13_every_file_and_directory_is_fsynced_before_the_swap(art, cache, tmp_path, monkeypatch, command):
+    from quantprep import staging
+
+    ref = tmp_path / "ref"
+    publish([art], str(ref))
+    events = []
+    fsync, rename, exchange = staging.fsync_path, os.rename, staging._exchange
+    monkeypatch.setattr(staging, "fsync_path", lambda p: (events.append(("fsync", Path(p))), fsync(p))[1])
+    monkeypatch.setattr(staging.os, "rename", lambda a, b: (events.append(("rename", Path(a))), rename(a, b))[1])
+    monkeypatch.setattr(staging, "_exchange", lambda a, b: (events.append(("rename", Path(a))), exchange(a, b))[1])
+    out = pull(str(ref), out=tmp_path / "got") if command == "pull" else (publish([art], str(tmp_path / "ref2")), tmp_path / "ref2")[1]
+    [swap] = [i for i, (kind, p) in enumerate(events) if kind == "rename" and p.name.startswith(f".{out.name}.partial-")]
+    staged = events[swap][1]
+    synced = {p.relative_to(staged) for kind, p in events[:swap] if kind == "fsync" and staged in (p, *p.parents)}
+    published = {p.relative_to(out) for p in out.rglob("*")} | {Path(".")}
+    assert published <= synced, sorted(published - synced)
+
+
+# --- 3. a kcache layer cannot write more than its manifest lists -----------------------------------
+
+def _with_kcache(art: Path, files: dict[str, bytes]) -> None:
+    """Give the artifact a kcache/ as `warm` would list it (the content here is inert bytes)."""
+    import hashlib
+
+    for rel, data in files.items():
+        (art / "kcache" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (art / "kcache" / rel).write_bytes(data)
+    edit_manifest(art, lambda m: m.update(kcache={
+        "key": {"device": "cpu"}, "shapes": [1], "compile": True,
+        "files": {rel: {"sha256": hashlib.sha256(d).hexdigest(), "size": len(d)} for rel, d in files.items()}}))
+
+
+def _sparse_tar(name: str, size: int) -> bytes:
+    """A GNU sparse tar: a member of `size` bytes of holes, from a few KiB of archive."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, name).parent.mkdir(parents=True)
+        with open(Path(d, name), "wb") as f:
+            f.truncate(size)
+        return subprocess.run(["tar", "--sparse", "--format=gnu", "-cf", "-", "-C", d, name], capture_output=True, check=True).stdout
+
+
+def _plain_tar(name: str, size: int, data_size: int | None = None, pad: int = 0) -> bytes:
+    """A tar whose member header says `size` bytes and that holds `data_size` of them (GNU
+    base-256 sizes allow any size at all), then `pad` zero bytes."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as t:
+        info = tarfile.TarInfo(name)
+        info.size = size
+        t.addfile(info, io.BytesIO(b"\0" * size) if data_size is None else None)
+    raw = buf.getvalue()
+    return (raw if data_size is None else raw[:512 + data_size]) + b"\0" * pad
+
+
+def _entry(art: Path, tmp_path: Path) -> tuple[str, dict]:
+    publish([art], str(tmp_path / "dirref"))
+    [entry] = json.loads((tmp_path / "dirref" / INDEX).read_text())["variants"]
+    return entry["name"], entry
+
+
+@pytest.mark.parametrize("attack", ["sparse", "base-256 size", "size differs", "oversized layer"])
+def test_case03_a_kcache_layer_never_writes_beyond_the_listed_sizes(art, cache, hostile, tmp_path, capsys, attack):
+    rel = "triton/kernel.so"
+    _with_kcache(art, {rel: b"\x7fELF" + b"\0" * 60})
+    name, entry = _entry(art, tmp_path)
+    tar = {"sparse": lambda: _sparse_tar(rel, 1 << 30),  # the review's: 10 KiB of tar that writes 1 GiB
+           "base-256 size": lambda: _plain_tar(rel, 1 << 40, data_size=4096),
+           "size differs": lambda: _plain_tar(rel, 4096),
+           "oversized layer": lambda: _plain_tar(rel, 64, pad=1 << 20)}[attack]()
+    hostile.publish(art, name, entry, kcache_tar=tar)
+    assert main(["pull", hostile.ref()]) == 2
+    one_line_error(capsys)
+    written = sum(p.stat().st_blocks * 512 for p in cache.rglob("*") if p.is_file()) if cache.exists() else 0
+    assert written < 1 << 20, written
+    assert not [p for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".lock")] if cache.exists() else True
+    if attack == "oversized layer":  # refused from the descriptor, before a byte of it was fetched
+        assert _layer_digest(hostile) not in hostile.requests
+
+
+def _layer_digest(reg: HostileRegistry) -> str:
+    """The kcache layer's blob path in the hostile registry (the one with the largest body)."""
+    return max((p for p in reg.routes if "/blobs/" in p), key=lambda p: len(reg.routes[p]))
+
+
+# --- 9. deep JSON and odd types anywhere are one line ----------------------------------------------
+
+DEEP = b"[" * 200_000 + b"]" * 200_000
+
+
+def test_case09_deep_json_in_a_manifest_or_an_index_is_one_line(art, cache, tmp_path, capsys):
+    (art / MANIFEST).write_bytes(b'{"a": ' + DEEP + b"}")
+    for argv in (["inspect", str(art)], ["verify", str(art)], ["generate", str(art)]):
+        assert main(argv) == 2, argv
+        assert "nested deeper" in one_line_error(capsys)
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / INDEX).write_bytes(b'{"variants": ' + DEEP + b"}")
+    assert main(["pull", str(ref)]) == 2
+    assert "nested deeper" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("answer", ["deep index", "list annotations", "deep entry", "layer annotations a list"])
+def test_case09_a_registry_answering_deep_json_or_odd_types_is_one_line(art, cache, hostile, tmp_path, capsys, answer):
+    name, entry = _entry(art, tmp_path)
+    if answer == "layer annotations a list":
+        hostile.publish(art, name, entry, layer_edit=lambda layers: layers[0].update(annotations=["x"]))
+    elif answer == "deep entry":
+        hostile.publish(art, name, entry)
+        index = json.loads(hostile.routes["/v2/models/x/manifests/v1"])
+        index["manifests"][0]["annotations"]["org.quantprep.entry"] = (b'{"a": ' + DEEP + b"}").decode()
+        hostile.manifest("models/x", "v1", json.dumps(index).encode())
+    else:
+        body = (b'{"manifests": ' + DEEP + b"}" if answer == "deep index"
+                else json.dumps({"manifests": [{"digest": "sha256:" + "0" * 64, "annotations": [1, 2]}]}).encode())
+        hostile.manifest("models/x", "v1", body)
+    assert main(["pull", hostile.ref()]) == 2
+    one_line_error(capsys)
+
+
+# --- 10. every registry answer is read bounded -----------------------------------------------------
+
+def test_case10_an_endless_probe_body_is_not_read(art, cache, hostile, capsys):
+    hostile.routes["/v2/"] = lambda: iter(lambda: b"x" * (64 << 10), None)  # never ends
+    assert main(["pull", hostile.ref()]) == 2  # no index behind it: one line
+    one_line_error(capsys)
+    assert hostile.sent < 32 << 20, hostile.sent  # socket buffers, not the 400 MiB the review measured
+
+
+def test_case10_json_layers_are_capped_before_download(art, cache, hostile, tmp_path, capsys):
+    from quantprep.jsonfile import MAX_JSON_BYTES
+
+    name, entry = _entry(art, tmp_path)
+    hostile.publish(art, name, entry, layer_edit=lambda layers: layers[0].update(size=MAX_JSON_BYTES + 1))
+    assert main(["pull", hostile.ref()]) == 2
+    assert "more than" in one_line_error(capsys)
+    assert not [r for r in hostile.requests if "/blobs/" in r]
