@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 from collections.abc import Iterable, Iterator
@@ -39,6 +40,12 @@ PROBES_FILE = "probes.safetensors"  # see verify.py
 # quantprep's quantizer (hf_quantizer.py), from_pretrained must fail, not random-initialize the
 # Linears it cannot match; the quantizer points transformers at it (config.transformers_weights).
 WEIGHTS_INDEX = "quantprep.safetensors.index.json"
+# Files copied verbatim from the source into an artifact (when present): the only names besides
+# the shards, the shard index and the probes that a manifest may list (read_manifest).
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+CODE_CONFIGS = ("config.json", "tokenizer_config.json")  # where transformers reads `auto_map` (code to import)
 TOP_KEYS = {"manifest_sha256", "format", "format_version", "quantprep_version", "created", "source", "quant", "target", "compat",
             "modules", "shards", "files"}
 # serving: shapes to warm (from the recipe); kcache: written by `warm`; eval: results of `quantprep eval`
@@ -338,9 +345,12 @@ def read_manifest(path: Path) -> dict:
         if not isinstance(m[key], typ):
             raise ArtifactError(f"{mpath}: field {key!r} must be a JSON {typ.__name__}; the artifact is corrupt: rebuild it")
     for name, entry in m["files"].items():
-        if (not isinstance(name, str) or "/" in name or name.startswith(".") or not isinstance(entry, dict)
-                or not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str)):
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and entry["size"] >= 0
+                and isinstance(entry.get("sha256"), str)):
             raise ArtifactError(f"{mpath}: bad entry for file {name!r}; the artifact is corrupt: rebuild it")
+        if not (SHARD_NAME.fullmatch(name) or name in SIDE_FILES or name in (WEIGHTS_INDEX, PROBES_FILE)):
+            raise ArtifactError(f"{mpath}: lists file {name!r}, which is not a shard (model-NNNNN-of-NNNNN.safetensors) nor a "
+                                "file quantprep writes (docs/artifact-format.md); refusing the artifact")
     t = m["target"]
     if not (isinstance(t.get("name"), str) and isinstance(t.get("act_dtype"), str) and isinstance(t.get("device"), str)):
         raise ArtifactError(f"{mpath}: field 'target' needs string 'name', 'device' and 'act_dtype'; the artifact is corrupt: rebuild it")
@@ -391,6 +401,16 @@ def _valid_kcache(k) -> bool:
     return all(isinstance(rel, str) and rel and not rel.startswith("/") and ".." not in rel.split("/")
                and isinstance(f, dict) and isinstance(f.get("size"), int) and isinstance(f.get("sha256"), str)
                for rel, f in k["files"].items()) and _valid_aot(k.get("aot", []), k["files"])
+
+
+def refuse_code(path: Path, error: type[Exception]) -> None:
+    """A model directory whose config.json or tokenizer_config.json names `auto_map` asks
+    transformers to import Python shipped beside it (remote code): quantprep never loads one,
+    as a source or as an artifact. One line naming the file."""
+    for name in CODE_CONFIGS:
+        if (path / name).is_file() and "auto_map" in read_json_object(path / name, error, "fix or remove the file"):
+            raise error(f"{path / name}: has 'auto_map', which makes transformers import Python code shipped with the model; "
+                        "quantprep loads only architectures transformers ships: remove 'auto_map' or use another model")
 
 
 def check_files(path: Path, manifest: dict, full_hash: bool) -> None:

@@ -286,7 +286,7 @@ def cmd_generate(args) -> int:
     t1 = time.perf_counter()
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(args.dir)
+    tok = AutoTokenizer.from_pretrained(model.quantprep_path, trust_remote_code=False)  # the directory load checked
     if tok.chat_template:
         enc = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)

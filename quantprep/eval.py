@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .artifact import read_checked, republish
+from .artifact import read_checked, refuse_code, republish
 from .errors import QuantprepError
 
 HELDOUT_FILE = Path(__file__).with_name("heldout.txt")
@@ -108,11 +108,11 @@ def dequantized_model(gptq_dir: Path, dtype: torch.dtype = torch.float32):
     from .source import read_checkpoint
 
     ckpt = read_checkpoint(gptq_dir)
-    config = AutoConfig.from_pretrained(gptq_dir)
+    config = AutoConfig.from_pretrained(gptq_dir, trust_remote_code=False)
     del config.quantization_config
     if "lm_head" in ckpt.layers:
         config.tie_word_embeddings = False
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     params = dict(model.named_parameters())
     filled = set()
 
@@ -143,7 +143,8 @@ def reference_model(kind: str, path: Path, device: str):
 
     if kind == "dequantized":
         return dequantized_model(path).to(device)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    refuse_code(path, QuantprepError)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False).to(device).eval()
 
 
 @torch.no_grad()
@@ -177,7 +178,7 @@ def evaluate(path: str | os.PathLike, reference: str | os.PathLike | None = None
     manifest = read_checked(path)
     text, text_name = read_text(text_file, dataset)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError):
         raise QuantprepError(f"{path}: no usable tokenizer in the artifact (its source checkpoint had none); "
                              "eval needs the tokenizer files next to config.json") from None

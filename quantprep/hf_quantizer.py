@@ -16,6 +16,7 @@ fails finding no weights file, instead of random-initializing the Linears it cou
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -60,6 +61,18 @@ def _device_of(device_map, default: str | None) -> str | None:
     return devices.pop()
 
 
+def loaded_directory(name_or_path: str, checkpoint_files: list[str]) -> Path:
+    """The directory whose config transformers loaded, which is the one verified: every weights file
+    it is about to read must be in it. An index there naming `../other/model-...` or an absolute
+    path (a folder with an edited config, pointing at a signed artifact's shards) is refused."""
+    here = Path(os.path.abspath(name_or_path)) if os.path.isdir(name_or_path) else Path(os.path.abspath(checkpoint_files[0])).parent
+    for f in checkpoint_files:  # abspath normalizes `..` without following links (a Hub snapshot's files are links)
+        if Path(os.path.abspath(f)).parent != here:
+            raise ArtifactError(f"{here / WEIGHTS_INDEX}: points transformers at {f}, outside {here}; refusing it: an artifact's "
+                                "index names only its own shards")
+    return here
+
+
 class QuantprepQuantizer(HfQuantizer):
     requires_calibration = True  # loads prepacked artifacts only; quantizing is `quantprep build`
 
@@ -92,7 +105,7 @@ class QuantprepQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         if not checkpoint_files:
             raise ArtifactError(f"{model.config.name_or_path}: no {WEIGHTS_INDEX}; not a quantprep artifact (rebuild it)")
-        path = Path(checkpoint_files[0]).parent
+        path = loaded_directory(model.config.name_or_path, checkpoint_files)
         q = self.quantization_config
         key = configured_key(None)
         device = _device_of(self.device_map, None)
@@ -119,8 +132,11 @@ class QuantprepQuantizer(HfQuantizer):
             except Exception as e:
                 raise ArtifactError(f"{path / shard}: cannot read safetensors file ({e}); the artifact is corrupt: rebuild it") from None
         check_tensors(path, model, tensors, skip=tied_names(model))
-        # transformers reads the shards the index names: it must name exactly the manifest's shards' tensors
+        # transformers reads the shards this index names (config.transformers_weights, in the directory it
+        # loaded): it must name exactly the manifest's shards' tensors, and every file it read is one of them
         index = read_json_object(path / WEIGHTS_INDEX, ArtifactError, "the artifact is corrupt: rebuild it")
+        if outside := sorted({Path(f).name for f in checkpoint_files} - set(art["manifest"]["shards"])):
+            raise ArtifactError(f"{path / WEIGHTS_INDEX}: names {outside[0]}, which is not a shard of the manifest; refusing it")
         if index.get("weight_map") != where:
             raise ArtifactError(f"{path / WEIGHTS_INDEX}: does not list the tensors of the manifest's shards; the artifact is "
                                 "inconsistent: rebuild it")

@@ -20,7 +20,7 @@ from torch import nn
 
 from .aot import compile_regions, prefetch_runtime
 from .aot import install as install_packages
-from .artifact import read_checked
+from .artifact import read_checked, refuse_code
 from .background import in_thread
 from .errors import ArtifactError, ArtifactMismatch
 from .fused import install as install_fused
@@ -146,6 +146,7 @@ def open_artifact(path: Path, device: str | torch.device | None, dtype: torch.dt
     the signature (`key`), the target, this machine's compatibility key, the device and dtype.
     Returns what the later steps need: manifest, target, device, dtype, packed_dtype, emulate."""
     manifest = read_checked(path, full_hash=verify)
+    refuse_code(path, ArtifactError)
     if key is not None:
         verify_signature(path, key)  # unsigned or wrongly signed: refused before anything is read
     try:
@@ -246,6 +247,7 @@ def finish(model, path: Path, art: dict, kcache_status: dict, compile: bool, war
     if warmup:  # in the thread that will serve: PyTorch's oneDNN primitive cache on xpu is per thread
         model.quantprep_warmup = run_shapes(model, model.quantprep_buckets)
     model.quantprep_kcache = kcache_status
+    model.quantprep_path = path  # the directory that was checked: read its tokenizer from here (not a reference's name)
     return model
 
 
@@ -292,12 +294,12 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     manifest, device, dtype = art["manifest"], art["device"], art["dtype"]
     kcache_status = activate_kcache(path, art, kcache, compile, trust_kcache, signed=key is not None)
 
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the modules are swapped here, not by a transformers quantizer
     untie_quantized_head(config, manifest)
     with params_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     install_modules(model, path, art)
 
     # Inductor's import overlaps the weight copies below; after from_config, which did this load's own imports

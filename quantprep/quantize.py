@@ -14,6 +14,7 @@ import json
 import os
 from pathlib import Path
 
+from .artifact import refuse_code
 from .errors import SourceError
 from .staging import pause_point, staging
 
@@ -53,7 +54,7 @@ def calibration_texts(spec: str, samples: int, seq_len: int | None = None, token
     if seq_len is not None:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
         ids = tok("\n\n".join(texts), add_special_tokens=False)["input_ids"]
         if len(ids) < samples * seq_len:
             raise SourceError(f"calibration {spec}: {len(ids)} tokens, enough for {len(ids) // seq_len} samples of {seq_len}; "
@@ -156,8 +157,8 @@ def export_gguf(gguf: Path, out: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     with _cache_dir(out) as tmp:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
         tied = model.config.tie_word_embeddings
         state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -203,7 +204,8 @@ def quantize_gptq(float_dir: Path, out: Path, bits: int, group_size: int, desc_a
         import time
 
         t0 = time.perf_counter()
-        model = GPTQModel.load(str(float_dir), qc, device=device)
+        refuse_code(float_dir, SourceError)
+        model = GPTQModel.load(str(float_dir), qc, device=device, trust_remote_code=False)
         model.quantize(texts, batch_size=1)
         model.save(str(tmp))
         (tmp / QUANTIZED_ON).write_text(json.dumps({"device": device, "s": round(time.perf_counter() - t0, 1)}) + "\n")

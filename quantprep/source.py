@@ -18,28 +18,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .artifact import SIDE_FILES, refuse_code
 from .background import in_thread
 from .errors import SourceError
 from .gptq_format import SUPPORTED_BITS
 from .jsonfile import read_json_object
 
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Files copied verbatim from the source into the artifact (when present).
-SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-
-
 @dataclass(frozen=True)
 class QuantConfig:
     bits: int
@@ -243,6 +228,27 @@ def read_quant_config(path: Path) -> QuantConfig:
     return QuantConfig(bits, group_size, bool(raw.get("sym", True)), bool(raw.get("desc_act", False)), fmt)
 
 
+def inside_source(path: Path, name: str) -> bool:
+    """`path/name` is, after every link, a file of the source directory itself, or (in a Hugging Face
+    cache snapshot, whose files are links) a blob of that repository's cache: a link elsewhere
+    (`merges.txt -> ~/.ssh/id_ed25519`) would copy a user's file into the artifact."""
+    real = (path / name).resolve()
+    if path.resolve() in real.parents:
+        return True
+    snapshot = path.absolute()
+    return snapshot.parent.name == "snapshots" and real.parent == (snapshot.parent.parent / "blobs").resolve()
+
+
+def _source_file(path: Path, name: str, what: str) -> bool:
+    """Whether `path/name` is a file to read; refuses (one line) one that leads outside the source."""
+    if not (path / name).is_file():
+        return False
+    if not inside_source(path, name):
+        raise SourceError(f"{path / name}: {what} is a link to {(path / name).resolve()}, outside the checkpoint; refusing it: "
+                          "copy the file into the checkpoint if it belongs to the model")
+    return True
+
+
 def _tensor_files(path: Path) -> list[str]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -250,12 +256,16 @@ def _tensor_files(path: Path) -> list[str]:
         if not isinstance(weight_map, dict):
             raise SourceError(f"{index}: no 'weight_map' object")
         files = sorted(set(weight_map.values()))
+        for f in files:
+            if not (isinstance(f, str) and f.endswith(".safetensors") and "/" not in f and "\\" not in f and not f.startswith(".")):
+                raise SourceError(f"{index}: weight_map names {f!r}, not a plain *.safetensors file name in the checkpoint; "
+                                  "fix the index")
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise SourceError(f"{path}: no *.safetensors files (quantprep never reads pickle .bin files); convert the checkpoint to safetensors")
     for f in files:
-        if not (path / f).is_file():
+        if not _source_file(path, f, "a weights file"):
             raise SourceError(f"{path / f}: listed in the index but missing")
     return files
 
@@ -322,6 +332,7 @@ def read_checkpoint(path: str | os.PathLike) -> GPTQCheckpoint:
     if not path.is_dir():
         raise SourceError(f"{path}: not a directory; pass a GPTQ checkpoint directory")
     quant = read_quant_config(path)
+    refuse_code(path, SourceError)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise SourceError(f"{cfg_file}: missing; a GPTQ checkpoint needs the model's config.json")
@@ -359,7 +370,7 @@ def read_checkpoint(path: str | os.PathLike) -> GPTQCheckpoint:
     for name in layers:  # validate every layer now, one at a time: bad input fails before any work
         layer = layers.check(name)
         sizes[name] = (layer.in_features, layer.out_features, layer.bias is not None)
-    side = [f for f in SIDE_FILES if (path / f).is_file()]
+    side = [f for f in SIDE_FILES if _source_file(path, f, "a side file")]
     return GPTQCheckpoint(path, quant, model_config, layers, tensors, files, sha256_job, side, sizes,
                           sum((path / f).stat().st_size for f in files))
 
@@ -370,7 +381,7 @@ def import_model_code(path: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(path))]
+        AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(path, trust_remote_code=False))]
     except Exception:
         pass
 
@@ -382,12 +393,12 @@ def check_against_model(ckpt: GPTQCheckpoint) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        config = AutoConfig.from_pretrained(ckpt.path)
+        config = AutoConfig.from_pretrained(ckpt.path, trust_remote_code=False)
     except Exception as e:
         raise SourceError(f"{ckpt.path / 'config.json'}: transformers cannot read it ({type(e).__name__}: {str(e)[:200]})") from None
     config.__dict__.pop("quantization_config", None)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     for name, (in_features, out_features, has_layer_bias) in ckpt.layer_sizes.items():
         try:
             module = model.get_submodule(name)

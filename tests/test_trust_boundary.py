@@ -248,3 +248,135 @@ def test_case10_json_layers_are_capped_before_download(art, cache, hostile, tmp_
     assert main(["pull", hostile.ref()]) == 2
     assert "more than" in one_line_error(capsys)
     assert not [r for r in hostile.requests if "/blobs/" in r]
+
+
+# --- 2. from_pretrained verifies the directory it loads ---------------------------------------------
+
+@pytest.mark.parametrize("how", ["../ path", "absolute path"])
+def test_case02_from_pretrained_refuses_an_index_that_points_at_another_artifact(art, tmp_path, monkeypatch, how):
+    """A folder with no manifest and no signature: an edited config.json and an index naming a
+    signed artifact's shards. With a verify key set, the signed artifact was verified and this
+    folder's config loaded. Now the loaded folder is what is verified, and it is refused."""
+    import quantprep  # noqa: F401 (registers the quantizer)
+    from test_publish import _keypair
+    from transformers import AutoModelForCausalLM
+
+    from quantprep.artifact import WEIGHTS_INDEX
+    from quantprep.signing import sign
+
+    key, pub = _keypair(tmp_path / "keys")
+    sign(art, key)
+    monkeypatch.setenv("QUANTPREP_VERIFY_KEY", str(pub))
+    AutoModelForCausalLM.from_pretrained(art)  # the signed artifact itself loads
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    config = json.loads((art / "config.json").read_text())
+    config["rope_theta"] = config.get("rope_theta", 10000.0) * 7  # a silently different model
+    (evil / "config.json").write_text(json.dumps(config))
+    index = json.loads((art / WEIGHTS_INDEX).read_text())
+    shard = (f"../{art.name}/" if how == "../ path" else f"{art}/")
+    index["weight_map"] = {k: shard + v for k, v in index["weight_map"].items()}
+    (evil / WEIGHTS_INDEX).write_text(json.dumps(index))
+    with pytest.raises(ArtifactError, match="outside"):
+        AutoModelForCausalLM.from_pretrained(evil)
+
+
+# --- 4. a source's side files never bring a user's file along ---------------------------------------
+
+def test_case04_a_side_file_linked_outside_the_source_is_refused(random_gptq, tmp_path, capsys):
+    secret = tmp_path / "home" / ".ssh" / "id_ed25519"
+    secret.parent.mkdir(parents=True)
+    secret.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nsecret\n")
+    (random_gptq / "merges.txt").symlink_to(secret)
+    out = tmp_path / "out"
+    assert main(["prepack", str(random_gptq), "--target", "cpu", "--out", str(out)]) == 2
+    assert "outside the checkpoint" in one_line_error(capsys)
+    assert not out.exists() and not [p for p in tmp_path.rglob("*") if p.is_file() and not p.is_symlink() and p != secret and "secret" in p.read_text(errors="ignore")]
+
+
+def test_case04_a_weight_map_that_is_not_a_plain_file_name_is_refused(random_gptq, tmp_path, capsys):
+    other = tmp_path / "other.safetensors"
+    [shard] = random_gptq.glob("*.safetensors")
+    shard.rename(other)
+    from safetensors import safe_open
+
+    with safe_open(other, "pt") as f:
+        names = list(f.keys())
+    (random_gptq / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, "../other.safetensors")}))
+    assert main(["prepack", str(random_gptq), "--target", "cpu", "--out", str(tmp_path / "out")]) == 2
+    assert "not a plain" in one_line_error(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_case04_a_hub_cache_snapshot_with_links_to_its_blobs_still_builds(random_gptq, tmp_path):
+    """The allowed case: huggingface_hub's snapshots are links into the repository's blobs/."""
+    from quantprep.artifact import read_manifest
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snap, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    (random_gptq / "merges.txt").write_text("#version: 0.2\n")
+    for p in random_gptq.iterdir():
+        blob = blobs / sha256_file(p)
+        p.rename(blob)
+        (snap / p.name).symlink_to(Path("../../blobs") / blob.name)
+    assert main(["prepack", str(snap), "--target", "cpu", "--out", str(tmp_path / "out")]) == 0
+    assert "merges.txt" in read_manifest(tmp_path / "out")["files"]
+
+
+# --- 5. an artifact never runs its own Python through transformers ----------------------------------
+
+EVIL = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\nraise SystemExit(1)\n"
+
+
+@pytest.mark.parametrize("where", ["config auto_map", "tokenizer auto_map", "listed evil.py"])
+def test_case05_remote_code_in_an_artifact_is_refused(art, tmp_path, where):
+    import subprocess
+    import sys
+
+    from conftest import relist
+
+    marker = tmp_path / "evil-ran"
+    (art / "evil.py").write_text(EVIL.format(marker=str(marker)))
+    auto_map = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel", "AutoTokenizer": ["evil.Tok", None]}
+    name = "tokenizer_config.json" if where == "tokenizer auto_map" else "config.json"
+    data = json.loads((art / name).read_text()) if (art / name).is_file() else {}
+    data.update(auto_map=auto_map, **({"model_type": "evil"} if name == "config.json" else {}))
+    (art / name).write_text(json.dumps(data))
+    relist(art, name, "evil.py")
+    for argv in (["generate", str(art)], ["serve", str(art), "--port", "9"]):
+        # a TTY would ask "run the custom code? [y/N]"; piped stdin gave a traceback
+        proc = subprocess.run([sys.executable, "-m", "quantprep", *argv], input="y\n", capture_output=True, text=True, timeout=300)
+        err = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(err) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert ("auto_map" in err[0] or "evil.py" in err[0]) and not marker.exists(), err
+
+
+def test_case05_a_source_with_remote_code_is_refused(random_gptq, tmp_path, capsys):
+    config = json.loads((random_gptq / "config.json").read_text())
+    (random_gptq / "config.json").write_text(json.dumps(dict(config, auto_map={"AutoModelForCausalLM": "evil.EvilModel"})))
+    assert main(["prepack", str(random_gptq), "--target", "cpu", "--out", str(tmp_path / "out")]) == 2
+    assert "auto_map" in one_line_error(capsys) and not (tmp_path / "out").exists()
+
+
+# --- 12. generate reads the tokenizer of the directory load verified --------------------------------
+
+def test_case12_generate_ignores_a_tokenizer_beside_a_reference(tiny_gptq4, cache, tmp_path, capsys):
+    from quantprep.build import build_artifacts
+
+    a = tmp_path / "a"
+    build_artifacts(tiny_gptq4, {"path": str(tiny_gptq4)}, ["cpu"], lambda t: a, progress=False)
+    ref = tmp_path / "ref"
+    publish([a], str(ref))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):  # the reference's root is not checked
+        if (a / name).is_file():
+            (ref / name).write_bytes((a / name).read_bytes())
+    cfg = json.loads((ref / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "the the the the the the the the {{ messages[0]['content'] }} the the the"
+    (ref / "tokenizer_config.json").write_text(json.dumps(cfg))
+    argv = ["--prompt", "The capital of France is", "--max-new-tokens", "8", "--json"]
+    assert main(["generate", str(a), *argv]) == 0
+    want = json.loads(capsys.readouterr().out)["completion"]
+    assert main(["generate", str(ref), *argv]) == 0
+    assert json.loads(capsys.readouterr().out)["completion"] == want
