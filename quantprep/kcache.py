@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from .artifact import SIGNATURE, read_manifest, sha256_file
+from .artifact import SIGNATURE, read_manifest, sha256_file, write_hashed
 from .errors import ArtifactError, QuantprepError
 from .intel_runtime import cache_warning, primitive_cache_env
 from .signing import configured_key, verify
@@ -111,8 +111,9 @@ def xpu_driver_version() -> str | None:
     return getattr(torch.xpu.get_device_properties(), "driver_version", None)
 
 
-def kcache_problem(path: Path, manifest: dict) -> str | None:
-    """Why the shipped kcache/ does not match its manifest entry (missing, extra, truncated or altered file), else None."""
+def kcache_problem(path: Path, manifest: dict, full_hash: bool = False) -> str | None:
+    """Why the shipped kcache/ does not match its manifest entry (missing, extra or truncated file;
+    with `full_hash`, altered), else None. Loading hashes each file as it copies it (materialize)."""
     entry = manifest["kcache"]
     root = path / KCACHE
     listed = set(entry["files"])
@@ -124,8 +125,8 @@ def kcache_problem(path: Path, manifest: dict) -> str | None:
         p = root / rel
         if not p.is_file() or p.is_symlink():
             return f"{p}: missing (listed in manifest.json kcache)"
-        if p.stat().st_size != f["size"] or sha256_file(p) != f["sha256"]:
-            return f"{p}: sha256 does not match manifest.json; the kernel cache is corrupted"
+        if p.stat().st_size != f["size"] or (full_hash and sha256_file(p) != f["sha256"]):
+            return f"{p}: {'sha256' if p.stat().st_size == f['size'] else 'size'} does not match manifest.json; the kernel cache is corrupted"
     return None
 
 
@@ -234,7 +235,7 @@ def _copy_is_intact(path: Path, dest: Path, files: dict) -> bool:
     for rel, f in files.items():
         p = dest / rel
         if _triton_group(rel):
-            if not p.is_file() or p.read_bytes() != _repointed(path / KCACHE, rel, dest):
+            if not p.is_file() or p.is_symlink() or not _points_into(p, dest / Path(rel).parent):
                 return False
         elif not p.is_file() or p.is_symlink() or p.stat().st_size != f["size"] or sha256_file(p) != f["sha256"]:
             return False
@@ -243,7 +244,10 @@ def _copy_is_intact(path: Path, dest: Path, files: dict) -> bool:
 
 def materialize(path: Path, manifest: dict) -> Path:
     """The kcache's runtime copy: an existing one is used after its files are checked against the
-    manifest, else copied afresh (to a temp sibling, then renamed into place)."""
+    manifest, else copied afresh into a new 0700 directory (then renamed into place), each file
+    hashed as it is copied and compared there: what runs is what was hashed, and the artifact is
+    read once (a file swapped in the artifact after a separate check would otherwise be what runs).
+    ArtifactError when a file does not match."""
     dest = runtime_dir(manifest)
     files = manifest["kcache"]["files"]
     if (dest / COMPLETE).is_file():
@@ -251,12 +255,13 @@ def materialize(path: Path, manifest: dict) -> Path:
             return dest
         shutil.rmtree(dest, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))  # 0700
-    for rel in files:
-        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-        if _triton_group(rel):
-            (tmp / rel).write_bytes(_repointed(path / KCACHE, rel, dest))
-        else:
-            shutil.copyfile(path / KCACHE / rel, tmp / rel)
+    try:
+        for rel, f in files.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            _copy_hashed(path / KCACHE / rel, tmp / rel, f, dest / Path(rel).parent if _triton_group(rel) else None)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     (tmp / COMPLETE).touch()
     try:
         os.rename(tmp, dest)
@@ -265,19 +270,45 @@ def materialize(path: Path, manifest: dict) -> Path:
     return dest
 
 
-def _repointed(kcache: Path, rel: str, final: Path) -> bytes:
+def _copy_hashed(src: Path, dest: Path, f: dict, repoint: Path | None) -> None:
+    """Copy one kcache file while hashing it (at most its listed size); refuse a mismatch. A Triton
+    group file (`repoint`: its final directory) is checked as shipped, then written repointed."""
+    try:
+        with open(src, "rb") as fin:
+            if repoint is None:
+                with open(dest, "wb") as fout:
+                    got, n = write_hashed(iter(lambda: fin.read(8 << 20), b""), fout, f["size"])
+            else:
+                raw = fin.read(f["size"] + 1)
+                got, n = hashlib.sha256(raw).hexdigest(), len(raw)
+    except OSError as e:
+        raise ArtifactError(f"{src}: cannot be read ({e.strerror or e}); re-run `quantprep warm`") from None
+    if n != f["size"] or got != f["sha256"]:
+        raise ArtifactError(f"{src}: does not match its sha256 and size in manifest.json; the kernel cache is corrupted or altered")
+    if repoint is not None:
+        dest.write_bytes(_repointed(raw, repoint))
+
+
+def _repointed(raw: bytes, here: Path) -> bytes:
     """Triton's `__grp__<kernel>.json` names the kernel's files by absolute path, and a group whose
     paths are gone is a cache miss: without this, every Triton kernel that warm compiled outside
     Inductor's own cache (the cuda prefill GEMM, eager and inside compiled MLPs) was compiled
-    again at load (3 kernels, ~1 s on an H100). The group file `kcache/rel`, its paths pointed at `final/`."""
-    raw = (kcache / rel).read_bytes()
+    again at load (3 kernels, ~1 s on an H100). The group file's bytes, its paths pointed at `here`."""
     try:
         data = json.loads(raw)
-        here = final / Path(rel).parent
         data["child_paths"] = {name: str(here / Path(p).name) for name, p in data["child_paths"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError):  # another Triton's format: leave it
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):  # another Triton's format: leave it
         return raw
     return json.dumps(data).encode()
+
+
+def _points_into(group: Path, here: Path) -> bool:
+    """A runtime copy's group file names only files of its own directory (as _repointed wrote it)."""
+    try:
+        paths = json.loads(group.read_bytes()).get("child_paths", {})
+        return all(Path(p).parent == here for p in paths.values())
+    except (ValueError, AttributeError, TypeError, RecursionError):
+        return True  # another Triton's format, copied as shipped
 
 
 # --- activation -----------------------------------------------------------------------------------
@@ -346,7 +377,7 @@ def exec_env(path: str | os.PathLike, trust: bool = False) -> dict[str, str]:
     mismatch = key_mismatch(manifest["kcache"]["key"], cache_key(device))  # exec replaces this process: device state here is dropped
     if mismatch:
         raise ArtifactError(f"{path}: {mismatch}; re-run `quantprep warm {path}` on this machine")
-    env = dict(os.environ, **cache_env(materialize(path, manifest)))
+    env = dict(os.environ, **cache_env(materialize(path, manifest)))  # ArtifactError: a file does not match
     if device == "xpu":
         env.update(xpu_primitive_env(manifest, env) | triton_native_env(manifest["kcache"], env))
         if msg := cache_warning(env, xpu_driver_version()):

@@ -80,7 +80,7 @@ def verify_artifact(path: Path, strict: bool = True) -> dict:
     if "kcache" in manifest:
         from .kcache import kcache_problem
 
-        problem = kcache_problem(path, manifest)
+        problem = kcache_problem(path, manifest, full_hash=True)
         if problem:  # load ignores such a cache (it is only speed); verify reports the damage
             raise ArtifactError(f"{problem}; re-run `quantprep warm {path}`")
         report["kcache_files"] = len(manifest["kcache"]["files"])

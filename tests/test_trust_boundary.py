@@ -257,10 +257,10 @@ def test_case02_from_pretrained_refuses_an_index_that_points_at_another_artifact
     """A folder with no manifest and no signature: an edited config.json and an index naming a
     signed artifact's shards. With a verify key set, the signed artifact was verified and this
     folder's config loaded. Now the loaded folder is what is verified, and it is refused."""
-    import quantprep  # noqa: F401 (registers the quantizer)
     from test_publish import _keypair
     from transformers import AutoModelForCausalLM
 
+    import quantprep  # noqa: F401 (registers the quantizer)
     from quantprep.artifact import WEIGHTS_INDEX
     from quantprep.signing import sign
 
@@ -380,3 +380,33 @@ def test_case12_generate_ignores_a_tokenizer_beside_a_reference(tiny_gptq4, cach
     want = json.loads(capsys.readouterr().out)["completion"]
     assert main(["generate", str(ref), *argv]) == 0
     assert json.loads(capsys.readouterr().out)["completion"] == want
+
+
+# --- 6. the kcache that runs is the kcache that was hashed -------------------------------------------
+
+def test_case06_a_kcache_file_swapped_after_a_read_is_not_what_runs(art, tmp_path, monkeypatch):
+    """The attacker swaps a kcache file right after quantprep first reads it: the private copy
+    holds the bytes that were hashed, because the artifact's file is read once, while copying."""
+    import builtins
+
+    from quantprep.artifact import read_manifest
+    from quantprep.kcache import activate, cache_key
+
+    good = b"\x7fELF" + b"\x01" * 60
+    _with_kcache(art, {"triton/kernel.so": good})
+    edit_manifest(art, lambda m: m["kcache"].update(key=cache_key("cpu")))
+    target, opened, real_open = art / "kcache" / "triton" / "kernel.so", [], builtins.open
+
+    def attacker_open(file, mode="r", *args, **kwargs):
+        if Path(file) == target and "r" in mode:
+            opened.append(1)
+            if len(opened) == 2:  # after the first read: swap in other bytes of the same size
+                with real_open(target, "wb") as f:
+                    f.write(b"\x7fELF" + b"\x66" * 60)
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", attacker_open)
+    status = activate(art, read_manifest(art), "cpu", compile=True, trust=True)
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert status["status"] == "used", status
+    assert (Path(status["dir"]) / "triton" / "kernel.so").read_bytes() == good and len(opened) == 1

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import quantprep
-from quantprep.artifact import MANIFEST, manifest_digest, read_manifest
+from quantprep.artifact import MANIFEST, manifest_digest, read_manifest, sha256_file
 from quantprep.kcache import KCACHE, MEGACACHE, activate, cache_key
 from quantprep.verify import verify_artifact
 from quantprep.warm import warm
@@ -144,9 +144,11 @@ def test_cache_for_another_device_is_ignored(warmed, copy_of):
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "extra"])
-def test_corrupted_kcache_is_ignored_by_load_and_reported_by_verify(warmed, copy_of, damage, capsys):
+def test_corrupted_kcache_is_ignored_by_load_and_reported_by_verify(warmed, copy_of, damage, capsys, monkeypatch, tmp_path):
     from quantprep.cli import main
 
+    # a fresh runtime copy: one made before from the intact files would be used as it is (it was hashed then)
+    monkeypatch.setenv("QUANTPREP_KCACHE_DIR", str(tmp_path / "fresh-runtime"))
     art = copy_of(warmed[0])
     blob = art / KCACHE / MEGACACHE
     if damage == "flip":
@@ -214,7 +216,8 @@ def test_moved_triton_kernels_still_hit_in_the_runtime_copy(tmp_path, monkeypatc
     art = tmp_path / "art"
     art.mkdir()
     scratch.rename(art / KCACHE)  # republish moves the scratch dir into the artifact
-    files = {p.relative_to(art / KCACHE).as_posix(): {} for p in (art / KCACHE).rglob("*") if p.is_file()}
+    files = {p.relative_to(art / KCACHE).as_posix(): {"sha256": sha256_file(p), "size": p.stat().st_size}
+             for p in (art / KCACHE).rglob("*") if p.is_file()}
     assert any(name.startswith("triton/") and "__grp__" in name for name in files)
     monkeypatch.setenv("QUANTPREP_KCACHE_DIR", str(tmp_path / "runtime"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(materialize(art, {"kcache": {"files": files}}) / "triton"))  # as activate does
