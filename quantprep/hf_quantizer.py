@@ -16,6 +16,7 @@ fails finding no weights file, instead of random-initializing the Linears it cou
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -32,6 +33,20 @@ from .load import activate_kcache, check_tensors, finish, install_modules, open_
 from .signing import configured_key
 
 METHOD = "quantprep"
+# Options for the load of one artifact directory (load_options): how `quantprep serve` passes its
+# --trust-kcache and --verify-key to transformers' load of the one artifact it serves, and to no other.
+_LOAD_OPTIONS: dict[Path, dict] = {}
+
+
+@contextlib.contextmanager
+def load_options(path: Path, trust_kcache: bool = False, verify_key: str | None = None):
+    """Within the block, from_pretrained of exactly `path` loads with these options."""
+    path = Path(os.path.abspath(path))
+    _LOAD_OPTIONS[path] = {"trust_kcache": trust_kcache, "verify_key": verify_key}
+    try:
+        yield
+    finally:
+        _LOAD_OPTIONS.pop(path, None)
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I8": torch.int8,
                       "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
 
@@ -107,7 +122,8 @@ class QuantprepQuantizer(HfQuantizer):
             raise ArtifactError(f"{model.config.name_or_path}: no {WEIGHTS_INDEX}; not a quantprep artifact (rebuild it)")
         path = loaded_directory(model.config.name_or_path, checkpoint_files)
         q = self.quantization_config
-        key = configured_key(None)
+        options = _LOAD_OPTIONS.get(path, {})
+        key = configured_key(options.get("verify_key"))
         device = _device_of(self.device_map, None)
         art = open_artifact(path, device, self.dtype, False, key)
         if (q.target, q.act_dtype) != (art["manifest"]["target"]["name"], art["manifest"]["target"]["act_dtype"]):
@@ -141,7 +157,7 @@ class QuantprepQuantizer(HfQuantizer):
             raise ArtifactError(f"{path / WEIGHTS_INDEX}: does not list the tensors of the manifest's shards; the artifact is "
                                 "inconsistent: rebuild it")
         self.path, self.art = path, art
-        self.kcache_status = activate_kcache(path, art, True, False, False, signed=key is not None)
+        self.kcache_status = activate_kcache(path, art, True, False, options.get("trust_kcache", False), signed=key is not None)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):

@@ -11,6 +11,7 @@ so decoding continues as if the prompt had run unpadded. Decode runs at M = 1, w
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -85,7 +86,12 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
     no model). warmup: the artifact's warmed shapes run once in the thread that generates (oneDNN's
     primitive cache on xpu is per thread); cpu has no per-process kernel state, so nothing runs there.
     Runs until SIGINT or SIGTERM, then stops taking requests and exits within a few seconds.
-    `ready(info)` is called once serving (for callers that print or measure)."""
+    `ready(info)` is called once serving (for callers that print or measure).
+
+    Clients are untrusted: the server is pinned to this one artifact. Routes that would load
+    another model or unload this one (/load_model, /reset, a request naming another model, on any
+    route) answer 403; trust_kcache and verify_key apply to this artifact's load alone (never
+    through the environment); the Hub is offline once the artifact is here."""
     import os
     import signal
     import sys
@@ -97,16 +103,12 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
 
     from .artifact import WEIGHTS_INDEX
     from .errors import QuantprepError
-    from .hf_quantizer import register
+    from .hf_quantizer import load_options, register
     from .load import is_reference, open_artifact, run_shapes
     from .signing import configured_key
 
     register()
-    if trust_kcache:
-        os.environ["QUANTPREP_TRUST_KCACHE"] = "1"
     key = configured_key(verify_key)
-    if key is not None:
-        os.environ["QUANTPREP_VERIFY_KEY"] = str(key)  # the quantizer checks the signature at load
     if is_reference(src):
         from .publish import pull
 
@@ -118,11 +120,13 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
         raise QuantprepError(f"{path}: built by an older quantprep (no {WEIGHTS_INDEX}); rebuild it with `quantprep build` "
                              "or `quantprep prepack` to serve it")
     open_artifact(path, None if device == "auto" else device, None, False, key)  # refusals in one line, before the server starts
+    hub_offline()
     model_id = str(path)
     entry = {"id": model_id, "object": "model", "created": int(path.stat().st_mtime), "owned_by": "quantprep"}
     # transformers lists the models of the Hugging Face cache; this server serves one artifact
     ModelManager.get_gen_models = staticmethod(lambda cache_dir=None: [entry])
-    server = Serve(force_model=model_id, host=host, port=port, device=device, non_blocking=True)  # loads, then listens
+    with load_options(path, trust_kcache, key), pinned(model_id):
+        server = Serve(force_model=model_id, host=host, port=port, device=device, non_blocking=True, trust_remote_code=False)
     server.server.config.timeout_graceful_shutdown = 3  # a stop during a long stream does not wait for its end
     key_id = server._model_manager.process_model_name(model_id)
     model = server._model_manager.loaded_models[key_id].model
@@ -150,3 +154,54 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def hub_offline() -> None:
+    """No Hub access from here on: a served process never fetches a model, a config or code."""
+    import os
+
+    from huggingface_hub import constants
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants.HF_HUB_OFFLINE = True  # read at import; is_offline_mode() reads this
+
+
+@contextlib.contextmanager
+def pinned(model_id: str):
+    """transformers' server, built within the block, serves `model_id` only: its model manager
+    loads nothing else and never unloads it, and /load_model and /reset answer 403."""
+    import transformers.cli.serving.model_manager as managers
+    import transformers.cli.serving.server as servers
+    from fastapi import HTTPException
+    from fastapi.responses import JSONResponse
+
+    def refuse(what: str):
+        raise HTTPException(status_code=403, detail=f"this server is pinned to {model_id}: it does not {what}")
+
+    class PinnedModelManager(managers.ModelManager):
+        def load_model_and_processor(self, model_id_and_revision, *args, **kwargs):
+            if self.loaded_models and model_id_and_revision not in self.loaded_models:
+                refuse("load other models")
+            return super().load_model_and_processor(model_id_and_revision, *args, **kwargs)
+
+        async def load_model_streaming(self, *args, **kwargs):
+            refuse("load other models")
+            yield  # an async generator, as the one it replaces
+
+        def shutdown(self):  # /reset, and the idle timer; the process's own exit ends everything
+            pass
+
+    def build_server(*args, **kwargs):
+        app = build(*args, **kwargs)
+        app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) not in ("/load_model", "/reset")]
+        for path, what in (("/load_model", "load other models"), ("/reset", "unload its model")):
+            app.add_api_route(path, lambda what=what: JSONResponse({"error": f"this server is pinned to {model_id}: it does "
+                                                                             f"not {what}"}, status_code=403), methods=["POST"])
+        return app
+
+    manager, build = managers.ModelManager, servers.build_server  # Serve imports both when it is built
+    managers.ModelManager, servers.build_server = PinnedModelManager, build_server
+    try:
+        yield
+    finally:
+        managers.ModelManager, servers.build_server = manager, build

@@ -126,7 +126,7 @@ def test_an_index_that_points_elsewhere_is_refused(tmp_path):
     (art / WEIGHTS_INDEX).write_text(json.dumps(index))
     f = art / WEIGHTS_INDEX
     _edit_manifest(art, lambda m: m["files"][WEIGHTS_INDEX].update(sha256=sha256_file(f), size=f.stat().st_size))
-    with pytest.raises(ArtifactError, match="does not list the tensors of the manifest's shards"):
+    with pytest.raises(ArtifactError, match="does not list the tensors of the manifest's shards|not a shard of the manifest"):
         AutoModelForCausalLM.from_pretrained(art)
 
 

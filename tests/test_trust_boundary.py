@@ -410,3 +410,63 @@ def test_case06_a_kcache_file_swapped_after_a_read_is_not_what_runs(art, tmp_pat
     monkeypatch.setattr(builtins, "open", real_open)
     assert status["status"] == "used", status
     assert (Path(status["dir"]) / "triton" / "kernel.so").read_bytes() == good and len(opened) == 1
+
+
+# --- 7. a client of `serve` cannot load, swap or unload models ---------------------------------------
+
+def _post(url: str, body: dict) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_case07_serve_refuses_routes_that_load_or_unload_models(tmp_path):
+    from conftest import free_port
+    from test_serving import chat_artifact, start_server
+
+    art = chat_artifact(tmp_path / "a")
+    other = chat_artifact(tmp_path / "b")  # a real artifact a client would like loaded instead
+    port = free_port()
+    stop = start_server(art, port)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        chat = {"model": str(art), "messages": [{"role": "user", "content": "a b c"}], "max_tokens": 4, "temperature": 0}
+        status, first = _post(f"{base}/v1/chat/completions", chat)
+        assert status == 200
+        for path, body in (("/load_model", {"model": str(other)}), ("/load_model", {"model": "org/any-hub-model"}), ("/reset", {})):
+            status, text = _post(base + path, body)
+            assert status == 403 and b"pinned" in text, (path, status, text)
+        status, _ = _post(f"{base}/v1/chat/completions", dict(chat, model=str(other)))
+        assert status in (400, 403)
+        status, again = _post(f"{base}/v1/chat/completions", chat)
+        assert status == 200 and json.loads(again)["choices"] == json.loads(first)["choices"]
+    finally:
+        stop()
+
+
+def test_case07_options_reach_the_one_load_and_not_the_environment(tmp_path, monkeypatch):
+    """serve --trust-kcache / --verify-key apply to the served artifact's load through
+    load_options, scoped to that one directory: another load in the process is not affected,
+    and no QUANTPREP_TRUST_KCACHE or QUANTPREP_VERIFY_KEY is set for the process."""
+    from test_publish import _keypair
+    from test_serving import chat_artifact
+    from transformers import AutoModelForCausalLM
+
+    import quantprep  # noqa: F401 (registers the quantizer)
+    from quantprep.hf_quantizer import load_options
+
+    for var in ("QUANTPREP_TRUST_KCACHE", "QUANTPREP_VERIFY_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    _, pub = _keypair(tmp_path / "keys")
+    served, other = (chat_artifact(tmp_path / n) for n in ("a", "b"))
+    with load_options(served, trust_kcache=True, verify_key=str(pub)):
+        with pytest.raises(ArtifactError, match="unsigned"):
+            AutoModelForCausalLM.from_pretrained(served)  # the key applies to the served artifact
+        AutoModelForCausalLM.from_pretrained(other)  # and to nothing else
+        assert not {"QUANTPREP_TRUST_KCACHE", "QUANTPREP_VERIFY_KEY"} & set(os.environ)
