@@ -276,9 +276,12 @@ def republish(out: Path, add_from: Path, add_as: str | None, add_files: list[str
     `add_as/`) and `manifest_update` merged into the manifest. The other files are hard links (no
     copy; files are never modified in place), so the swap is as atomic as a first build's. The
     kcache stays unless it is what is replaced (add_as "kcache")."""
+    from .verified import is_marked, mark  # it checks files with this module's check_files
+
     with staging(out, is_artifact, "quantprep artifact") as tmp:
         manifest = read_manifest(out)
         check_files(out, manifest, full_hash=False)
+        hashed = is_marked(out, manifest)  # before the links below change the files' ctime
         keep = list(manifest["files"])
         if add_as != "kcache":
             keep += [f"kcache/{rel}" for rel in manifest.get("kcache", {}).get("files", {})]
@@ -296,6 +299,8 @@ def republish(out: Path, add_from: Path, add_as: str | None, add_files: list[str
         manifest["manifest_sha256"] = manifest_digest(manifest)
         write_json_durably(tmp / MANIFEST, manifest)
         pause_point("warm")
+    if hashed:  # the kept files are the hashed ones; the new ones were written here
+        mark(out, manifest)
 
 
 def build_time() -> datetime:

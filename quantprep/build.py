@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .artifact import FORMAT, FORMAT_VERSION, SHARD_BYTES, ArtifactWriter, build_time, is_artifact, sha256_file
+from .artifact import FORMAT, FORMAT_VERSION, SHARD_BYTES, ArtifactWriter, build_time, is_artifact, read_manifest, sha256_file
 from .errors import RecipeError, SourceError
 from .load import DEFAULT_SHAPES
 from .prepack import prepack_stream
@@ -32,6 +32,7 @@ from .source import (
 )
 from .staging import check_replaceable
 from .targets import act_dtype_problem, get_target
+from .verified import mark
 from .version import __version__
 from .warm import warm
 
@@ -223,6 +224,8 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
         t1 = time.perf_counter()
         outs = [w.finish(build_manifest(ckpt, t, dt, m, identity, serving), probes)
                 for w, t, dt, m in zip(writers, resolved, dtypes, modules, strict=True)]
+    for out in outs:  # written and hashed here: no need to hash them again at the first load (verified.py)
+        mark(out, read_manifest(out))
     t2 = time.perf_counter()
     results = []
     for target, out, mods in zip(resolved, outs, modules, strict=True):

@@ -125,7 +125,7 @@ class QuantprepQuantizer(HfQuantizer):
         options = _LOAD_OPTIONS.get(path, {})
         key = configured_key(options.get("verify_key"))
         device = _device_of(self.device_map, None)
-        art = open_artifact(path, device, self.dtype, False, key)
+        art = open_artifact(path, device, self.dtype, None, key)
         if (q.target, q.act_dtype) != (art["manifest"]["target"]["name"], art["manifest"]["target"]["act_dtype"]):
             raise ArtifactError(f"{path}/config.json: quantization_config says target {q.target} ({q.act_dtype}), the manifest "
                                 f"{art['manifest']['target']['name']} ({art['manifest']['target']['act_dtype']}); the artifact is inconsistent: rebuild it")

@@ -40,6 +40,7 @@ from .artifact import SIGNATURE, read_manifest, sha256_file, write_hashed
 from .errors import ArtifactError, QuantprepError
 from .intel_runtime import cache_warning, primitive_cache_env
 from .signing import configured_key, verify
+from .userdirs import private_dir, user_dir
 
 KCACHE = "kcache"
 MEGACACHE = "torch-compile.bin"  # torch.compiler.save_cache_artifacts() output
@@ -147,27 +148,9 @@ def kcache_digest(entry: dict) -> str:
     return hashlib.sha256(json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def _user_dir(env: str, xdg: str, default: str, *parts: str) -> Path:
-    base = os.environ.get(env)
-    if base:
-        return Path(base)
-    return Path(os.environ.get(xdg) or os.path.expanduser(default), "quantprep", *parts)
-
-
 def trust_dir() -> Path:
     """This user's trust store: one empty file per trusted kcache digest."""
-    return _user_dir("QUANTPREP_TRUST_DIR", "XDG_DATA_HOME", "~/.local/share", "trusted-kcache")
-
-
-def private_dir(path: Path) -> Path:
-    """Create `path` 0700 if missing; refuse it unless it is a real directory owned by this user
-    that nobody else can write to (another user could plant a cache or a trust entry there)."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise ArtifactError(f"{path}: not a private directory of this user (owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}); "
-                            "remove it or point the variable that names it elsewhere")
-    return path
+    return user_dir("QUANTPREP_TRUST_DIR", "data", "trusted-kcache")
 
 
 def record_trust(entry: dict) -> None:
@@ -217,7 +200,7 @@ def untrusted_message(path: Path) -> str:
 
 def runtime_dir(manifest: dict) -> Path:
     """Private per-user writable copy of kcache/, one per kcache content (its digest names it)."""
-    base = _user_dir("QUANTPREP_KCACHE_DIR", "XDG_CACHE_HOME", "~/.cache", "kcache")
+    base = user_dir("QUANTPREP_KCACHE_DIR", "cache", "kcache")
     return private_dir(base) / kcache_digest(manifest["kcache"])[:16]
 
 

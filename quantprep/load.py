@@ -29,6 +29,7 @@ from .kcache import MEGACACHE, activate, xpu_driver_version, xpu_primitive_env
 from .signing import configured_key
 from .signing import verify as verify_signature
 from .targets import act_dtype_problem, get_target
+from .verified import check_hashed, mark
 
 DEFAULT_SHAPES = [1, 16, 128, 512]  # prefill lengths warm runs (and warmup replays) unless the recipe says otherwise
 DECODE_STEPS = 2
@@ -141,11 +142,16 @@ def is_reference(path: str | os.PathLike) -> bool:
     return "://" in text or (Path(text, "index.json").is_file() and not Path(text, "manifest.json").exists())
 
 
-def open_artifact(path: Path, device: str | torch.device | None, dtype: torch.dtype | None, verify: bool, key) -> dict:
-    """Every check before a byte of weights is read: the manifest (sizes; all sha256 with `verify`),
+def open_artifact(path: Path, device: str | torch.device | None, dtype: torch.dtype | None, verify: bool | None, key) -> dict:
+    """Every check before a byte of weights is read: the manifest and every file's sha256
+    (verified.py: once per file as it is; `verify` True: every time, False: sizes only),
     the signature (`key`), the target, this machine's compatibility key, the device and dtype.
     Returns what the later steps need: manifest, target, device, dtype, packed_dtype, emulate."""
-    manifest = read_checked(path, full_hash=verify)
+    manifest = read_checked(path, full_hash=verify is True)
+    if verify is None:
+        check_hashed(path, manifest)
+    elif verify:
+        mark(path, manifest)
     refuse_code(path, ArtifactError)
     if key is not None:
         verify_signature(path, key)  # unsigned or wrongly signed: refused before anything is read
@@ -252,7 +258,7 @@ def finish(model, path: Path, art: dict, kcache_status: dict, compile: bool, war
 
 
 def load(path: str | os.PathLike, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-         verify: bool = False, compile: bool = False, warmup: bool = False, kcache: bool = True,
+         verify: bool | None = None, compile: bool = False, warmup: bool = False, kcache: bool = True,
          trust_kcache: bool = False, verify_key: str | os.PathLike | None = None):
     """Load an artifact as a transformers `PreTrainedModel` in eval mode.
 
@@ -262,8 +268,9 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
 
     device: defaults to the target's device; `device="cpu"` for an xpu artifact runs it through
     the CPU emulator of the XPU kernel (slow; for checking, not serving). dtype: activation dtype
-    (defaults to the one the artifact was packed for). verify: also check every file's sha256
-    (sizes are always checked). compile: run the decoder layers' MLPs compiled: from the kcache's
+    (defaults to the one the artifact was packed for). verify: every file's sha256 is checked the
+    first time these files load here (verified.py; later loads of the unchanged files check sizes);
+    True: every time; False: sizes only, an explicit opt-out. compile: run the decoder layers' MLPs compiled: from the kcache's
     compiled MLP packages where they fit (aot.py; no dynamo), else torch.compile
     (aot.compile_regions), restoring the artifact's compile cache first (see warm.py). warmup: run the warmed serving
     shapes once in this process (per-process state such as oneDNN primitives on XPU; run it in the

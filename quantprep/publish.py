@@ -33,6 +33,8 @@ from .errors import ArtifactError, ArtifactMismatch, QuantprepError
 from .jsonfile import MAX_JSON_BYTES, read_json_object
 from .signing import configured_key, sign, verify
 from .staging import staging
+from .userdirs import user_dir
+from .verified import mark
 
 INDEX = "index.json"
 INDEX_FORMAT = "quantprep-index"
@@ -219,9 +221,7 @@ def choose_variant(index: dict, ref: str, target: str | None = None) -> dict:
 
 
 def cache_root() -> Path:
-    base = os.environ.get("QUANTPREP_PULL_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                                                                 "quantprep", "pulled")
-    return Path(base)
+    return user_dir("QUANTPREP_PULL_CACHE", "cache", "pulled")
 
 
 def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = None,
@@ -268,6 +268,7 @@ def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = No
         read_checked(tmp)  # nothing unlisted, every size right
         if key is not None:
             verify(tmp, key)
+    mark(dest, manifest)  # every file was hashed as it was copied
     return dest
 
 

@@ -119,7 +119,7 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
     if not (path / WEIGHTS_INDEX).is_file():  # artifacts before from_pretrained support kept the source's GPTQ config
         raise QuantprepError(f"{path}: built by an older quantprep (no {WEIGHTS_INDEX}); rebuild it with `quantprep build` "
                              "or `quantprep prepack` to serve it")
-    open_artifact(path, None if device == "auto" else device, None, False, key)  # refusals in one line, before the server starts
+    open_artifact(path, None if device == "auto" else device, None, None, key)  # refusals in one line (every file hashed), before the server starts
     hub_offline()
     model_id = str(path)
     entry = {"id": model_id, "object": "model", "created": int(path.stat().st_mtime), "owned_by": "quantprep"}

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from .artifact import PROBES_FILE, read_checked
 from .errors import ArtifactError
 from .load import make_module
+from .verified import mark
 
 # Relative error bounds vs the float32 reference. The kernels round the activations and the
 # folded zero (8 - z) * s to the activation dtype (bf16 has 8 mantissa bits: ~0.4% per element)
@@ -75,6 +76,7 @@ def verify_artifact(path: Path, strict: bool = True) -> dict:
 
     path = Path(path)
     manifest = read_checked(path, full_hash=True)
+    mark(path, manifest)
     report = {"path": str(path), "files": len(manifest["files"]), "hashes": "ok", "numeric": "skipped", "probes": [],
               "skipped": None, "target": manifest["target"]["name"]}
     if "kcache" in manifest:

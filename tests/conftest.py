@@ -24,6 +24,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _USER_STATE = Path(tempfile.mkdtemp(prefix="quantprep-tests-"))
 os.environ.setdefault("QUANTPREP_TRUST_DIR", str(_USER_STATE / "trusted-kcache"))
 os.environ.setdefault("QUANTPREP_KCACHE_DIR", str(_USER_STATE / "kcache"))
+os.environ.setdefault("QUANTPREP_VERIFIED_DIR", str(_USER_STATE / "verified"))
 
 REPO = Path(__file__).resolve().parent.parent
 CALIB = (REPO / "quantprep" / "calibration.txt").read_text()

@@ -470,3 +470,63 @@ def test_case07_options_reach_the_one_load_and_not_the_environment(tmp_path, mon
             AutoModelForCausalLM.from_pretrained(served)  # the key applies to the served artifact
         AutoModelForCausalLM.from_pretrained(other)  # and to nothing else
         assert not {"QUANTPREP_TRUST_KCACHE", "QUANTPREP_VERIFY_KEY"} & set(os.environ)
+
+
+# --- 8. a shard changed to other bytes of the same size never loads ---------------------------------
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["load", "from_pretrained", "generate"])
+def test_case08_a_same_size_tampered_shard_is_refused_at_first_load(art, tmp_path, monkeypatch, capsys, how):
+    import shutil
+
+    import quantprep
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("QUANTPREP_VERIFIED_DIR", str(tmp_path / "marks"))  # this user has hashed nothing yet
+    copy = tmp_path / "copied"
+    shutil.copytree(art, copy)  # as a pull, a copy or a mount would bring it: not built here
+    shard = copy / json.loads((copy / MANIFEST).read_text())["shards"][0]
+    _flip_a_byte(shard)
+    if how == "generate":
+        assert main(["generate", str(copy), "--max-new-tokens", "1"]) == 2
+        assert "sha256 does not match" in one_line_error(capsys)
+    else:
+        with pytest.raises(ArtifactError, match="sha256 does not match"):
+            quantprep.load(copy) if how == "load" else AutoModelForCausalLM.from_pretrained(copy)
+    quantprep.load(copy, verify=False)  # the explicit opt-out: sizes only
+
+
+def test_case08_hashed_once_then_marked_until_a_file_changes(art, tmp_path, monkeypatch):
+    import shutil
+
+    import quantprep
+    from quantprep import artifact
+
+    monkeypatch.setenv("QUANTPREP_VERIFIED_DIR", str(tmp_path / "marks"))
+    copy = tmp_path / "copied"
+    shutil.copytree(art, copy)
+    quantprep.load(copy)  # hashed, then marked
+    with monkeypatch.context() as m:
+        m.setattr(artifact, "sha256_file", lambda p: pytest.fail(f"hashed again: {p}"))
+        quantprep.load(copy)  # the same files: not hashed again
+    shard = copy / json.loads((copy / MANIFEST).read_text())["shards"][0]
+    _flip_a_byte(shard)  # a write: its ctime moves, so the mark no longer names it
+    with pytest.raises(ArtifactError, match="sha256 does not match"):
+        quantprep.load(copy)
+
+
+def test_case08_a_build_and_a_pull_mark_what_they_hashed(art, cache, tmp_path, monkeypatch):
+    import quantprep
+    from quantprep import artifact
+
+    publish([art], str(tmp_path / "ref"))
+    got = pull(str(tmp_path / "ref"))
+    with monkeypatch.context() as m:
+        m.setattr(artifact, "sha256_file", lambda p: pytest.fail(f"hashed again: {p}"))
+        quantprep.load(art)  # built here
+        quantprep.load(got)  # pulled: hashed while copied
