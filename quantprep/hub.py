@@ -6,8 +6,9 @@ quantprep index at the top, other files (a README, a model card) left alone. It 
 not at all, and not over a commit it has not seen (`upload_folder` splits large folders into
 several commits). Each publish is then tagged: the tag names that exact release, as an OCI tag does.
 
-A pull downloads the index and then only the chosen variant's folder with `snapshot_download`,
-both at one commit, into huggingface_hub's cache (so HF_HUB_OFFLINE=1 works from it); publish.py
+A pull downloads the index, then the chosen variant's manifest, then exactly the files that
+manifest lists (never anything else in the folder), each at the index's commit, its size asked
+and bounded first, into huggingface_hub's cache (so HF_HUB_OFFLINE=1 works from it); publish.py
 copies the files out while hashing each against the manifest: huggingface_hub checks no content
 hash, so its cache is never what gets loaded. The endpoint is HF_ENDPOINT; credentials are HF_TOKEN
 or huggingface_hub's login.
@@ -21,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .artifact import MANIFEST, SIGNATURE
-from .errors import QuantprepError
+from .errors import ArtifactError, QuantprepError
 
 DEFAULT_REVISION = "main"
 
@@ -129,21 +130,30 @@ def push(variants: list[tuple[Path, dict, str, dict]], index: tuple[str, bytes],
     return f"hf://{repo_id}@{release}"
 
 
-def download_index(ref: str, index_name: str) -> tuple[str, Path]:
-    """The commit the reference's revision names and the folder holding its index.json (in
-    huggingface_hub's cache; offline with HF_HUB_OFFLINE=1 when it is there)."""
-    from huggingface_hub import snapshot_download
+def _fetch(ref: str, filename: str, revision: str, max_size: int, action: str) -> Path:
+    """One file of the repository at `revision`, through huggingface_hub's cache (so that it works
+    offline later). Online, its size is asked first (a HEAD) and a file larger than `max_size`
+    (what quantprep's manifest lists for it, or the JSON limit) is refused before it is fetched."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
 
-    repo_id, revision = parse_ref(ref)
-    with _errors(ref, "read the index"):
-        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=[index_name]))
+    repo_id, _ = parse_ref(ref)
+    with _errors(ref, action):
+        if not constants.is_offline_mode():
+            size = get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision)).size
+            if size is None or size > max_size:
+                raise ArtifactError(f"{ref}: {filename} is {size} bytes on the Hub, more than the {max_size} it may have; refusing it")
+        return Path(hf_hub_download(repo_id, filename, revision=revision))
+
+
+def download_index(ref: str, index_name: str, max_size: int) -> tuple[str, Path]:
+    """The commit the reference's revision names and the folder holding its index (in
+    huggingface_hub's cache; offline with HF_HUB_OFFLINE=1 when it is there)."""
+    _, revision = parse_ref(ref)
+    folder = _fetch(ref, index_name, revision, max_size, "read the index").parent
     return folder.name, folder  # the cache's snapshot folder is named by the commit
 
 
-def download_variant(ref: str, commit: str, name: str) -> Path:
-    """The variant's folder at `commit` (the index's commit: a publish in between cannot mix in)."""
-    from huggingface_hub import snapshot_download
-
-    repo_id, _ = parse_ref(ref)
-    with _errors(ref, f"download variant {name}"):
-        return Path(snapshot_download(repo_id, revision=commit, allow_patterns=[f"{name}/*"])) / name
+def download_file(ref: str, commit: str, rel: str, max_size: int) -> Path:
+    """One file of a variant folder at `commit` (the index's commit: a publish in between cannot mix
+    in): only the files the variant's manifest lists are ever fetched, the manifest first."""
+    return _fetch(ref, rel, commit, max_size, f"download {rel}")

@@ -237,7 +237,7 @@ def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = No
     elif ref.startswith("hf://"):
         from huggingface_hub import constants
 
-        commit, index_dir = hub.download_index(ref, INDEX)
+        commit, index_dir = hub.download_index(ref, INDEX, MAX_INDEX_BYTES)
         index, ref_id = read_index(index_dir, ref), f"{constants.ENDPOINT}/{ref}"
     else:
         src = destination(ref)
@@ -254,7 +254,7 @@ def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = No
         if ref.startswith("oci://"):
             source = _OciSource(reg, variant, ref)
         elif ref.startswith("hf://"):  # huggingface_hub's cache, copied out while hashed like a directory
-            source = _DirSource(hub.download_variant(ref, commit, variant["name"]), ref)
+            source = _HubSource(ref, commit, variant["name"])
         else:
             source = _DirSource(src / variant["name"], ref)
         source.copy(MANIFEST, tmp / MANIFEST, variant["manifest_sha256"], None)
@@ -290,6 +290,18 @@ class _DirSource:
     def kcache(self, tmp: Path, files: dict) -> None:
         for rel, f in files.items():
             self.copy(f"kcache/{rel}", tmp / "kcache" / rel, f["sha256"], f["size"])
+
+
+class _HubSource(_DirSource):
+    """A variant folder of a Hub reference: each file fetched (bounded) when it is copied."""
+
+    def __init__(self, ref: str, commit: str, name: str):
+        self.ref, self.commit, self.name = ref, commit, name
+
+    def copy(self, rel: str, dest: Path, sha256: str, size: int | None) -> None:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        src = hub.download_file(self.ref, self.commit, f"{self.name}/{rel}", MAX_JSON_BYTES if size is None else size)
+        _copy_verified(src, dest, sha256, size, self.ref)
 
 
 class _OciSource:

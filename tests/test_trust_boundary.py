@@ -484,8 +484,9 @@ def _flip_a_byte(path: Path) -> None:
 def test_case08_a_same_size_tampered_shard_is_refused_at_first_load(art, tmp_path, monkeypatch, capsys, how):
     import shutil
 
-    import quantprep
     from transformers import AutoModelForCausalLM
+
+    import quantprep
 
     monkeypatch.setenv("QUANTPREP_VERIFIED_DIR", str(tmp_path / "marks"))  # this user has hashed nothing yet
     copy = tmp_path / "copied"
@@ -530,3 +531,45 @@ def test_case08_a_build_and_a_pull_mark_what_they_hashed(art, cache, tmp_path, m
         m.setattr(artifact, "sha256_file", lambda p: pytest.fail(f"hashed again: {p}"))
         quantprep.load(art)  # built here
         quantprep.load(got)  # pulled: hashed while copied
+
+
+# --- 11. a Hub pull fetches the variant's manifest, then exactly what it lists ----------------------
+
+def _hub_commit(env: dict, path: str, data: bytes, tmp_path: Path) -> None:
+    """Commit one file to the stand-in Hub (huggingface_hub in a fresh process: it reads
+    HF_ENDPOINT and HF_HUB_OFFLINE at import, and `make test` sets the latter)."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "commit-me"
+    src.write_bytes(data)
+    code = ("import sys; from huggingface_hub import HfApi, CommitOperationAdd; "
+            "HfApi().create_commit(sys.argv[1], [CommitOperationAdd(sys.argv[2], sys.argv[3])], commit_message='add')")
+    r = subprocess.run([sys.executable, "-c", code, "org/tiny", path, str(src)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_case11_a_hub_pull_fetches_only_listed_files_and_a_bounded_index(art, tmp_path):
+    from hub_standin import HubStandIn, git
+    from test_hub import REPO, _env, _olah, qp
+
+    with HubStandIn(tmp_path / "mirrors", token="hf_writer") as hub:
+        url, stop = _olah(tmp_path, hub.root)
+        try:
+            write = _env(tmp_path, hub.url, HF_TOKEN="hf_writer")
+            assert qp(write, "publish", art, "--to", f"hf://{REPO}").returncode == 0
+            [variant] = json.loads(git(hub.repo(REPO), "show", "main:index.json"))["variants"]
+            unlisted = os.urandom(3 << 20)  # in the variant's folder, in no manifest
+            _hub_commit(write, f"{variant['name']}/unlisted.bin", unlisted, tmp_path)
+            r = qp(_env(tmp_path, url), "pull", f"hf://{REPO}")
+            assert r.returncode == 0, r.stderr[-2000:]
+            fetched = [p for p in (tmp_path / "hf-home").rglob("*") if p.is_file()]
+            assert fetched and not [p for p in fetched if p.name == "unlisted.bin" or p.stat().st_size == len(unlisted)], fetched
+            big = b'{"format": "quantprep-index", "format_version": 1, "variants": []' + b" " * (2 << 20) + b"}"
+            _hub_commit(write, "index.json", big, tmp_path)
+            r = qp(_env(tmp_path, url, HF_HOME=str(tmp_path / "hf-home-2")), "pull", f"hf://{REPO}")
+            err = r.stderr.strip().splitlines()
+            assert r.returncode == 2 and len(err) == 1 and "more than" in err[0], r.stderr[-2000:]
+            assert not [p for p in (tmp_path / "hf-home-2").rglob("*") if p.is_file() and p.stat().st_size >= len(big)]
+        finally:
+            stop()
