@@ -48,6 +48,13 @@ def parse_ref(ref: str) -> tuple[str, str]:
 def _errors(ref: str, action: str):
     """huggingface_hub's exceptions -> one line naming the reference and what to do."""
     import httpx
+
+    try:  # huggingface_hub 2.x talks through httpx2, a renamed httpx
+        import httpx2
+
+        transport_errors: tuple = (httpx.TransportError, httpx2.TransportError)
+    except ImportError:
+        transport_errors = (httpx.TransportError,)
     from huggingface_hub import constants
     from huggingface_hub.errors import (
         HfHubHTTPError,
@@ -65,7 +72,7 @@ def _errors(ref: str, action: str):
         try:
             yield
         except RuntimeError as e:  # huggingface_hub wraps a failed LFS upload: map its cause
-            if isinstance(e.__cause__, (HfHubHTTPError, httpx.TransportError)):
+            if isinstance(e.__cause__, (HfHubHTTPError, *transport_errors)):
                 raise e.__cause__ from None
             raise
     except RevisionNotFoundError:
@@ -83,7 +90,7 @@ def _errors(ref: str, action: str):
             raise QuantprepError(f"{ref}: the branch moved while publishing (someone else committed); nothing was changed: "
                                  "publish again") from None
         raise QuantprepError(f"{ref}: {endpoint} answered {status} to {action}: {str(e).splitlines()[0]}") from None
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled, httpx.TransportError):
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled, *transport_errors):
         raise QuantprepError(f"{ref}: cannot reach {endpoint} to {action}, and huggingface_hub's cache does not hold it; "
                              "check the network or HF_ENDPOINT") from None
     finally:
@@ -148,9 +155,18 @@ def _fetch(ref: str, filename: str, revision: str, max_size: int, action: str) -
 def download_index(ref: str, index_name: str, max_size: int) -> tuple[str, Path]:
     """The commit the reference's revision names and the folder holding its index (in
     huggingface_hub's cache; offline with HF_HUB_OFFLINE=1 when it is there)."""
-    _, revision = parse_ref(ref)
+    from huggingface_hub import HfApi, constants
+
+    repo_id, revision = parse_ref(ref)
+    if not constants.is_offline_mode():
+        with _errors(ref, "read the index"):
+            info = HfApi().repo_info(repo_id, revision=revision)
+        if index_name not in {s.rfilename for s in info.siblings or []}:
+            raise QuantprepError(f"{ref}: no {index_name}; not a published reference (quantprep publish writes one)")
+    # by the revision's name, so that huggingface_hub records it for offline use; the snapshot
+    # folder is named by the commit it resolved to, and every later file comes from that commit
     folder = _fetch(ref, index_name, revision, max_size, "read the index").parent
-    return folder.name, folder  # the cache's snapshot folder is named by the commit
+    return folder.name, folder
 
 
 def download_file(ref: str, commit: str, rel: str, max_size: int) -> Path:
