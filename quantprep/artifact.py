@@ -34,6 +34,8 @@ FORMAT = "quantprep-artifact"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SIGNATURE = "model.sig"  # written by `quantprep sign` / `publish --sign-key` (signing.py); covers every other file
+IDENTITY = "identity.json"  # the reference a signature is for (signing.py): its name and versions, signed with the files
+SIGNED = {SIGNATURE: "signature", IDENTITY: "identity"}  # beside the manifest's files; an index names each by its sha256
 SHARD_BYTES = 512 << 20  # in memory while building: one filling, and what is not yet written of the last (ShardWriter)
 PROBES_FILE = "probes.safetensors"  # see verify.py
 # Hugging Face's shard index format under a name plain transformers does not look for: without
@@ -421,7 +423,7 @@ def refuse_code(path: Path, error: type[Exception]) -> None:
 def check_files(path: Path, manifest: dict, full_hash: bool) -> None:
     """Sizes always (cheap, catches truncation); sha256 of every file when `full_hash`."""
     path = Path(path)
-    listed = set(manifest["files"]) | {MANIFEST, SIGNATURE} | ({"kcache"} if "kcache" in manifest else set())  # kcache/: warm.py
+    listed = set(manifest["files"]) | {MANIFEST, *SIGNED} | ({"kcache"} if "kcache" in manifest else set())  # kcache/: warm.py
     listed.add(MARKER)  # a directory being staged (pull checks its copy before swapping it in)
     for p in path.iterdir():
         if p.name not in listed:

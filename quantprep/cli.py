@@ -264,7 +264,13 @@ def cmd_sign(args) -> int:
     from .signing import sign
 
     read_checked(Path(args.dir), full_hash=True)  # sign only what verifies
-    print(f"signed {args.dir}: {sign(args.dir, args.key)}")
+    identity = None
+    if args.for_ref:
+        from .publish import reference_identity
+
+        asked = reference_identity(args.for_ref)
+        identity = {"name": asked["name"], "versions": asked["versions"]}
+    print(f"signed {args.dir}: {sign(args.dir, args.key, identity)}")
     return 0
 
 
@@ -450,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     sg.add_argument("dir")
     sg.add_argument("--key", required=True, help="PEM elliptic-curve private key, or `sigstore` (keyless: the OIDC identity "
                                                  "at hand, e.g. a CI workflow's; needs network)")
+    sg.add_argument("--for", dest="for_ref", metavar="REF", help="the reference it will be published to (oci://HOST/REPO:TAG, "
+                                                                 "hf://ORG/REPO@TAG, a directory): signed with the files, "
+                                                                 "checked at pull (a verify key needs it)")
     sg.set_defaults(func=cmd_sign)
 
     g = sub.add_parser("generate", help="load an artifact and generate a greedy completion")

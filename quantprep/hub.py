@@ -16,12 +16,11 @@ or huggingface_hub's login.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from contextlib import contextmanager
 from pathlib import Path
 
-from .artifact import MANIFEST, SIGNATURE
+from .artifact import MANIFEST, SIGNED
 from .errors import ArtifactError, QuantprepError
 
 DEFAULT_REVISION = "main"
@@ -97,7 +96,7 @@ def _errors(ref: str, action: str):
         hf_logger.setLevel(level)
 
 
-def push(variants: list[tuple[Path, dict, str, dict]], index: tuple[str, bytes], ref: str, tag: str | None = None) -> str:
+def push(variants: list[tuple[Path, dict, str, dict]], index: tuple[str, bytes], ref: str, release: str, tag_given: bool) -> str:
     """variants: (artifact dir, quantprep manifest, variant name, index entry), as registry.push;
     index: the index file's name and bytes. One commit replaces the previous publish's variant folders and index; returns the tagged
     reference hf://ORG/REPO@TAG of this release."""
@@ -108,15 +107,14 @@ def push(variants: list[tuple[Path, dict, str, dict]], index: tuple[str, bytes],
     files: dict[str, Path | bytes] = {}
     for d, m, name, _ in variants:
         rels = [MANIFEST, *m["files"], *(f"kcache/{rel}" for rel in m.get("kcache", {}).get("files", {}))]
-        rels += [SIGNATURE] if (d / SIGNATURE).is_file() else []
+        rels += [s for s in SIGNED if (d / s).is_file()]
         files.update({f"{name}/{rel}": d / rel for rel in rels})
     files[index[0]] = index[1]
-    release = tag or f"quantprep-{hashlib.sha256(index[1]).hexdigest()[:12]}"
     api = HfApi()
     with _errors(ref, "publish"):
         api.create_repo(repo_id, exist_ok=True)
-        if tag is not None and any(t.name == tag for t in api.list_repo_refs(repo_id).tags):
-            raise QuantprepError(f"{ref}: tag {tag} already names another commit; a release tag is never moved: pass another --tag")
+        if tag_given and any(t.name == release for t in api.list_repo_refs(repo_id).tags):
+            raise QuantprepError(f"{ref}: tag {release} already names another commit; a release tag is never moved: pass another --tag")
         try:
             head = api.repo_info(repo_id, revision=revision)
         except RevisionNotFoundError:
@@ -132,8 +130,8 @@ def push(variants: list[tuple[Path, dict, str, dict]], index: tuple[str, bytes],
                 for p, src in files.items()]
         commit = api.create_commit(repo_id, ops, commit_message=f"quantprep publish: {', '.join(n for _, _, n, _ in variants)}",
                                    revision=revision, parent_commit=head.sha)
-        # The default tag is named by the index's digest: if it exists it names this same content.
-        api.create_tag(repo_id, tag=release, revision=commit.oid, exist_ok=tag is None)
+        # The default tag is named by the unsigned index's digest: if it exists it names this same content.
+        api.create_tag(repo_id, tag=release, revision=commit.oid, exist_ok=not tag_given)
     return f"hf://{repo_id}@{release}"
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from . import hub, registry
-from .artifact import MANIFEST, SIGNATURE, is_artifact, read_checked, read_manifest, write_hashed
+from .artifact import MANIFEST, SIGNED, is_artifact, read_checked, read_manifest, write_hashed
 from .errors import ArtifactError, ArtifactMismatch, QuantprepError
 from .jsonfile import MAX_JSON_BYTES, read_json_object
 from .signing import configured_key, sign, verify
@@ -97,6 +97,9 @@ def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False, sign_
          "kcache_key": m.get("kcache", {}).get("key")} for d, m, name in variants]}
     if sign_key is not None and str(sign_key) != "sigstore" and not Path(sign_key).is_file():
         raise QuantprepError(f"{sign_key}: no such key file; pass a PEM elliptic-curve private key")
+    # a Hub publish's release tag, known before signing (the signatures name it): --tag, else the unsigned index's digest
+    release = (tag or f"quantprep-{hashlib.sha256(_index_bytes(index)).hexdigest()[:12]}") if hf else None
+    identity = reference_identity(to if remote else str(dest), release=release)
     plan = {"to": to if remote else str(dest), "variants": [{"name": n, "from": str(d), "files": len(_files(m)), "bytes": sum(f["size"] for f in _files(m).values())}
                                           for d, m, n in variants]}
     if dry_run:
@@ -104,18 +107,18 @@ def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False, sign_
     if remote:
         with tempfile.TemporaryDirectory(prefix="quantprep-publish-") as stage:
             # Signing writes into the variant: each is staged as hard links (the sources are only read).
-            ready = [(_stage_variant(d, m, Path(stage) / name, entry, sign_key, link=True) if sign_key else d, m, name, entry)
+            ready = [(_stage_variant(d, m, Path(stage) / name, sign_key, identity, link=True) if sign_key else d, m, name, entry)
                      for (d, m, name), entry in zip(variants, index["variants"], strict=True)]
             for d, _, _, entry in ready:
                 _record_signature(d, entry)
             if oci:
                 registry.push(ready, to, plain_http)
             else:
-                plan["release"] = hub.push(ready, (INDEX, _index_bytes(index)), to, tag)
+                plan["release"] = hub.push(ready, (INDEX, _index_bytes(index)), to, release, tag_given=tag is not None)
         return plan
     with staging(dest, is_published, "published quantprep reference", force) as tmp:
         for (d, m, name), entry in zip(variants, index["variants"], strict=True):
-            _record_signature(_stage_variant(d, m, tmp / name, entry, sign_key, link=False), entry)
+            _record_signature(_stage_variant(d, m, tmp / name, sign_key, identity, link=False), entry)
         (tmp / INDEX).write_bytes(_index_bytes(index))
     return plan
 
@@ -124,16 +127,31 @@ def _index_bytes(index: dict) -> bytes:
     return (json.dumps(index, indent=2) + "\n").encode()
 
 
+def reference_identity(ref: str, release: str | None = None) -> dict:
+    """What a reference names, without where it is (a mirror keeps it): the OCI repository and tag,
+    the Hub repository and revision (and the release tag a publish adds), a directory's name. A
+    signature is for this identity; a pull asks for its own ref's: {"name", "version"}, and
+    "versions" as published."""
+    if ref.startswith("oci://"):
+        _, repo, tag, _ = registry.parse_ref(ref)
+        return {"name": f"oci:{repo}", "version": tag, "versions": [tag]}
+    if ref.startswith("hf://"):
+        repo_id, revision = hub.parse_ref(ref)
+        return {"name": f"hf:{repo_id}", "version": revision, "versions": [revision] + ([release] if release else [])}
+    return {"name": f"dir:{destination(ref).absolute().name}", "version": None, "versions": []}
+
+
 def _record_signature(d: Path, entry: dict) -> None:
-    """The index names the signature that travels with a variant, so a pull fetches exactly it."""
-    if (d / SIGNATURE).is_file():
-        entry["signature_sha256"] = hashlib.sha256((d / SIGNATURE).read_bytes()).hexdigest()
+    """The index names the signature and identity that travel with a variant, so a pull fetches exactly them."""
+    for name, what in SIGNED.items():
+        if (d / name).is_file():
+            entry[f"{what}_sha256"] = hashlib.sha256((d / name).read_bytes()).hexdigest()
 
 
-def _stage_variant(src: Path, manifest: dict, dest: Path, entry: dict, sign_key, link: bool) -> Path:
+def _stage_variant(src: Path, manifest: dict, dest: Path, sign_key, identity: dict, link: bool) -> Path:
     """Copy (or hard-link, where the source must only be read) an artifact's files, and its
-    signature when it has one, to `dest`; with a key, sign the copy there."""
-    rels = [MANIFEST, *_files(manifest)] + ([SIGNATURE] if sign_key is None and (src / SIGNATURE).is_file() else [])
+    signature and identity when it has them, to `dest`; with a key, sign the copy there, for `identity`."""
+    rels = [MANIFEST, *_files(manifest)] + ([s for s in SIGNED if (src / s).is_file()] if sign_key is None else [])
     for rel in rels:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         if link:
@@ -144,7 +162,7 @@ def _stage_variant(src: Path, manifest: dict, dest: Path, entry: dict, sign_key,
                 pass
         shutil.copyfile(src / rel, dest / rel)
     if sign_key is not None:
-        sign(dest, sign_key)
+        sign(dest, sign_key, {"name": identity["name"], "versions": identity["versions"]})
     return dest
 
 
@@ -246,9 +264,10 @@ def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = No
         index, ref_id = read_index(src, ref), str(src.absolute())
     variant = choose_variant(index, ref, target)
     dest = Path(out).absolute() if out else cache_root() / hashlib.sha256(ref_id.encode()).hexdigest()[:16] / variant["name"]
+    asked = reference_identity(ref)
     if _is_copy_of(dest, variant):  # a finished pull of this very variant: nothing to fetch (offline)
         if key is not None:
-            verify(dest, key)
+            verify(dest, key, asked)
         return dest
     with staging(dest, is_artifact, "quantprep artifact", force, mode=0o700) as tmp:
         if ref.startswith("oci://"):
@@ -263,11 +282,12 @@ def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = No
             source.copy(rel, tmp / rel, f["sha256"], f["size"])
         if manifest.get("kcache", {}).get("files"):
             source.kcache(tmp, manifest["kcache"]["files"])
-        if "signature_sha256" in variant:
-            source.copy(SIGNATURE, tmp / SIGNATURE, variant["signature_sha256"], None)
+        for name, what in SIGNED.items():
+            if f"{what}_sha256" in variant:
+                source.copy(name, tmp / name, variant[f"{what}_sha256"], None)
         read_checked(tmp)  # nothing unlisted, every size right
         if key is not None:
-            verify(tmp, key)
+            verify(tmp, key, asked)
     mark(dest, manifest)  # every file was hashed as it was copied
     return dest
 
@@ -338,8 +358,9 @@ def _is_copy_of(dest: Path, variant: dict) -> bool:
     try:
         if hashlib.sha256((dest / MANIFEST).read_bytes()).hexdigest() != variant["manifest_sha256"]:
             return False
-        if "signature_sha256" in variant and hashlib.sha256((dest / SIGNATURE).read_bytes()).hexdigest() != variant["signature_sha256"]:
-            return False
+        for name, what in SIGNED.items():
+            if f"{what}_sha256" in variant and hashlib.sha256((dest / name).read_bytes()).hexdigest() != variant[f"{what}_sha256"]:
+                return False
         read_checked(dest)
         return True
     except (OSError, ArtifactError):

@@ -17,7 +17,7 @@ import tarfile
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .artifact import MANIFEST, SIGNATURE, write_hashed
+from .artifact import MANIFEST, SIGNED, write_hashed
 from .errors import ArtifactError, QuantprepError
 from .jsonfile import parse_json_object
 
@@ -211,8 +211,7 @@ def push(variants: list[tuple[Path, dict, str, dict]], ref: str, plain_http: boo
         layers += [reg.push_blob(d / rel, _media_type(rel), {FILEPATH: rel}) for rel in sorted(m["files"])]
         if m.get("kcache", {}).get("files"):
             layers.append(reg.push_blob(_kcache_tar(d / "kcache", list(m["kcache"]["files"])), CODE_TAR, {FILEPATH: "kcache"}))
-        if (d / SIGNATURE).is_file():
-            layers.append(reg.push_blob(d / SIGNATURE, SIGNATURE_MEDIA_TYPE, {FILEPATH: SIGNATURE}))
+        layers += [reg.push_blob(d / name, SIGNATURE_MEDIA_TYPE, {FILEPATH: name}) for name in SIGNED if (d / name).is_file()]
         bits = "/".join(map(str, sorted({x["bits"] for x in m["modules"].values()})))
         config = {"descriptor": {"name": name, "createdAt": m["created"]},  # modelpack/model-spec docs/config.md
                   "config": {"format": "safetensors", "quantization": f"gptq-int{bits}"},

@@ -13,11 +13,13 @@ it cannot run, nor be tested, offline.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
-from .artifact import SIGNATURE
+from .artifact import IDENTITY, SIGNATURE
 from .errors import ArtifactError, QuantprepError
+from .jsonfile import read_json_object
 from .staging import MARKER
 
 VERIFY_KEY_ENV = "QUANTPREP_VERIFY_KEY"
@@ -57,10 +59,34 @@ def _hashing(path: Path):
     return config
 
 
-def sign(path: str | os.PathLike, key: str | os.PathLike) -> Path:
+def write_identity(path: Path, identity: dict) -> None:
+    """What the signature will be for: {"name": the reference's name, "versions": [the tags or
+    branches it is published under]} (publish.reference_identity), in path/identity.json."""
+    (path / IDENTITY).write_text(json.dumps(identity, sort_keys=True) + "\n")
+
+
+def check_identity(path: Path, asked: dict) -> None:
+    """The signed identity names what was asked for (a name, and a version when the reference has
+    one): a registry serving another model, or an older version, signed by the same key, is refused."""
+    if not (path / IDENTITY).is_file():
+        raise ArtifactError(f"{path}: signed without an identity ({IDENTITY}), so the signature does not say which model and "
+                            f"version it is for; refusing it: publish with --sign-key, or sign with `quantprep sign --for REF`")
+    signed = read_json_object(path / IDENTITY, ArtifactError, "refusing it")
+    versions = signed.get("versions")
+    if signed.get("name") != asked["name"] or not isinstance(versions, list) or (asked.get("version") is not None
+                                                                              and asked["version"] not in versions):
+        raise ArtifactError(f"{path}: signed for {signed.get('name')!r} versions {versions!r}, but {asked['name']!r}"
+                            f"{' version ' + repr(asked['version']) if asked.get('version') is not None else ''} was asked for; "
+                            "refusing it (another model, or another version, under this reference)")
+
+
+def sign(path: str | os.PathLike, key: str | os.PathLike, identity: dict | None = None) -> Path:
     """Sign every file of the artifact at `path` with the private key `key` (or "sigstore":
-    keyless, ambient OIDC credentials); writes path/model.sig."""
+    keyless, ambient OIDC credentials); writes path/model.sig. identity: the reference the
+    signature is for (write_identity), signed with the files."""
     path = Path(path)
+    if identity is not None:
+        write_identity(path, identity)
     if str(key) == SIGSTORE:
         _, signing, _ = _model_signing()
         try:
@@ -88,11 +114,18 @@ def configured_key(key: str | os.PathLike | None = None) -> str | None:
     return str(key) if key else None
 
 
-def verify(path: str | os.PathLike, key: str | os.PathLike) -> None:
+def verify(path: str | os.PathLike, key: str | os.PathLike, asked: dict | None = None) -> None:
     """Refuse (one line) an artifact that is unsigned, or whose signature does not verify with the
-    public key `key` (or the Sigstore identity of "sigstore:IDENTITY") against the files as they are now.
+    public key `key` (or the Sigstore identity of "sigstore:IDENTITY") against the files as they are now,
+    or (`asked`: the reference pulled, publish.reference_identity) whose signed identity is another.
     Files unchanged since this process verified them with this key are not hashed again."""
     path = Path(path)
+    _verify_files(path, key)
+    if asked is not None:
+        check_identity(path, asked)
+
+
+def _verify_files(path: Path, key: str | os.PathLike) -> None:
     sigstore = str(key).startswith(f"{SIGSTORE}:")
     if sigstore and not str(key)[len(SIGSTORE) + 1:]:
         raise QuantprepError(f"{key}: name the signer's identity after sigstore: (e.g. the signing workflow's URL)")

@@ -64,7 +64,7 @@ def check_replaceable(out: Path, owned: Callable[[Path], bool], kind: str, force
     if source is not None:
         src = Path(source).resolve()
         if out.resolve() == src or out.resolve() in src.parents:
-            raise QuantprepError(f"{out}: holds the source {src}; writing there would delete it: choose another destination")
+            raise QuantprepError(f"{out}: holds the source checkpoint {src}; writing there would delete it: choose another destination")
     ancestor = next(p for p in out.parents if p.exists())
     if not ancestor.is_dir():
         raise QuantprepError(f"{ancestor}: is a file, so {out} cannot be created; choose another destination")

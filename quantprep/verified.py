@@ -19,7 +19,7 @@ import json
 import os
 from pathlib import Path
 
-from .artifact import MANIFEST, SIGNATURE, check_files
+from .artifact import MANIFEST, SIGNED, check_files
 from .errors import ArtifactError
 from .userdirs import private_dir, user_dir
 
@@ -31,7 +31,7 @@ def marks_dir() -> Path:
 def stamp(path: Path, manifest: dict) -> str:
     """What names these files as they are now: each listed file's identity and change stamps."""
     rows = [manifest["manifest_sha256"]]
-    for name in sorted([MANIFEST, *manifest["files"]] + ([SIGNATURE] if (path / SIGNATURE).is_file() else [])):
+    for name in sorted([MANIFEST, *manifest["files"]] + [s for s in SIGNED if (path / s).is_file()]):
         st = os.stat(path / name)
         rows.append([name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest()

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from quantprep import registry as oci
-from quantprep.artifact import MANIFEST, SIGNATURE
+from quantprep.artifact import MANIFEST, SIGNED
 
 
 def digest(data: bytes) -> str:
@@ -84,7 +84,7 @@ class HostileRegistry:
         tar: `kcache_tar` replaces the honest one); `layer_edit(layers)` may change the descriptors."""
         m = json.loads((variant_dir / MANIFEST).read_text())
         layers = []
-        for rel in [MANIFEST, *sorted(m["files"])] + ([SIGNATURE] if (variant_dir / SIGNATURE).is_file() else []):
+        for rel in [MANIFEST, *sorted(m["files"])] + [s for s in SIGNED if (variant_dir / s).is_file()]:
             layers.append(dict(self.blob(repo, (variant_dir / rel).read_bytes()), mediaType=oci.WEIGHT_CONFIG,
                                annotations={oci.FILEPATH: rel}))
         if m.get("kcache", {}).get("files"):

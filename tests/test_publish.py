@@ -183,7 +183,7 @@ def test_an_artifact_signed_before_publish_carries_its_signature(built, cache, t
     key, pub = _keypair(tmp_path / "keys")
     art = tmp_path / "signed-art"
     shutil.copytree(built / "cpu", art)
-    assert main(["sign", str(art), "--key", str(key)]) == 0
+    assert main(["sign", str(art), "--key", str(key), "--for", str(tmp_path / "ref")]) == 0
     publish([art], str(tmp_path / "ref"))  # no --sign-key: the signature it has travels with it
     [entry] = json.loads((tmp_path / "ref" / INDEX).read_text())["variants"]
     assert "signature_sha256" in entry

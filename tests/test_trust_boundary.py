@@ -573,3 +573,50 @@ def test_case11_a_hub_pull_fetches_only_listed_files_and_a_bounded_index(art, tm
             assert not [p for p in (tmp_path / "hf-home-2").rglob("*") if p.is_file() and p.stat().st_size >= len(big)]
         finally:
             stop()
+
+
+# --- 14. a signature names the model and version it is for ------------------------------------------
+
+def _signed_for(art: Path, tmp_path: Path, ref: str, key: Path) -> Path:
+    import shutil
+
+    signed = tmp_path / f"signed-{len(list(tmp_path.glob('signed-*')))}"
+    shutil.copytree(art, signed)
+    assert main(["sign", str(signed), "--key", str(key), "--for", ref]) == 0
+    return signed
+
+
+@pytest.mark.parametrize("served", ["an older version", "another model"])
+def test_case14_a_registry_cannot_serve_other_signed_content_under_a_tag(art, cache, hostile, tmp_path, capsys, served):
+    from test_publish import _keypair
+
+    key, pub = _keypair(tmp_path / "keys")
+    other = hostile.ref("models/x", "v1") if served == "an older version" else hostile.ref("models/other", "v2")
+    signed = _signed_for(art, tmp_path, other, key)
+    name, entry = _entry(signed, tmp_path)
+    hostile.publish(signed, name, entry, repo="models/x", tag="v2")  # what the registry answers for models/x:v2
+    assert main(["pull", hostile.ref("models/x", "v2"), "--verify-key", str(pub)]) == 2
+    assert "was asked for" in one_line_error(capsys)
+    assert not [p for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".lock")] if cache.exists() else True
+    if served == "an older version":  # under the tag it was signed for, it is what was asked for
+        hostile.publish(signed, name, entry, repo="models/x", tag="v1")
+        assert main(["pull", hostile.ref("models/x", "v1"), "--verify-key", str(pub)]) == 0
+
+
+def test_case14_a_directory_reference_is_signed_for_its_name(art, cache, tmp_path, capsys):
+    import shutil
+
+    from test_publish import _keypair
+
+    key, pub = _keypair(tmp_path / "keys")
+    publish([art], str(tmp_path / "qwen-1.5b"), sign_key=key)
+    assert pull(str(tmp_path / "qwen-1.5b"), verify_key=pub).is_dir()
+    shutil.copytree(tmp_path / "qwen-1.5b", tmp_path / "llama-70b")  # the same signed files under another model's name
+    assert main(["pull", str(tmp_path / "llama-70b"), "--verify-key", str(pub)]) == 2
+    assert "was asked for" in one_line_error(capsys)
+    unsigned_identity = tmp_path / "no-identity"
+    shutil.copytree(art, unsigned_identity)
+    assert main(["sign", str(unsigned_identity), "--key", str(key)]) == 0  # signed for no reference
+    publish([unsigned_identity], str(tmp_path / "plain"))
+    assert main(["pull", str(tmp_path / "plain"), "--verify-key", str(pub)]) == 2
+    assert "without an identity" in one_line_error(capsys)
