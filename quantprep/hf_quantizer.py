@@ -39,10 +39,11 @@ _LOAD_OPTIONS: dict[Path, dict] = {}
 
 
 @contextlib.contextmanager
-def load_options(path: Path, trust_kcache: bool = False, verify_key: str | None = None):
-    """Within the block, from_pretrained of exactly `path` loads with these options."""
+def load_options(path: Path, trust_kcache: bool = False, verify_key: str | None = None, signed: bool = False):
+    """Within the block, from_pretrained of exactly `path` loads with these options (signed: its
+    signature was verified already, by the pull that brought it)."""
     path = Path(os.path.abspath(path))
-    _LOAD_OPTIONS[path] = {"trust_kcache": trust_kcache, "verify_key": verify_key}
+    _LOAD_OPTIONS[path] = {"trust_kcache": trust_kcache, "verify_key": verify_key, "signed": signed}
     try:
         yield
     finally:
@@ -157,7 +158,8 @@ class QuantprepQuantizer(HfQuantizer):
             raise ArtifactError(f"{path / WEIGHTS_INDEX}: does not list the tensors of the manifest's shards; the artifact is "
                                 "inconsistent: rebuild it")
         self.path, self.art = path, art
-        self.kcache_status = activate_kcache(path, art, True, False, options.get("trust_kcache", False), signed=key is not None)
+        signed = key is not None or options.get("signed", False)
+        self.kcache_status = activate_kcache(path, art, True, False, options.get("trust_kcache", False), signed=signed)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):

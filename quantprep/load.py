@@ -290,16 +290,18 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     pulled = is_reference(path)
     if pulled:  # a published reference: pull the variant that fits (verified, its signature too) into the cache first,
         # while transformers' modeling code imports (seconds of Python, which the download and hashing overlap)
-        from .publish import pull
+        from .publish import pull_checked
 
-        job = in_thread(pull, str(path), verify_key=key)
+        job = in_thread(pull_checked, str(path), verify_key=verify_key)  # the reference's signature policy applies
         import transformers.modeling_utils  # noqa: F401
 
-        path = job.result()
+        path, signed = job.result()
+    else:
+        signed = key is not None
     path = Path(path)
     art = open_artifact(path, device, dtype, verify, None if pulled else key)
     manifest, device, dtype = art["manifest"], art["device"], art["dtype"]
-    kcache_status = activate_kcache(path, art, kcache, compile, trust_kcache, signed=key is not None)
+    kcache_status = activate_kcache(path, art, kcache, compile, trust_kcache, signed=signed)
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     if hasattr(config, "quantization_config"):

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from urllib.parse import urlparse
@@ -31,7 +32,8 @@ from . import hub, registry
 from .artifact import MANIFEST, SIGNED, is_artifact, read_checked, read_manifest, write_hashed
 from .errors import ArtifactError, ArtifactMismatch, QuantprepError
 from .jsonfile import MAX_JSON_BYTES, read_json_object
-from .signing import configured_key, sign, verify
+from .policy import signature_policy
+from .signing import sign, verify
 from .staging import staging
 from .userdirs import user_dir
 from .verified import mark
@@ -244,11 +246,19 @@ def cache_root() -> Path:
 
 def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = None,
          verify_key: str | os.PathLike | None = None, plain_http: bool = False, force: bool = False) -> Path:
+    """pull_checked's path."""
+    return pull_checked(ref, out, target, verify_key, plain_http, force)[0]
+
+
+def pull_checked(ref: str, out: str | os.PathLike | None = None, target: str | None = None,
+                 verify_key: str | os.PathLike | None = None, plain_http: bool = False, force: bool = False) -> tuple[Path, bool]:
     """The variant of `ref` that fits this machine (or `target`), verified, in the local cache or
     `out`. Returns the artifact's directory. An unchanged reference is not copied again.
-    verify_key (default: QUANTPREP_VERIFY_KEY): the variant must be signed, and verify with it.
-    force: replace an `out` that is not an artifact."""
-    key = configured_key(verify_key)
+    verify_key: the variant must be signed for `ref` and verify with it; without one, the signature
+    policy for `ref` decides (policy.py: the user's policy file, QUANTPREP_SIGNATURES,
+    QUANTPREP_VERIFY_KEY). force: replace an `out` that is not an artifact. Also returns whether
+    the signature verified (what lets its kcache run, kcache.trust_reason)."""
+    mode, key = signature_policy(ref, verify_key)
     if ref.startswith("oci://"):
         reg, variants = registry.read_index(ref, plain_http)
         index, ref_id = {"variants": [v for v in variants if _valid_entry(v)]}, ref
@@ -266,9 +276,7 @@ def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = No
     dest = Path(out).absolute() if out else cache_root() / hashlib.sha256(ref_id.encode()).hexdigest()[:16] / variant["name"]
     asked = reference_identity(ref)
     if _is_copy_of(dest, variant):  # a finished pull of this very variant: nothing to fetch (offline)
-        if key is not None:
-            verify(dest, key, asked)
-        return dest
+        return dest, _signature_checked(dest, mode, key, asked, ref)
     with staging(dest, is_artifact, "quantprep artifact", force, mode=0o700) as tmp:
         if ref.startswith("oci://"):
             source = _OciSource(reg, variant, ref)
@@ -286,10 +294,26 @@ def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = No
             if f"{what}_sha256" in variant:
                 source.copy(name, tmp / name, variant[f"{what}_sha256"], None)
         read_checked(tmp)  # nothing unlisted, every size right
-        if key is not None:
-            verify(tmp, key, asked)
+        signed = _signature_checked(tmp, mode, key, asked, ref)
     mark(dest, manifest)  # every file was hashed as it was copied
-    return dest
+    return dest, signed
+
+
+def _signature_checked(path: Path, mode: str, key: str | None, asked: dict, ref: str) -> bool:
+    """The policy's check of a pulled variant: enforce refuses what does not verify for `ref`; warn
+    says so in one line and goes on (unverified); off checks nothing. Whether it verified."""
+    if mode == "off":
+        return False
+    try:
+        if key is None:
+            raise ArtifactError(f"{ref}: no key to check its signature with (set `key` in the policy or QUANTPREP_VERIFY_KEY)")
+        verify(path, key, asked)
+        return True
+    except (ArtifactError, QuantprepError) as e:
+        if mode == "enforce":
+            raise
+        print(f"quantprep: warning: {e} (signatures: warn for {ref}; its kcache is not trusted by signature)", file=sys.stderr)
+        return False
 
 
 def _valid_entry(v: dict) -> bool:

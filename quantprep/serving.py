@@ -108,11 +108,12 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
     from .signing import configured_key
 
     register()
-    key = configured_key(verify_key)
-    if is_reference(src):
-        from .publish import pull
+    key, signed = configured_key(verify_key), False
+    if is_reference(src):  # pulled and checked under the reference's signature policy; then served as a directory
+        from .publish import pull_checked
 
-        src = str(pull(src, verify_key=key))
+        src, signed = pull_checked(src, verify_key=verify_key)
+        key = None
     path = Path(src).absolute()
     if not (path / "manifest.json").is_file():
         raise QuantprepError(f"{src}: not an artifact directory (no manifest.json) nor a published reference")
@@ -125,7 +126,7 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
     entry = {"id": model_id, "object": "model", "created": int(path.stat().st_mtime), "owned_by": "quantprep"}
     # transformers lists the models of the Hugging Face cache; this server serves one artifact
     ModelManager.get_gen_models = staticmethod(lambda cache_dir=None: [entry])
-    with load_options(path, trust_kcache, key), pinned(model_id):
+    with load_options(path, trust_kcache, key, signed or key is not None), pinned(model_id):
         server = Serve(force_model=model_id, host=host, port=port, device=device, non_blocking=True, trust_remote_code=False)
     server.server.config.timeout_graceful_shutdown = 3  # a stop during a long stream does not wait for its end
     key_id = server._model_manager.process_model_name(model_id)

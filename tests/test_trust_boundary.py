@@ -620,3 +620,73 @@ def test_case14_a_directory_reference_is_signed_for_its_name(art, cache, tmp_pat
     publish([unsigned_identity], str(tmp_path / "plain"))
     assert main(["pull", str(tmp_path / "plain"), "--verify-key", str(pub)]) == 2
     assert "without an identity" in one_line_error(capsys)
+
+
+# --- also: a signature policy per registry and repository -------------------------------------------
+
+def test_signature_policy_per_reference_with_an_environment_override(art, cache, tmp_path, monkeypatch, capsys):
+    from test_publish import _keypair
+
+    key, pub = _keypair(tmp_path / "keys")
+    publish([art], str(tmp_path / "team" / "signed"), sign_key=key)
+    publish([art], str(tmp_path / "team" / "unsigned"))
+    publish([art], str(tmp_path / "public" / "unsigned"))
+    policy = tmp_path / "policy.toml"
+    policy.write_text(f'[[rule]]\nmatch = "{tmp_path / "team"}/"\nsignatures = "enforce"\nkey = "{pub}"\n\n'
+                      f'[[rule]]\nmatch = "{tmp_path / "public"}/"\nsignatures = "warn"\nkey = "{pub}"\n\n'
+                      '[default]\nsignatures = "off"\n')
+    monkeypatch.setenv("QUANTPREP_POLICY", str(policy))
+    monkeypatch.delenv("QUANTPREP_VERIFY_KEY", raising=False)
+    monkeypatch.delenv("QUANTPREP_SIGNATURES", raising=False)
+    assert main(["pull", str(tmp_path / "team" / "signed"), "--out", str(tmp_path / "a")]) == 0  # enforced, and it verifies
+    assert main(["pull", str(tmp_path / "team" / "unsigned"), "--out", str(tmp_path / "b")]) == 2  # enforced: refused
+    assert "unsigned" in one_line_error(capsys) and not (tmp_path / "b").exists()
+    capsys.readouterr()
+    assert main(["pull", str(tmp_path / "public" / "unsigned"), "--out", str(tmp_path / "c")]) == 0  # warn: one line, pulled
+    warning = capsys.readouterr().err.strip().splitlines()
+    assert len(warning) == 1 and warning[0].startswith("quantprep: warning:") and "unsigned" in warning[0], warning
+    monkeypatch.setenv("QUANTPREP_SIGNATURES", "enforce")  # the environment forces it everywhere
+    assert main(["pull", str(tmp_path / "public" / "unsigned"), "--out", str(tmp_path / "d")]) == 2
+    assert "unsigned" in one_line_error(capsys)
+    monkeypatch.setenv("QUANTPREP_SIGNATURES", "sometimes")
+    assert main(["pull", str(tmp_path / "team" / "signed"), "--out", str(tmp_path / "e")]) == 2
+    assert "enforce, warn, off" in one_line_error(capsys)
+
+
+# --- also: artifacts on read-only volumes ------------------------------------------------------------
+
+def test_load_from_pretrained_and_serve_never_write_into_the_artifact(tmp_path, monkeypatch):
+    """As root (CI), permissions do not stop a write: the directory tree and every mtime are
+    compared before and after instead. The artifact directory is also made read-only (0555), as a
+    Kubernetes image volume or an NFS export would have it, for non-root runs."""
+    import stat
+    import urllib.request
+
+    from conftest import free_port
+    from test_serving import chat_artifact, start_server
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import quantprep
+
+    monkeypatch.setenv("QUANTPREP_VERIFIED_DIR", str(tmp_path / "marks"))  # the first load hashes (and writes only there)
+    art = chat_artifact(tmp_path / "ro")
+    for p in [art, *art.rglob("*")]:
+        p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+    before, dir_mtime = tree(art), art.stat().st_mtime_ns
+    try:
+        quantprep.load(art)
+        AutoModelForCausalLM.from_pretrained(art)
+        AutoTokenizer.from_pretrained(art)
+        port = free_port()
+        stop = start_server(art, port)
+        try:
+            body = json.dumps({"model": str(art), "messages": [{"role": "user", "content": "a b"}], "max_tokens": 2}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            assert urllib.request.urlopen(req, timeout=60).status == 200
+        finally:
+            stop()
+        assert tree(art) == before and art.stat().st_mtime_ns == dir_mtime
+    finally:
+        for p in [art, *art.rglob("*")]:
+            p.chmod(p.stat().st_mode | stat.S_IWUSR)
