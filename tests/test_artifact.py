@@ -167,7 +167,7 @@ def test_second_writer_waits_for_the_lock(random_gptq, tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "quantprep", "prepack", str(random_gptq), "--target", "cpu",
                                  "--out", str(out), "--json"], stdout=subprocess.DEVNULL, stderr=err_file)
         deadline = time.time() + 120
-        while "waiting for another build" not in err.read_text() and time.time() < deadline and proc.poll() is None:
+        while "waiting for another quantprep" not in err.read_text() and time.time() < deadline and proc.poll() is None:
             time.sleep(0.2)
         time.sleep(1)
         assert proc.poll() is None and not out.exists(), err.read_text()  # blocked on the lock, nothing published
