@@ -182,13 +182,20 @@ def test_case03_a_kcache_layer_never_writes_beyond_the_listed_sizes(art, cache, 
            "size differs": lambda: _plain_tar(rel, 4096),
            "oversized layer": lambda: _plain_tar(rel, 64, pad=1 << 20)}[attack]()
     hostile.publish(art, name, entry, kcache_tar=tar)
+    wrote = _bytes_written()
     assert main(["pull", hostile.ref()]) == 2
-    one_line_error(capsys)
-    written = sum(p.stat().st_blocks * 512 for p in cache.rglob("*") if p.is_file()) if cache.exists() else 0
-    assert written < 1 << 20, written
+    err = one_line_error(capsys)
+    if attack == "size differs":  # refused at the member's header, before its bytes are written
+        assert "the manifest lists 64" in err, err
+    assert _bytes_written() - wrote < 16 << 20  # this process's writes during the pull: no 1 GiB, even transiently
     assert not [p for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".lock")] if cache.exists() else True
     if attack == "oversized layer":  # refused from the descriptor, before a byte of it was fetched
         assert _layer_digest(hostile) not in hostile.requests
+
+
+def _bytes_written() -> int:
+    """Bytes this process has passed to write calls so far (Linux /proc/self/io wchar)."""
+    return int(next(line for line in Path("/proc/self/io").read_text().splitlines() if line.startswith("wchar:")).split()[1])
 
 
 def _layer_digest(reg: HostileRegistry) -> str:
@@ -234,7 +241,7 @@ def test_case09_a_registry_answering_deep_json_or_odd_types_is_one_line(art, cac
 # --- 10. every registry answer is read bounded -----------------------------------------------------
 
 def test_case10_an_endless_probe_body_is_not_read(art, cache, hostile, capsys):
-    hostile.routes["/v2/"] = lambda: iter(lambda: b"x" * (64 << 10), None)  # never ends
+    hostile.routes["/v2/"] = lambda: (b"x" * (64 << 10) for _ in range(400 << 4))  # 400 MiB, what the review measured
     assert main(["pull", hostile.ref()]) == 2  # no index behind it: one line
     one_line_error(capsys)
     assert hostile.sent < 32 << 20, hostile.sent  # socket buffers, not the 400 MiB the review measured
@@ -372,9 +379,10 @@ def test_case12_generate_ignores_a_tokenizer_beside_a_reference(tiny_gptq4, cach
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):  # the reference's root is not checked
         if (a / name).is_file():
             (ref / name).write_bytes((a / name).read_bytes())
-    cfg = json.loads((ref / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = "the the the the the the the the {{ messages[0]['content'] }} the the the"
-    (ref / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = json.loads((ref / "tokenizer.json").read_text())  # the same words under other ids: other text decodes
+    words = sorted(tok["model"]["vocab"], key=tok["model"]["vocab"].get)
+    tok["model"]["vocab"] = {w: i for i, w in enumerate(reversed(words))}
+    (ref / "tokenizer.json").write_text(json.dumps(tok))
     argv = ["--prompt", "The capital of France is", "--max-new-tokens", "8", "--json"]
     assert main(["generate", str(a), *argv]) == 0
     want = json.loads(capsys.readouterr().out)["completion"]
