@@ -407,6 +407,19 @@ def gemm_designs(*runs: dict) -> str:
     return "\n".join(out)
 
 
+def first_load_hash(r: dict) -> str:
+    """An artifact's first load here (every file hashed) against later, marked loads and the
+    sizes-only opt-out, fresh processes (benchmarks/hash_cost.py)."""
+    modes = list(r["rows"][0]["modes"])
+    out = [f"{_machine(r)}; median of {len(r['rows'][0]['modes'][modes[0]]['runs'])} fresh processes, files in the page cache", "",
+           "| artifact | MiB | " + " | ".join(modes) + " | first load / sizes only |", "| --- | --- |" + " --- |" * (len(modes) + 1)]
+    for row in r["rows"]:
+        m = {k: v["median_s"] for k, v in row["modes"].items()}
+        out.append(f"| {row['artifact']} | {row['mib']:.0f} | " + " | ".join(f"{m[k]:.2f} s" for k in modes)
+                   + f" | {m[modes[1]] / m[modes[0]]:.2f}x |")
+    return "\n".join(out)
+
+
 RENDERERS = {
     "cuda-linears": cuda_linears,
     "load-to-first-token": load_to_first_token,
@@ -429,6 +442,7 @@ RENDERERS = {
     "scale": scale,
     "prepack-env": prepack_env,
     "cpu-pack": cpu_pack,
+    "first-load-hash": first_load_hash,
 }
 
 
