@@ -9,7 +9,7 @@ once) and SmolLM2 when `make build` made it:
 - first load: an empty marks directory each run, so every file is hashed;
 - marked: a later load, the mark found.
 
-    python benchmarks/hash_cost.py [--out benchmarks/results/hash-cost-first-load.json]
+    python benchmarks/hash_cost.py [--out benchmarks/results/hash-cost-first-load-cpu-avx512.json]
 """
 
 import argparse
@@ -53,7 +53,7 @@ def load_s(art: Path, mode: str, marks: Path) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "hash-cost-first-load.json"))
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "hash-cost-first-load-cpu-avx512.json"))
     args = p.parse_args()
     cache = REPO / "artifacts" / ".cache" / "bench"
     arts = {"qwen2.5-1.5b-shapes": qwen_artifact(cache)}
