@@ -48,6 +48,7 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
               "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 CODE_CONFIGS = ("config.json", "tokenizer_config.json")  # where transformers reads `auto_map` (code to import)
+DEFAULT_SHAPES = [1, 16, 128, 512]  # prefill lengths warm runs (and warmup replays) unless the recipe says otherwise
 TOP_KEYS = {"manifest_sha256", "format", "format_version", "quantprep_version", "created", "source", "quant", "target", "compat",
             "modules", "shards", "files"}
 # serving: shapes to warm (from the recipe); kcache: written by `warm`; eval: results of `quantprep eval`
@@ -83,6 +84,7 @@ def write_hashed(chunks: Iterable[bytes], out: BinaryIO, limit: int) -> tuple[st
 
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
                       torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}  # a safetensors header's dtype -> torch's
 
 
 WRITE_CHUNK = 16 << 20

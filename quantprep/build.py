@@ -15,9 +15,18 @@ from pathlib import Path
 
 import torch
 
-from .artifact import FORMAT, FORMAT_VERSION, SHARD_BYTES, ArtifactWriter, build_time, is_artifact, read_manifest, sha256_file
+from .artifact import (
+    DEFAULT_SHAPES,
+    FORMAT,
+    FORMAT_VERSION,
+    SHARD_BYTES,
+    ArtifactWriter,
+    build_time,
+    is_artifact,
+    read_manifest,
+    sha256_file,
+)
 from .errors import RecipeError, SourceError
-from .load import DEFAULT_SHAPES
 from .prepack import prepack_stream
 from .recipes import Recipe
 from .source import (

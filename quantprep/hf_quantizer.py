@@ -26,7 +26,7 @@ from transformers.quantizers.auto import register_quantization_config, register_
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .artifact import WEIGHTS_INDEX
+from .artifact import TORCH_DTYPES, WEIGHTS_INDEX
 from .errors import ArtifactError, ArtifactMismatch
 from .jsonfile import read_json_object
 from .load import activate_kcache, check_tensors, finish, install_modules, open_artifact, tied_names, untie_quantized_head
@@ -48,8 +48,6 @@ def load_options(path: Path, trust_kcache: bool = False, verify_key: str | None 
         yield
     finally:
         _LOAD_OPTIONS.pop(path, None)
-SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I8": torch.int8,
-                      "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
 
 
 class QuantprepConfig(QuantizationConfigMixin):
@@ -138,7 +136,7 @@ class QuantprepQuantizer(HfQuantizer):
                 with safe_open(path / shard, "pt") as f:
                     for name in f.keys():
                         meta = f.get_slice(name)
-                        dt = SAFETENSORS_DTYPES.get(meta.get_dtype())
+                        dt = TORCH_DTYPES.get(meta.get_dtype())
                         if dt is None:
                             raise ArtifactError(f"{path / shard}: tensor {name} has dtype {meta.get_dtype()}; the artifact is corrupt: rebuild it")
                         tensors[name] = (self.dtype if dt.is_floating_point and self.dtype != art["packed_dtype"] else dt,

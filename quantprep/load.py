@@ -20,7 +20,7 @@ from torch import nn
 
 from .aot import compile_regions, prefetch_runtime
 from .aot import install as install_packages
-from .artifact import read_checked, refuse_code
+from .artifact import DEFAULT_SHAPES, read_checked, refuse_code
 from .background import in_thread
 from .errors import ArtifactError, ArtifactMismatch
 from .fused import install as install_fused
@@ -31,7 +31,6 @@ from .signing import verify as verify_signature
 from .targets import act_dtype_problem, get_target
 from .verified import check_hashed, mark
 
-DEFAULT_SHAPES = [1, 16, 128, 512]  # prefill lengths warm runs (and warmup replays) unless the recipe says otherwise
 DECODE_STEPS = 2
 
 

@@ -14,6 +14,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .artifact import DEFAULT_SHAPES
 from .errors import RecipeError
 from .gptq_format import SUPPORTED_BITS
 
@@ -47,7 +48,7 @@ class Recipe:
     act_dtype: str | None = None
     prompt: str = "What is the capital of France?"
     max_new_tokens: int = 16
-    warm_shapes: list[int] = field(default_factory=lambda: [1, 16, 128, 512])
+    warm_shapes: list[int] = field(default_factory=lambda: list(DEFAULT_SHAPES))
     warm_compile: bool = False
     warm_aot: bool = True  # with compile: also ship compiled packages of the MLPs (aot.py)
     warm_enabled: bool = True  # build warms each artifact whose device is present

@@ -31,7 +31,9 @@ PREFILL_BUCKETS = geometric_buckets()
 
 def buckets_of(model) -> list[int]:
     """The prefill lengths this model's artifact warmed (warmup replays them), largest last."""
-    shapes = getattr(model, "quantprep_buckets", None) or [1, 16, 128, 512]
+    from .artifact import DEFAULT_SHAPES
+
+    shapes = getattr(model, "quantprep_buckets", None) or DEFAULT_SHAPES
     return sorted(set(shapes))
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .artifact import SIDE_FILES, refuse_code
+from .artifact import SIDE_FILES, TORCH_DTYPES, refuse_code
 from .background import in_thread
 from .errors import SourceError
 from .gptq_format import SUPPORTED_BITS
@@ -77,7 +77,7 @@ class GPTQCheckpoint:
         return self.sha256_job.result()
 
 
-FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+FLOAT_DTYPES = {name: dt for name, dt in TORCH_DTYPES.items() if dt.is_floating_point}
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 
 from .aot import compile_regions
-from .artifact import read_checked, republish, sha256_file
+from .artifact import DEFAULT_SHAPES, read_checked, republish, sha256_file
 from .errors import QuantprepError
 from .intel_runtime import cache_warning
 from .kcache import KCACHE, MEGACACHE, cache_env, cache_key, record_trust, xpu_driver_version, xpu_warm_env
-from .load import DECODE_STEPS, DEFAULT_SHAPES, run_shapes, usable_shapes
+from .load import DECODE_STEPS, run_shapes, usable_shapes
 
 AOT_TIMEOUT_S = 1800  # per phase of warm that builds or checks compiled MLP packages
 # Inductor's FX-graph and AOT entries come back from the mega-cache; locks are per process.
