@@ -422,11 +422,13 @@ def refuse_code(path: Path, error: type[Exception]) -> None:
                         "quantprep loads only architectures transformers ships: remove 'auto_map' or use another model")
 
 
-def check_files(path: Path, manifest: dict, full_hash: bool) -> None:
-    """Sizes always (cheap, catches truncation); sha256 of every file when `full_hash`."""
+def check_files(path: Path, manifest: dict, full_hash: bool, staged: bool = False) -> None:
+    """Sizes always (cheap, catches truncation); sha256 of every file when `full_hash`. staged: `path`
+    is a staging directory (a pull checks its copy before swapping it in), which holds staging.MARKER."""
     path = Path(path)
     listed = set(manifest["files"]) | {MANIFEST, *SIGNED} | ({"kcache"} if "kcache" in manifest else set())  # kcache/: warm.py
-    listed.add(MARKER)  # a directory being staged (pull checks its copy before swapping it in)
+    if staged:
+        listed.add(MARKER)
     for p in path.iterdir():
         if p.name not in listed:
             raise ArtifactError(f"{p}: unknown file in the artifact (not in manifest.json); remove it or rebuild")
@@ -441,18 +443,18 @@ def check_files(path: Path, manifest: dict, full_hash: bool) -> None:
             raise ArtifactError(f"{p}: sha256 does not match manifest.json; the file is corrupted: rebuild the artifact")
 
 
-def read_checked(path: Path, full_hash: bool = False, manifest: dict | None = None) -> dict:
+def read_checked(path: Path, full_hash: bool = False, manifest: dict | None = None, staged: bool = False) -> dict:
     """read_manifest + check_files, for readers racing a writer: when `warm` (adding kcache/) or a
     build republishes between the two, the files no longer match the manifest read first. Then the
     new manifest is read and checked once more, so a reader sees the old or the new artifact and no
     spurious error. `manifest`: one the caller read earlier."""
     manifest = manifest or read_manifest(path)
     try:
-        check_files(path, manifest, full_hash)
+        check_files(path, manifest, full_hash, staged)
     except ArtifactError:
         fresh = read_manifest(path)
         if fresh["manifest_sha256"] == manifest["manifest_sha256"]:
             raise
-        check_files(path, fresh, full_hash)
+        check_files(path, fresh, full_hash, staged)
         manifest = fresh
     return manifest

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -87,6 +88,29 @@ def loaded_directory(name_or_path: str, checkpoint_files: list[str]) -> Path:
     return here
 
 
+def _hub_policy(repo_id: str, path: Path, key: str | None) -> tuple[bool, None]:
+    """from_pretrained of a Hub id: check the downloaded directory's signature as the policy for
+    hf://ID says (policy.py; the identity of a published reference is checked by `quantprep pull`,
+    whose layout from_pretrained does not read). Returns (whether it verified, None: no key left
+    for open_artifact to check again)."""
+    from .policy import signature_policy
+    from .signing import verify
+
+    mode, key = signature_policy(f"hf://{repo_id}", key)
+    if mode == "off":
+        return False, None
+    try:
+        if key is None:
+            raise ArtifactError(f"hf://{repo_id}: no key to check its signature with")
+        verify(path, key)
+        return True, None
+    except ArtifactError as e:
+        if mode == "enforce":
+            raise
+        warnings.warn(f"{e} (signatures: warn for hf://{repo_id}; its kcache is not trusted by signature)", stacklevel=2)
+        return False, None
+
+
 class QuantprepQuantizer(HfQuantizer):
     requires_calibration = True  # loads prepacked artifacts only; quantizing is `quantprep build`
 
@@ -123,6 +147,9 @@ class QuantprepQuantizer(HfQuantizer):
         q = self.quantization_config
         options = _LOAD_OPTIONS.get(path, {})
         key = configured_key(options.get("verify_key"))
+        hub_signed = None
+        if not os.path.isdir(model.config.name_or_path):  # a Hub id: the signature policy of hf://ID applies
+            hub_signed, key = _hub_policy(model.config.name_or_path, path, key)
         device = _device_of(self.device_map, None)
         art = open_artifact(path, device, self.dtype, None, key)
         if (q.target, q.act_dtype) != (art["manifest"]["target"]["name"], art["manifest"]["target"]["act_dtype"]):
@@ -156,7 +183,7 @@ class QuantprepQuantizer(HfQuantizer):
             raise ArtifactError(f"{path / WEIGHTS_INDEX}: does not list the tensors of the manifest's shards; the artifact is "
                                 "inconsistent: rebuild it")
         self.path, self.art = path, art
-        signed = key is not None or options.get("signed", False)
+        signed = (key is not None if hub_signed is None else hub_signed) or options.get("signed", False)
         self.kcache_status = activate_kcache(path, art, True, False, options.get("trust_kcache", False), signed=signed)
         return model
 

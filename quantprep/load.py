@@ -29,7 +29,7 @@ from .kcache import MEGACACHE, activate, xpu_driver_version, xpu_primitive_env
 from .signing import configured_key
 from .signing import verify as verify_signature
 from .targets import act_dtype_problem, get_target
-from .verified import check_hashed, mark
+from .verified import check_hashed, hash_and_mark
 
 DECODE_STEPS = 2
 
@@ -146,11 +146,11 @@ def open_artifact(path: Path, device: str | torch.device | None, dtype: torch.dt
     (verified.py: once per file as it is; `verify` True: every time, False: sizes only),
     the signature (`key`), the target, this machine's compatibility key, the device and dtype.
     Returns what the later steps need: manifest, target, device, dtype, packed_dtype, emulate."""
-    manifest = read_checked(path, full_hash=verify is True)
+    manifest = read_checked(path)
     if verify is None:
         check_hashed(path, manifest)
     elif verify:
-        mark(path, manifest)
+        hash_and_mark(path, manifest)
     refuse_code(path, ArtifactError)
     if key is not None:
         verify_signature(path, key)  # unsigned or wrongly signed: refused before anything is read

@@ -5,7 +5,7 @@ its kcache untrusted) or `off`.
 
 The policy is the user's own file, `$XDG_CONFIG_HOME/quantprep/policy.toml` (QUANTPREP_POLICY names
 another); docs/security.md has an example. The first rule whose `match` starts the reference
-wins; `[default]` applies to the rest. What decides, first to last:
+wins (both compared as policy.canonical spells them); `[default]` applies to the rest. What decides, first to last:
 
 1. a verify key passed for this pull (--verify-key, verify_key=): enforce, with that key;
 2. QUANTPREP_SIGNATURES=enforce|warn|off: that mode for every reference (the key from the rule or
@@ -17,8 +17,10 @@ wins; `[default]` applies to the rest. What decides, first to last:
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
+from urllib.parse import urlparse
 
 from .errors import QuantprepError
 from .signing import VERIFY_KEY_ENV
@@ -63,13 +65,34 @@ def read_policy(path: Path) -> tuple[list[dict], dict]:
     return rules, default
 
 
+def canonical(ref: str) -> str:
+    """A reference (or a rule's prefix of one) as quantprep resolves it, so that a rule matches
+    however the reference is spelled: an OCI host lowercased without its default port and the
+    path's repeated slashes collapsed, a Hub repository id lowercased, a directory or file:// URL
+    as its resolved absolute path."""
+    if ref.startswith("oci://"):
+        parsed = urlparse(ref)
+        try:
+            port = f":{parsed.port}" if parsed.port not in (None, 443) else ""
+        except ValueError:
+            return ref
+        return f"oci://{(parsed.hostname or '').lower()}{port}/{re.sub('/+', '/', parsed.path).lstrip('/')}"
+    if ref.startswith("hf://"):
+        repo, at, revision = ref[len("hf://"):].partition("@")
+        return f"hf://{repo.lower()}{at}{revision}"
+    if "://" in ref and not ref.startswith("file://"):
+        return ref
+    path = urlparse(ref).path if ref.startswith("file://") else ref
+    return str(Path(os.path.expanduser(path)).resolve()) + ("/" if path.endswith("/") else "")
+
+
 def signature_policy(ref: str, verify_key: str | os.PathLike | None = None) -> tuple[str, str | None]:
     """(mode, key) for pulling `ref`. enforce without a key is refused in one line."""
     if verify_key:
         return "enforce", str(verify_key)
     path = policy_file()
     rules, default = read_policy(path)
-    rule = next((r for r in rules if ref.startswith(r["match"])), default)
+    rule = next((r for r in rules if canonical(ref).startswith(canonical(r["match"]))), default)
     key = rule.get("key") or os.environ.get(VERIFY_KEY_ENV) or None
     if key and not str(key).startswith("sigstore:"):
         key = os.path.expanduser(key)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -139,7 +140,9 @@ def reference_identity(ref: str, release: str | None = None) -> dict:
         return {"name": f"oci:{repo}", "version": tag, "versions": [tag]}
     if ref.startswith("hf://"):
         repo_id, revision = hub.parse_ref(ref)
-        return {"name": f"hf:{repo_id}", "version": revision, "versions": [revision] + ([release] if release else [])}
+        pinned = re.fullmatch(r"[0-9a-f]{40}", revision)  # a commit: made after signing, so no version to compare
+        return {"name": f"hf:{repo_id}", "version": None if pinned else revision,
+                "versions": [revision] + ([release] if release else [])}
     return {"name": f"dir:{destination(ref).absolute().name}", "version": None, "versions": []}
 
 
@@ -293,7 +296,7 @@ def pull_checked(ref: str, out: str | os.PathLike | None = None, target: str | N
         for name, what in SIGNED.items():
             if f"{what}_sha256" in variant:
                 source.copy(name, tmp / name, variant[f"{what}_sha256"], None)
-        read_checked(tmp)  # nothing unlisted, every size right
+        read_checked(tmp, staged=True)  # nothing unlisted, every size right
         signed = _signature_checked(tmp, mode, key, asked, ref)
     mark(dest, manifest)  # every file was hashed as it was copied
     return dest, signed

@@ -236,7 +236,10 @@ def inside_source(path: Path, name: str) -> bool:
     if path.resolve() in real.parents:
         return True
     snapshot = path.absolute()
-    return snapshot.parent.name == "snapshots" and real.parent == (snapshot.parent.parent / "blobs").resolve()
+    repo = snapshot.parent.parent
+    blobs = repo / "blobs"  # huggingface_hub's own: a real directory of the repository's cache, never a link
+    return (snapshot.parent.name == "snapshots" and repo.name.startswith("models--") and not blobs.is_symlink()
+            and blobs.is_dir() and real.parent == repo.resolve() / "blobs")
 
 
 def _source_file(path: Path, name: str, what: str) -> bool:

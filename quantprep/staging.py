@@ -68,9 +68,11 @@ def check_replaceable(out: Path, owned: Callable[[Path], bool], kind: str, force
     ancestor = next(p for p in out.parents if p.exists())
     if not ancestor.is_dir():
         raise QuantprepError(f"{ancestor}: is a file, so {out} cannot be created; choose another destination")
+    if out.is_symlink():  # even with --force: the swap would replace the link and write through it
+        raise QuantprepError(f"{out}: is a symbolic link; pass the directory it points to, or another destination")
     if not os.path.lexists(out) or force:
         return
-    if out.is_symlink() or not out.is_dir():
+    if not out.is_dir():
         raise QuantprepError(f"{out}: exists and is not a directory; choose another destination")
     if not any(out.iterdir()) or owned(out):
         return
@@ -79,7 +81,9 @@ def check_replaceable(out: Path, owned: Callable[[Path], bool], kind: str, force
 
 
 def _mark(d: Path, out: Path) -> None:
-    (d / MARKER).write_text(json.dumps({"pid": os.getpid(), "out": out.name}) + "\n")
+    fd = os.open(d / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)  # never through a link
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"pid": os.getpid(), "out": out.name}) + "\n")
 
 
 def _marked_for(d: Path, out: Path) -> int | None:
@@ -178,9 +182,10 @@ def staging(out: Path, owned: Callable[[Path], bool], kind: str, force: bool = F
     block writes there replaces `out` whole when the block ends (swap_in); nothing changes at `out`
     when it raises."""
     out = Path(out).absolute()
+    check_replaceable(out, owned, kind, force, source)  # a refusal creates nothing, not even the lock file
     out.parent.mkdir(parents=True, exist_ok=True)
     with writer_lock(out):
-        check_replaceable(out, owned, kind, force, source)
+        check_replaceable(out, owned, kind, force, source)  # again: what another writer left is what counts
         clean_leftovers(out)
         tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
         if os.path.lexists(tmp):

@@ -52,12 +52,16 @@ def mark(path: Path, manifest: dict) -> None:
         pass
 
 
-def check_hashed(path: Path, manifest: dict) -> None:
-    """Every file's sha256 against the manifest, unless marked; marks them once they check (if no
-    file changed while they were hashed). ArtifactError naming the first file that does not."""
-    if is_marked(path, manifest):
-        return
+def hash_and_mark(path: Path, manifest: dict) -> None:
+    """Every file's sha256 against the manifest (ArtifactError naming the first that does not), then
+    the mark, only if no file changed while they were hashed (the stamps before and after agree)."""
     before = stamp(path, manifest)
     check_files(path, manifest, full_hash=True)
     if stamp(path, manifest) == before:
         mark(path, manifest)
+
+
+def check_hashed(path: Path, manifest: dict) -> None:
+    """hash_and_mark, unless these very files are marked already."""
+    if not is_marked(path, manifest):
+        hash_and_mark(path, manifest)

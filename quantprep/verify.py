@@ -16,7 +16,7 @@ from safetensors import safe_open
 from .artifact import PROBES_FILE, read_checked
 from .errors import ArtifactError
 from .load import make_module
-from .verified import mark
+from .verified import hash_and_mark
 
 # Relative error bounds vs the float32 reference. The kernels round the activations and the
 # folded zero (8 - z) * s to the activation dtype (bf16 has 8 mantissa bits: ~0.4% per element)
@@ -75,8 +75,8 @@ def verify_artifact(path: Path, strict: bool = True) -> dict:
     from .targets import get_target
 
     path = Path(path)
-    manifest = read_checked(path, full_hash=True)
-    mark(path, manifest)
+    manifest = read_checked(path)
+    hash_and_mark(path, manifest)
     report = {"path": str(path), "files": len(manifest["files"]), "hashes": "ok", "numeric": "skipped", "probes": [],
               "skipped": None, "target": manifest["target"]["name"]}
     if "kcache" in manifest:

@@ -698,3 +698,101 @@ def test_load_from_pretrained_and_serve_never_write_into_the_artifact(tmp_path, 
     finally:
         for p in [art, *art.rglob("*")]:
             p.chmod(p.stat().st_mode | stat.S_IWUSR)
+
+
+# --- found by the attacker's review of this change ---------------------------------------------------
+
+def test_case04_a_fake_snapshot_whose_blobs_is_a_link_is_refused(random_gptq, tmp_path, capsys):
+    """A source laid out like a Hub cache snapshot, its `blobs` a link to ~/.ssh."""
+    home_ssh = tmp_path / "home" / ".ssh"
+    home_ssh.mkdir(parents=True)
+    (home_ssh / "id_ed25519").write_text("VICTIM-SECRET\n")
+    repo = tmp_path / "evil" / "models--org--x"
+    snap = repo / "snapshots" / "main"
+    snap.parent.mkdir(parents=True)
+    random_gptq.rename(snap)
+    (repo / "blobs").symlink_to(home_ssh)
+    (snap / "merges.txt").symlink_to(home_ssh / "id_ed25519")
+    assert main(["prepack", str(snap), "--target", "cpu", "--out", str(tmp_path / "out")]) == 2
+    assert "outside the checkpoint" in one_line_error(capsys) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("how", ["default load", "load(verify=True)", "quantprep verify"])
+def test_case08_a_file_changed_while_it_is_hashed_is_not_marked(art, tmp_path, monkeypatch, how):
+    """The attacker rewrites a shard (same size) right after quantprep hashed it: nothing may record
+    those bytes as hashed, so the next load hashes again and refuses them."""
+    import quantprep
+    from quantprep import artifact, verified
+    from quantprep.verify import verify_artifact
+
+    monkeypatch.setenv("QUANTPREP_VERIFIED_DIR", str(tmp_path / "marks"))
+    m = json.loads((art / MANIFEST).read_text())
+    shard, real = art / m["shards"][0], artifact.sha256_file
+
+    def racing(p):
+        digest = real(p)
+        if Path(p) == shard:
+            _flip_a_byte(shard)
+        return digest
+
+    with monkeypatch.context() as patch:
+        patch.setattr(artifact, "sha256_file", racing)
+        try:
+            {"default load": lambda: quantprep.load(art), "load(verify=True)": lambda: quantprep.load(art, verify=True),
+             "quantprep verify": lambda: verify_artifact(art)}[how]()
+        except ArtifactError:
+            pass
+    assert not verified.is_marked(art, m)
+    with pytest.raises(ArtifactError, match="sha256 does not match"):
+        quantprep.load(art)
+
+
+@pytest.mark.parametrize("spelling", ["oci://REGISTRY.example.com/ml-team/x:v1", "oci://registry.example.com:443/ml-team/x:v1",
+                                      "oci://registry.example.com//ml-team/x:v1", "hf://ML-Org/x", "DIR//team/./x", "file://DIR/team/x"])
+def test_policy_rules_match_however_the_reference_is_spelled(tmp_path, monkeypatch, spelling):
+    from quantprep.policy import signature_policy
+
+    policy = tmp_path / "policy.toml"
+    policy.write_text(f'[[rule]]\nmatch = "oci://registry.example.com/ml-team/"\nsignatures = "enforce"\nkey = "k.pub"\n\n'
+                      f'[[rule]]\nmatch = "hf://ml-org/"\nsignatures = "enforce"\nkey = "k.pub"\n\n'
+                      f'[[rule]]\nmatch = "{tmp_path}/team/"\nsignatures = "enforce"\nkey = "k.pub"\n\n[default]\nsignatures = "off"\n')
+    monkeypatch.setenv("QUANTPREP_POLICY", str(policy))
+    monkeypatch.delenv("QUANTPREP_SIGNATURES", raising=False)
+    assert signature_policy(spelling.replace("DIR", str(tmp_path)))[0] == "enforce"
+    assert signature_policy(f"{tmp_path}/public/x")[0] == "off"  # the check can fail
+
+
+def test_case14_a_hub_commit_pin_is_checked_by_name():
+    """A commit is made after signing, so a signature cannot name it: pinning one compares the name."""
+    from quantprep.publish import reference_identity
+
+    assert reference_identity("hf://org/x@" + "0123456789abcdef" * 2 + "01234567")["version"] is None
+    assert reference_identity("hf://org/x@v1")["version"] == "v1"
+
+
+def test_case01_a_link_is_never_a_destination_even_with_force(art, cache, tmp_path, capsys):
+    docs = _site(tmp_path / "home" / "docs", **{"notes.txt": "mine"})
+    link = tmp_path / "home" / "link"
+    link.symlink_to(docs)
+    publish([art], str(tmp_path / "ref"))
+    before = tree(docs)
+    assert main(["pull", str(tmp_path / "ref"), "--out", str(link), "--force"]) == 2
+    assert "symbolic link" in one_line_error(capsys)
+    assert tree(docs) == before and link.is_symlink() and not list((tmp_path / "home").glob(".link*"))
+
+
+def test_case01_a_refused_command_creates_nothing(art, cache, tmp_path, capsys):
+    site = _site(tmp_path / "home" / "site", **{"index.html": "<p>mine</p>"})
+    publish([art], str(tmp_path / "ref"))
+    for argv in (["pull", str(tmp_path / "ref"), "--out", str(site)], ["publish", str(art), "--to", str(site)]):
+        assert main(argv) == 2
+        one_line_error(capsys)
+    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["site"]  # no lock file, no staging directory
+
+
+def test_a_staging_marker_inside_an_artifact_is_an_unknown_file(art, capsys):
+    from quantprep.staging import MARKER
+
+    (art / MARKER).write_text(json.dumps({"pid": 1, "out": "art"}))
+    assert main(["inspect", str(art)]) == 0 and main(["generate", str(art), "--max-new-tokens", "1"]) == 2
+    assert "unknown file" in one_line_error(capsys)
