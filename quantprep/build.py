@@ -82,9 +82,10 @@ def quant_key(recipe: Recipe, source_sha256: str, texts: list[str]) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _quantize(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: str, device: str = "auto") -> tuple[Path, dict]:
+def _quantize(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: str, device: str = "auto",
+              verbose: bool = False) -> tuple[Path, dict]:
     """(GPTQ checkpoint, identity fields: quantized_by, and quantized_on = the device gptqmodel ran on)."""
-    out = _quantize_cached(recipe, float_dir, source_id, source_sha256, device)
+    out = _quantize_cached(recipe, float_dir, source_id, source_sha256, device, verbose)
     from .quantize import QUANTIZED_ON
 
     try:
@@ -94,8 +95,8 @@ def _quantize(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: st
     return out, {"quantized_by": "gptqmodel", **({"quantized_on": on} if on else {})}
 
 
-def _quantize_cached(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: str, device: str) -> Path:
-    from .quantize import calibration_texts, quantize_device, quantize_gptq
+def _quantize_cached(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: str, device: str, verbose: bool) -> Path:
+    from .quantize import calibration_texts, gptqmodel_output, quantize_device, quantize_gptq
 
     texts = calibration_texts(recipe.calibration, recipe.samples, recipe.seq_len, float_dir)
     out = cache_dir() / "gptq" / f"{recipe.name}-{quant_key(recipe, source_sha256, texts)}"
@@ -106,36 +107,35 @@ def _quantize_cached(recipe: Recipe, float_dir: Path, source_id: str, source_sha
     print(f"quantize {source_id} -> {out} (gptqmodel on {device}, {recipe.bits}-bit, group {recipe.group_size}, "
           f"desc_act={recipe.desc_act}, sym={recipe.sym}, {recipe.samples} samples of {Path(recipe.calibration).name}"
           f"{f' x {recipe.seq_len} tokens' if recipe.seq_len else ''}, seed {recipe.seed})", file=sys.stderr, flush=True)
-    # gptqmodel logs to stdout; keep stdout for our results (--json).
-    with contextlib.redirect_stdout(sys.stderr):
+    with gptqmodel_output(out.with_name(out.name + ".log"), verbose):
         return quantize_gptq(float_dir, out, recipe.bits, recipe.group_size, recipe.desc_act, recipe.sym, texts, recipe.seed,
                              device=device)
 
 
-def resolve_source(recipe: Recipe, source: str | None, quantize_device: str = "auto") -> tuple[Path, dict]:
+def resolve_source(recipe: Recipe, source: str | None, quantize_device: str = "auto", verbose: bool = False) -> tuple[Path, dict]:
     """Returns (GPTQ checkpoint dir, source identity for the manifest). Quantizes when needed, with
     gptqmodel on `quantize_device` (auto: the fastest present)."""
     dev = quantize_device
     if source is not None:
         p = Path(source)
         if p.exists():
-            return _from_dir(recipe, p, {"path": str(p.absolute())}, dev)
+            return _from_dir(recipe, p, {"path": str(p.absolute())}, dev, verbose)
         if source.count("/") == 1 and not source.startswith((".", "/")):
             try:
                 snapshot = resolve_hub_model(source)
             except SourceError as e:
                 raise SourceError(f"{source}: no such directory ({p.absolute()}), and as a hub id: {e}") from None
-            return _from_dir(recipe, snapshot, {"id": source}, dev)
+            return _from_dir(recipe, snapshot, {"id": source}, dev, verbose)
         raise SourceError(f"{source}: no such directory (and not a hub id like org/name)")
     src = recipe.source
     if "path" in src:
         p = Path(src["path"]).expanduser()
         if not p.exists():
             raise SourceError(f"{recipe.path}: source.path {p} does not exist")
-        return _from_dir(recipe, p, {"path": str(p.absolute())}, dev)
+        return _from_dir(recipe, p, {"path": str(p.absolute())}, dev, verbose)
     if "hub" in src:
         return _from_dir(recipe, resolve_hub_model(src["hub"], src.get("revision")),
-                         {"id": src["hub"], "revision": src.get("revision")}, dev)
+                         {"id": src["hub"], "revision": src.get("revision")}, dev, verbose)
     from .quantize import assemble_gguf, export_gguf, find_gguf
 
     if "gguf_parts" in src:
@@ -147,11 +147,11 @@ def resolve_source(recipe: Recipe, source: str | None, quantize_device: str = "a
         source_id, gguf_sha256 = f"{src['gguf_package']}:{gguf.name}", sha256_of(gguf)
     with contextlib.redirect_stdout(sys.stderr):
         float_dir = export_gguf(gguf, cache_dir() / "float" / f"gguf-{gguf_sha256[:16]}")  # one per GGUF, whatever the recipe
-    gptq, how = _quantize(recipe, float_dir, source_id, gguf_sha256, dev)
+    gptq, how = _quantize(recipe, float_dir, source_id, gguf_sha256, dev, verbose)
     return gptq, {"id": source_id, "gguf_sha256": gguf_sha256, **how}
 
 
-def _from_dir(recipe: Recipe, path: Path, identity: dict, device: str) -> tuple[Path, dict]:
+def _from_dir(recipe: Recipe, path: Path, identity: dict, device: str, verbose: bool = False) -> tuple[Path, dict]:
     if not path.is_dir():
         raise SourceError(f"{path}: not a directory; pass a GPTQ checkpoint or float model directory")
     if is_gptq_dir(path):
@@ -159,7 +159,7 @@ def _from_dir(recipe: Recipe, path: Path, identity: dict, device: str) -> tuple[
     if not (path / "config.json").is_file():
         raise SourceError(f"{path}: no config.json; not a Hugging Face model directory")
     source_id = identity.get("id") or identity["path"]
-    gptq, how = _quantize(recipe, path, source_id, sha256_of(path), device)
+    gptq, how = _quantize(recipe, path, source_id, sha256_of(path), device, verbose)
     return gptq, dict(identity, **how)
 
 

@@ -47,7 +47,7 @@ def cmd_build(args) -> int:
     for t in targets:
         get_target(t)  # unknown names and output dirs that must not be replaced fail before quantizing
         check_replaceable(out_root / t, is_artifact, "quantprep artifact", args.force, user_source)
-    gptq_dir, identity = resolve_source(recipe, args.source, args.quantize_device)
+    gptq_dir, identity = resolve_source(recipe, args.source, args.quantize_device, args.verbose)
     if on := identity.get("quantized_on"):
         print(f"GPTQ checkpoint {gptq_dir} (quantized by gptqmodel on {on})", file=sys.stderr)
     serving = {"shapes": recipe.warm_shapes, "compile": recipe.warm_compile, "aot": recipe.warm_aot}
@@ -356,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="where gptqmodel quantizes a float source (auto: cuda, else xpu, else cpu); recorded in the manifest")
     b.add_argument("--force", action="store_true", help="replace an output dir that is not an artifact (never the source)")
     b.add_argument("--shard-size", type=int, metavar="MIB", default=None, help=SHARD_HELP)
+    b.add_argument("--verbose", action="store_true", help="show gptqmodel's own output (default: in a log file beside the "
+                                                          "quantized checkpoint in the build cache, its end shown on failure)")
     b.add_argument("--json", action="store_true", help="print a JSON summary")
     b.set_defaults(func=cmd_build)
 

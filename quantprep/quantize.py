@@ -9,9 +9,11 @@ Both write atomically (temp dir + rename), so an interrupted run leaves no half 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 from .artifact import refuse_code
@@ -142,6 +144,43 @@ def quantize_device(requested: str = "auto") -> str:
     if requested not in present:
         raise SourceError(f"--quantize-device {requested}: no {requested} device here (present: {', '.join(present)})")
     return requested
+
+
+@contextlib.contextmanager
+def gptqmodel_output(log: Path, verbose: bool = False):
+    """gptqmodel's banners, logs and progress bars (thousands of lines for a small model) go to `log`,
+    beside the checkpoint in the build cache, unless `verbose`: redirected at the file-descriptor
+    level, so its worker threads' and extensions' output too. On failure the last lines are shown.
+    stdout stays quantprep's own (--json) either way."""
+    if verbose:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+        return
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"  gptqmodel's output: {log}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    saved = os.dup(1), os.dup(2)
+    failed = False
+    try:
+        with open(log, "wb") as f:
+            os.dup2(f.fileno(), 1)
+            os.dup2(f.fileno(), 2)
+            try:
+                yield
+            except BaseException:
+                failed = True
+                raise
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+        if failed:
+            tail = log.read_bytes()[-4000:].decode(errors="replace").splitlines()[-20:]
+            print("\n".join(f"  gptqmodel: {line}" for line in tail), file=sys.stderr)
 
 
 def _cache_dir(out: Path):

@@ -200,3 +200,26 @@ def test_a_build_runs_torch_on_one_thread_unless_the_environment_says(random_gpt
     finally:
         torch.set_num_threads(threads)
     assert seen == [1, 2]
+
+
+def test_a_build_is_quiet_and_keeps_gptqmodel_output_in_a_log(tiny_float, tmp_path):
+    """`quantprep build` from a float model prints its own lines; gptqmodel's banners, logs and bars
+    go to a log beside the quantized checkpoint in the build cache. --verbose shows them."""
+    import os
+    import subprocess
+    import sys
+
+    def build(cache, *extra):
+        env = {**os.environ, "QUANTPREP_CACHE": str(cache)}
+        return subprocess.run([sys.executable, "-m", "quantprep", "build", "smollm2-135m", "--source", str(tiny_float),
+                               "--out", str(cache / "out"), "--no-check", "--no-warm", "--samples", "4", *extra],
+                              capture_output=True, text=True, env=env, timeout=600)
+
+    quiet = build(tmp_path / "quiet")
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    [log] = (tmp_path / "quiet" / "gptq").glob("*.log")
+    assert "gptqmodel" in log.read_text(errors="replace").lower()
+    lines = (quiet.stdout + quiet.stderr).splitlines()
+    assert len(lines) <= 15 and not any("gptqmodel" in x.lower() and "output" not in x and "quantize" not in x for x in lines), lines
+    loud = build(tmp_path / "loud", "--verbose")
+    assert loud.returncode == 0 and len((loud.stdout + loud.stderr).splitlines()) > 2 * len(lines), loud.stderr[-3000:]
