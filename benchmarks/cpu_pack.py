@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.scale import SHAPES  # noqa: E402
-from quantprep.prepack import unpack_layer  # noqa: E402
+from quantprep.prepack import prepare_layer  # noqa: E402
 from quantprep.source import QuantConfig, _validate_layer  # noqa: E402
 from quantprep.synthetic import random_gptq_tensors  # noqa: E402
 from quantprep.targets.cpu import FAST_PACK_BLOCK_N, native_packer, pack_int4, pack_int4_from_gptq  # noqa: E402
@@ -53,10 +53,10 @@ def main() -> None:
             gptq = _validate_layer(name, raw, QuantConfig(4, 128, True, True, "gptq"))
 
             def tensor_ops():
-                return pack_int4(unpack_layer(gptq).codes, cap)
+                return pack_int4(prepare_layer(gptq).codes, cap)
 
             def native():
-                layer = unpack_layer(gptq)
+                layer = prepare_layer(gptq)
                 return pack_int4_from_gptq(layer.qweight, layer.perm, K, N, block)
 
             assert torch.equal(tensor_ops(), native())  # and a warm-up of both

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from quantprep.prepack import unpack_layer
+from quantprep.prepack import prepare_layer
 from quantprep.source import QuantConfig, _validate_layer
 from quantprep.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
@@ -47,7 +47,7 @@ def per_module() -> list[dict]:
     cpu, rows = get_target("cpu"), []
     for name, (K, N) in SHAPES.items():
         raw = random_gptq_tensors(K, N, 4, 128 if K % 128 == 0 else 64, True, True, True)
-        layer = unpack_layer(_validate_layer(name, raw, QuantConfig(4, 128 if K % 128 == 0 else 64, True, True, "gptq")))
+        layer = prepare_layer(_validate_layer(name, raw, QuantConfig(4, 128 if K % 128 == 0 else 64, True, True, "gptq")))
         tensors, meta = cpu.pack(layer, torch.bfloat16)
         m = cpu.make_module(meta, torch.bfloat16)
         m.load_state_dict(tensors, assign=True)
@@ -67,7 +67,7 @@ def int8_per_module() -> list[dict]:
     cpu, rows = get_target("cpu"), []
     for name, (K, N) in SHAPES.items():
         raw = random_gptq_tensors(K, N, 8, -1, True, False, True)
-        layer = unpack_layer(_validate_layer(name, raw, QuantConfig(8, -1, True, False, "gptq")))
+        layer = prepare_layer(_validate_layer(name, raw, QuantConfig(8, -1, True, False, "gptq")))
         tensors, meta = cpu.pack(layer, torch.bfloat16)
         m = cpu.make_module(meta, torch.bfloat16)
         m.load_state_dict(tensors, assign=True)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from quantprep.prepack import unpack_layer
+from quantprep.prepack import prepare_layer
 from quantprep.source import QuantConfig, _validate_layer
 from quantprep.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
@@ -45,7 +45,7 @@ QWEN_CFG = {"model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 896
 def module_for(K, N, bits, gs, sym, act, seed=0):
     gen = torch.Generator().manual_seed(seed)
     raw = random_gptq_tensors(K, N, bits, gs, sym, act, True, bias=False, generator=gen)
-    layer = unpack_layer(_validate_layer("m", raw, QuantConfig(bits, gs, sym, act, "gptq")))
+    layer = prepare_layer(_validate_layer("m", raw, QuantConfig(bits, gs, sym, act, "gptq")))
     tensors, meta = CUDA.pack(layer, torch.bfloat16)
     m = CUDA.make_module(meta, torch.bfloat16)
     m.load_state_dict({k: v.cuda() for k, v in tensors.items()}, assign=True)

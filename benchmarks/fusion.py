@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from quantprep.prepack import unpack_layer, unpack_layers
+from quantprep.prepack import prepare_layer, prepare_layers
 from quantprep.source import QuantConfig, _validate_layer
 from quantprep.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
@@ -116,8 +116,8 @@ def main() -> None:
     rows = []
     for group, parts in GROUPS.items():
         layers = layers_sharing_perm(parts, seed=len(rows))
-        separate = [module(target, unpack_layer(x), device, dtype) for x in layers]
-        fused = module(target, unpack_layers(group, layers), device, dtype)
+        separate = [module(target, prepare_layer(x), device, dtype) for x in layers]
+        fused = module(target, prepare_layers(group, layers), device, dtype)
         splits = [n for _, n in parts]
         for M in (1, 16, 128, 512):
             x = torch.randn(1, M, K, device=device, dtype=dtype)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from quantprep.prepack import unpack_layer
+from quantprep.prepack import prepare_layer
 from quantprep.source import QuantConfig, _validate_layer
 from quantprep.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
@@ -51,7 +51,7 @@ def main() -> None:
     dev, target, rows = args.device, get_target(args.device), []
     for name, (K, N) in SHAPES.items():
         raw = random_gptq_tensors(K, N, 8, -1, True, False, True)
-        layer = unpack_layer(_validate_layer(name, raw, QuantConfig(8, -1, True, False, "gptq")))
+        layer = prepare_layer(_validate_layer(name, raw, QuantConfig(8, -1, True, False, "gptq")))
         tensors, meta = target.pack(layer, torch.bfloat16)
         m = target.make_module(meta, torch.bfloat16)
         m.load_state_dict({k: v.to(dev) for k, v in tensors.items()}, assign=True)

@@ -104,7 +104,7 @@ def dequantized_model(gptq_dir: Path, dtype: torch.dtype = torch.float32):
     """The GPTQ checkpoint with every quantized weight dequantized to a dense float Linear."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .prepack import unpack_layer
+    from .prepack import prepare_layer
     from .source import read_checkpoint
 
     ckpt = read_checkpoint(gptq_dir)
@@ -128,7 +128,7 @@ def dequantized_model(gptq_dir: Path, dtype: torch.dtype = torch.float32):
             put(key, ckpt.other_tensors[key])
         for name in ckpt.layers:
             layer = ckpt.layers[name]
-            put(f"{name}.weight", unpack_layer(layer).dequantize().T)
+            put(f"{name}.weight", prepare_layer(layer).dequantize().T)
             if layer.bias is not None:
                 put(f"{name}.bias", layer.bias)
     model.tie_weights()  # a tied lm_head is the embedding's parameter: not listed below
@@ -189,7 +189,7 @@ def evaluate(path: str | os.PathLike, reference: str | os.PathLike | None = None
         from .targets import get_target
 
         t = get_target(target)
-        device = "cpu" if t.runtime_problem() is not None and getattr(t, "cpu_emulator", False) else None
+        device = "cpu" if t.runtime_problem() is not None and t.cpu_emulator else None
     model = load(path, device=device)
     device = str(next(model.parameters()).device)
     ref = reference_model(kind, ref_path, device)

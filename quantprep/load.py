@@ -70,7 +70,7 @@ def check_compat(path: Path, manifest: dict, target, emulate: bool = False) -> N
             raise ArtifactMismatch(f"{path}: built for {key}={built}, this machine has {key}={here.get(key)}; "
                                    f"build a matching artifact here: {rebuild_command(manifest)}")
     problem = target.runtime_problem()
-    if problem and not (emulate and getattr(target, "cpu_emulator", False)):
+    if problem and not (emulate and target.cpu_emulator):
         raise ArtifactMismatch(f"{path}: {problem}; build one for this machine: {rebuild_command(manifest)}")
 
 
@@ -171,7 +171,7 @@ def open_artifact(path: Path, device: str | torch.device | None, dtype: torch.dt
     dtype = dtype or packed_dtype
     if problem := act_dtype_problem(target, dtype):
         raise ArtifactMismatch(f"{path}: dtype={dtype}: {problem}; pass one of those or leave dtype out")
-    if not emulate and hasattr(target, "load_warning") and (note := target.load_warning()):
+    if not emulate and (note := target.load_warning()):
         warnings.warn(f"{path}: {note}", stacklevel=3)
     if target.device == "xpu" and not emulate:  # before the first oneDNN primitive is created
         os.environ.update(xpu_primitive_env(manifest, dict(os.environ)))

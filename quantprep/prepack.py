@@ -19,8 +19,10 @@ from .source import GPTQCheckpoint, GPTQLayer
 
 
 @dataclass
-class UnpackedLayer:
-    """A GPTQ layer in plain form, K already in act-order: row k belongs to group k // group_size."""
+class PrepackLayer:
+    """A GPTQ layer (or a fused group of them) ready for a target to pack: `qweight` still GPTQ's
+    packed int32 words with K in the checkpoint's order, zeros unpacked, and `perm` the act-order
+    permutation. `codes` (unpacked at first use) are in act-order: row k belongs to group k // group_size."""
 
     name: str
     bits: int
@@ -79,11 +81,11 @@ def act_order_perm(g_idx: torch.Tensor) -> torch.Tensor | None:
     return perm
 
 
-def unpack_layer(layer: GPTQLayer) -> UnpackedLayer:
-    return unpack_layers(layer.name, [layer])
+def prepare_layer(layer: GPTQLayer) -> PrepackLayer:
+    return prepare_layers(layer.name, [layer])
 
 
-def unpack_layers(name: str, layers: list[GPTQLayer]) -> UnpackedLayer:
+def prepare_layers(name: str, layers: list[GPTQLayer]) -> PrepackLayer:
     """One layer, or layers that read the same input concatenated along N (fused: one matmul, one
     gather; exact when `can_fuse`). The codes stay packed until a target asks for them."""
     if len(layers) > 1 and not can_fuse(layers):
@@ -98,7 +100,7 @@ def unpack_layers(name: str, layers: list[GPTQLayer]) -> UnpackedLayer:
     if any(x.bias is not None for x in layers):
         dtype = next(x.bias.dtype for x in layers if x.bias is not None)
         bias = torch.cat([x.bias.to(dtype) if x.bias is not None else torch.zeros(x.out_features, dtype=dtype) for x in layers])
-    return UnpackedLayer(name, first.bits, first.group_size, K, N, qweight, zeros, scales, perm, bias)
+    return PrepackLayer(name, first.bits, first.group_size, K, N, qweight, zeros, scales, perm, bias)
 
 
 def can_fuse(layers: list[GPTQLayer]) -> bool:
@@ -116,7 +118,7 @@ def probe_layer_names(names: list[str]) -> set[str]:
     return {names[0], names[len(names) // 2], names[-1]}
 
 
-def make_probe(layer: UnpackedLayer, seed: int = 0) -> dict[str, torch.Tensor]:
+def make_probe(layer: PrepackLayer, seed: int = 0) -> dict[str, torch.Tensor]:
     """A fresh random input and the dense float32 reference output for one layer."""
     x = torch.randn(PROBE_ROWS, layer.in_features, generator=torch.Generator().manual_seed(seed))
     y = layer.reference_matmul(x)
@@ -167,10 +169,10 @@ def prepack_stream(ckpt: GPTQCheckpoint, packers: list[tuple[object, torch.dtype
         layers, fused = [ckpt.layers[m] for m in members], None
         if len(layers) > 1 and can_fuse(layers):
             fused = {"members": [m.rpartition(".")[2] for m in members], "sizes": [x.out_features for x in layers]}
-            layers = [unpack_layers(name, layers)]  # the packed sources go once unpacked
+            layers = [prepare_layers(name, layers)]  # the packed sources go once unpacked
         # else not fusable here (different act-order or groups): the layers stay separate
         for j, layer in enumerate(layers):
-            unpacked = layer if fused else unpack_layer(layer)
+            unpacked = layer if fused else prepare_layer(layer)
             if name in probe_names and j == 0:
                 probes.update(make_probe(unpacked))
                 pause_point("prepack")

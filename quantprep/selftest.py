@@ -16,7 +16,7 @@ import torch
 
 from .errors import QuantprepError
 from .intel_runtime import aot_name, arch_warning, int4_matmul_report, neo_cache_state
-from .prepack import unpack_layer
+from .prepack import prepare_layer
 from .source import QuantConfig, _validate_layer
 from .synthetic import random_gptq_tensors
 from .targets import get_target
@@ -29,7 +29,7 @@ CHECK_ROWS = (1, 8, 520)  # decode, small prefill, and past every kernel switch 
 def _module(target, K: int, N: int, bits: int, gs: int, act: bool, device: str, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     raw = random_gptq_tensors(K, N, bits, gs, False, act, True, bias=False, generator=gen)
-    layer = unpack_layer(_validate_layer(f"selftest.int{bits}", raw, QuantConfig(bits, gs, False, act, "gptq")))
+    layer = prepare_layer(_validate_layer(f"selftest.int{bits}", raw, QuantConfig(bits, gs, False, act, "gptq")))
     dtype = target.default_act_dtype
     tensors, meta = target.pack(layer, dtype)
     module = target.make_module(meta, dtype)

@@ -87,7 +87,7 @@ def verify_artifact(path: Path, strict: bool = True) -> dict:
             raise ArtifactError(f"{problem}; re-run `quantprep warm {path}`")
         report["kcache_files"] = len(manifest["kcache"]["files"])
     target = get_target(manifest["target"]["name"])
-    emulate = target.runtime_problem() is not None and getattr(target, "cpu_emulator", False)
+    emulate = target.runtime_problem() is not None and target.cpu_emulator
     try:
         check_compat(path, manifest, target, emulate)
     except ArtifactMismatch as e:

@@ -138,13 +138,13 @@ def dense_reference_model(gptq_dir: Path, dtype: torch.dtype = torch.float32):
 
 
 def prepacked_module(target_name: str, raw: dict, q, dtype: torch.dtype):
-    """On-disk GPTQ tensors of one layer -> (UnpackedLayer, the target's loaded module, its meta)."""
-    from quantprep.prepack import unpack_layer
+    """On-disk GPTQ tensors of one layer -> (PrepackLayer, the target's loaded module, its meta)."""
+    from quantprep.prepack import prepare_layer
     from quantprep.source import _validate_layer
     from quantprep.targets import get_target
 
     target = get_target(target_name)
-    layer = unpack_layer(_validate_layer("m", raw, q))
+    layer = prepare_layer(_validate_layer("m", raw, q))
     tensors, meta = target.pack(layer, dtype)
     module = target.make_module(meta, dtype)
     module.load_state_dict(tensors, assign=True)

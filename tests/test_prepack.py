@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantprep.prepack import act_order_perm, can_fuse, unpack_layer, unpack_layers
+from quantprep.prepack import act_order_perm, can_fuse, prepare_layer, prepare_layers
 from quantprep.source import QuantConfig, _validate_layer
 from quantprep.synthetic import pack_gptq, random_gptq_codes
 
@@ -31,7 +31,7 @@ def test_unpack_dequantize_matches_truth(combo, k_groups, k_extra, n8, seed, sca
     gen = torch.Generator().manual_seed(seed)
     v = random_gptq_codes(K, N, bits, group_size, sym, act_order, scale_dtype, generator=gen)
     q = QuantConfig(bits, group_size, sym, act_order, "gptq" if v1 else "gptq_v2")
-    layer = unpack_layers("m", [_validate_layer("m", pack_gptq(v, bits, v1), q)])
+    layer = prepare_layers("m", [_validate_layer("m", pack_gptq(v, bits, v1), q)])
     assert torch.equal(layer.unpack_codes(block), layer.codes)  # block: codes per step
     # With a single group every input order groups the same, so act-order needs no gather.
     single_group = group_size == -1 or K <= group_size
@@ -52,8 +52,8 @@ def _layers(n_out: list[int], K: int = 320, seed: int = 0, same_g_idx: bool = Tr
 @pytest.mark.parametrize("block", [1 << 24, 1, 1000])
 def test_fused_unpack_is_the_members_side_by_side(block):
     layers = _layers([48, 16, 32])
-    parts = [unpack_layer(x) for x in layers]
-    fused = unpack_layers("qkv", layers)
+    parts = [prepare_layer(x) for x in layers]
+    fused = prepare_layers("qkv", layers)
     assert fused.out_features == 96 and torch.equal(fused.perm, parts[0].perm)
     assert torch.equal(fused.unpack_codes(block), torch.cat([x.codes for x in parts], 1))
     for field in ("qweight", "codes", "zeros", "scales"):
@@ -65,12 +65,12 @@ def test_layers_with_different_g_idx_are_not_fused():
     layers = _layers([16, 16], same_g_idx=False)
     assert not can_fuse(layers)
     with pytest.raises(ValueError, match="cannot be fused"):
-        unpack_layers("qkv", layers)
+        prepare_layers("qkv", layers)
 
 
 @pytest.mark.parametrize("block", [1 << 23, 1, 5000])
 def test_blockwise_reference_matmul_equals_the_dense_product(block):
-    layer = unpack_layers("m", _layers([40], K=328))  # partial last group, act-order
+    layer = prepare_layers("m", _layers([40], K=328))  # partial last group, act-order
     x = torch.randn(4, 328, generator=torch.Generator().manual_seed(1))
     ref = x.double() @ layer.dequantize().double()
     y = layer.reference_matmul(x, block=block)

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quantprep.errors import SourceError
-from quantprep.prepack import unpack_layer
+from quantprep.prepack import prepare_layer
 from quantprep.source import read_checkpoint
 
 Q = "model.layers.0.self_attn.q_proj"
@@ -58,7 +58,7 @@ def test_sharded_equals_single(ckpt_dir, tmp_path):
     a, b = read_checkpoint(ckpt_dir), read_checkpoint(sharded)
     assert a.layers.keys() == b.layers.keys()
     for name in a.layers:
-        assert torch.equal(unpack_layer(a.layers[name]).dequantize(), unpack_layer(b.layers[name]).dequantize())
+        assert torch.equal(prepare_layer(a.layers[name]).dequantize(), prepare_layer(b.layers[name]).dequantize())
 
 
 def test_config_from_config_json_and_v2(ckpt_dir):

@@ -1,6 +1,6 @@
 """Kernel targets: one module per target, each exposing `TARGET`. Adding a target = one file here.
 
-A target turns an `UnpackedLayer` into its kernel's tensors (`pack`), rebuilds the matching
+A target turns an `PrepackLayer` into its kernel's tensors (`pack`), rebuilds the matching
 `nn.Module` at load (`make_module`), and says what the packed layout depends on (`compat_key`),
 so an artifact is refused on a machine whose kernels would read it differently; `act_dtypes`
 lists the activation dtypes its kernels run.
@@ -11,11 +11,12 @@ from __future__ import annotations
 import importlib
 
 from ..errors import RecipeError
+from .common import Target
 
 TARGET_NAMES = ("cpu", "xpu", "cuda")
 
 
-def get_target(name: str):
+def get_target(name: str) -> Target:
     if name not in TARGET_NAMES:
         raise RecipeError(f"unknown target {name!r}; choose from {', '.join(TARGET_NAMES)}")
     return importlib.import_module(f"{__name__}.{name}").TARGET

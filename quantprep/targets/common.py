@@ -13,7 +13,41 @@ from torch import nn
 from ..errors import SourceError
 
 if TYPE_CHECKING:  # the load path never imports the build side
-    from ..prepack import UnpackedLayer
+    from ..prepack import PrepackLayer
+
+
+class Target:
+    """What a kernel target is: each target module subclasses this once and exposes the instance as
+    `TARGET` (targets/__init__.py). The defaults here are what a target without a CPU path has."""
+
+    name: str
+    device: str  # the torch device type its kernels run on
+    default_act_dtype: torch.dtype
+    act_dtypes: tuple[torch.dtype, ...]
+    cpu_emulator: bool = False  # off its device, its modules still run on the CPU (slowly): for verify and tests
+
+    def compat_key(self) -> dict:
+        """What the packed layout depends on: an artifact is refused where this differs."""
+        raise NotImplementedError
+
+    def runtime_problem(self) -> str | None:
+        """Why this machine cannot run the target's kernels, else None."""
+        raise NotImplementedError
+
+    def kernel(self, bits: int) -> str:
+        raise NotImplementedError
+
+    def pack(self, layer: PrepackLayer, act_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
+        """A layer -> (its tensors for the artifact, its manifest metadata)."""
+        raise NotImplementedError
+
+    def make_module(self, meta: dict, act_dtype: torch.dtype) -> nn.Module:
+        """The module that reads what `pack` wrote, on the meta device until the tensors are assigned."""
+        raise NotImplementedError
+
+    def load_warning(self) -> str | None:
+        """A note for whoever loads an artifact of this target here (xpu: caches the driver cannot keep)."""
+        return None
 
 
 def torch_base_version() -> str:
@@ -31,7 +65,7 @@ def kernel_group_size(group_size: int, in_features: int, allowed: tuple[int, ...
     return min(fits, key=lambda c: (round_up(in_features, c), -c), default=None)
 
 
-def regroup(layer: UnpackedLayer, allowed: tuple[int, ...], target: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+def regroup(layer: PrepackLayer, allowed: tuple[int, ...], target: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     """GPTQ groups -> uniform kernel groups of size c over K padded to Kp, exactly.
 
     Kernels need one group size that divides K; GPTQ has a partial last group whenever
@@ -79,7 +113,7 @@ def dequantize_folded_int4(codes: torch.Tensor, scales_and_zeros: torch.Tensor, 
     return ((q - 8) * sz[:, None, :, 0] + sz[:, None, :, 1]).view(K, N)
 
 
-def pack_int8(layer: UnpackedLayer, act_dtype: torch.dtype, per_channel_kernel: bool) -> tuple[dict[str, torch.Tensor], str]:
+def pack_int8(layer: PrepackLayer, act_dtype: torch.dtype, per_channel_kernel: bool) -> tuple[dict[str, torch.Tensor], str]:
     """int8 tensors and the kernel that runs them. `aten._weight_int8pack_mm` (per-channel
     symmetric) is exact when every column has one group and the symmetric zero 128: then
     w = (q - 128) * s is an int8 times a per-column scale. Otherwise: the dequantize path."""
@@ -167,7 +201,7 @@ class Int8PerChannelLinear(PackedLinear):
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
 
-def optional_tensors(layer: UnpackedLayer, act_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def optional_tensors(layer: PrepackLayer, act_dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """perm (when act-order is not the identity) and bias (when present)."""
     t = {}
     if layer.perm is not None:
@@ -177,6 +211,6 @@ def optional_tensors(layer: UnpackedLayer, act_dtype: torch.dtype) -> dict[str, 
     return t
 
 
-def base_meta(layer: UnpackedLayer) -> dict:
+def base_meta(layer: PrepackLayer) -> dict:
     return {"bits": layer.bits, "in_features": layer.in_features, "out_features": layer.out_features,
             "group_size": layer.group_size, "act_order": layer.perm is not None, "bias": layer.bias is not None}

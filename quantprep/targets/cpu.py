@@ -30,6 +30,7 @@ from torch import nn
 
 from .common import (
     PackedLinear,
+    Target,
     base_meta,
     dense_matmul,
     dequantize_folded_int4,
@@ -45,7 +46,7 @@ KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 N_ALIGN = 16
 
 if TYPE_CHECKING:  # the load path never imports the build side
-    from ..prepack import UnpackedLayer
+    from ..prepack import PrepackLayer
 
 
 # Block sizes of aten._convert_weight_to_int4pack_for_cpu's layout per ISA (pytorch
@@ -195,7 +196,7 @@ class CpuInt4Linear(PackedLinear):
         return dequantize_folded_int4(codes, self.scales_and_zeros, self.kernel_group_size)
 
 
-class CpuTarget:
+class CpuTarget(Target):
     name = "cpu"
     device = "cpu"
     default_act_dtype = torch.bfloat16
@@ -211,7 +212,7 @@ class CpuTarget:
     def kernel(self, bits: int) -> str:
         return "aten._weight_int4pack_mm_for_cpu" if bits == 4 else "aten._weight_int8pack_mm|dequant-int8-matmul"
 
-    def pack(self, layer: UnpackedLayer, act_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
+    def pack(self, layer: PrepackLayer, act_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
         meta, tensors = base_meta(layer), optional_tensors(layer, act_dtype)
         if layer.bits == 8:
             int8, meta["int8_kernel"] = pack_int8(layer, act_dtype, per_channel_kernel=True)

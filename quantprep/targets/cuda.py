@@ -30,6 +30,7 @@ from torch import nn
 from ..gptq_format import pack_rows, unpack_rows
 from .common import (
     PackedLinear,
+    Target,
     base_meta,
     dequantize_folded_int4,
     make_int8_module,
@@ -46,7 +47,7 @@ DECODE_MAX_M = 16  # tinygemm up to here: measured crossover on an H200 (BENCHMA
 PREFILL_CONFIG = (64, 64, 128, 4, 3)  # Triton tiles, picked by benchmarks/cuda_kernels.py --sweep
 
 if TYPE_CHECKING:  # the load path never imports the build side
-    from ..prepack import UnpackedLayer
+    from ..prepack import PrepackLayer
 
 
 def inner_k_tiles(padded_in: int) -> int:
@@ -157,7 +158,7 @@ class CudaInt4Linear(PackedLinear):
         return F.linear(x, self.dequantized_weight())
 
 
-class CudaTarget:
+class CudaTarget(Target):
     name = "cuda"
     device = "cuda"
     default_act_dtype = torch.bfloat16
@@ -174,7 +175,7 @@ class CudaTarget:
     def kernel(self, bits: int) -> str:
         return "aten._weight_int4pack_mm+dequant-bf16-matmul" if bits == 4 else "dequant-int8-matmul"
 
-    def pack(self, layer: UnpackedLayer, act_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
+    def pack(self, layer: PrepackLayer, act_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
         if act_dtype != torch.bfloat16:
             from ..errors import RecipeError
 

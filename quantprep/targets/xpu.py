@@ -18,14 +18,14 @@ from torch import nn
 
 from ..intel_runtime import arch_warning
 from . import xpu_emulator
-from .common import PackedLinear, base_meta, make_int8_module, optional_tensors, pack_int8, regroup, torch_base_version
+from .common import PackedLinear, Target, base_meta, make_int8_module, optional_tensors, pack_int8, regroup, torch_base_version
 
 KERNEL = "aten._weight_int4pack_mm_with_scales_and_zeros"
 # Any multiple of 32 is accepted (Blas.cpp); these are the ones GPTQ group sizes divide into.
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 
 if TYPE_CHECKING:  # the load path never imports the build side
-    from ..prepack import UnpackedLayer
+    from ..prepack import PrepackLayer
 
 
 def pack_int4_nk(codes: torch.Tensor, block: int = 1 << 24) -> torch.Tensor:
@@ -57,7 +57,7 @@ class XpuInt4Linear(PackedLinear):
         return mm(x, self.qweight, self.kernel_group_size, self.scales, self.qzeros)
 
 
-class XpuTarget:
+class XpuTarget(Target):
     name = "xpu"
     device = "xpu"
     default_act_dtype = torch.float16
@@ -84,7 +84,7 @@ class XpuTarget:
     def kernel(self, bits: int) -> str:
         return KERNEL if bits == 4 else "dequant-int8-matmul"
 
-    def pack(self, layer: UnpackedLayer, act_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
+    def pack(self, layer: PrepackLayer, act_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
         meta, tensors = base_meta(layer), optional_tensors(layer, act_dtype)
         if layer.bits == 8:
             int8, meta["int8_kernel"] = pack_int8(layer, act_dtype, per_channel_kernel=False)

@@ -112,13 +112,13 @@ def test_native_pack_from_gptq_equals_the_tensor_ops(K, N, Kp, Np, act_order, is
 def test_the_target_packs_from_gptq_codes_without_unpacking_them(monkeypatch):
     """With a C compiler the cpu target never unpacks the codes, and its tensors equal those of the
     tensor-ops path (QUANTPREP_PACK=torch)."""
-    from quantprep.prepack import unpack_layer
+    from quantprep.prepack import prepare_layer
     from quantprep.source import _validate_layer
     from quantprep.targets import cpu
 
     _native_or_skip()
     raw = random_gptq_tensors(576, 200, 4, 128, False, True, True, generator=torch.Generator().manual_seed(3))
-    layer = unpack_layer(_validate_layer("m", raw, QuantConfig(4, 128, False, True, "gptq")))
+    layer = prepare_layer(_validate_layer("m", raw, QuantConfig(4, 128, False, True, "gptq")))
     native, _ = CPU.pack(layer, torch.bfloat16)
     assert "codes" not in layer.__dict__  # the cached property was never computed
     monkeypatch.setattr(cpu, "native_packer", lambda: None)
@@ -160,7 +160,7 @@ def test_other_isas_pack_and_run(isa):
     code = """
 import torch
 from quantprep.targets.cpu import pack_int4
-from quantprep.prepack import unpack_layer
+from quantprep.prepack import prepare_layer
 from quantprep.source import QuantConfig, _validate_layer
 from quantprep.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
@@ -169,7 +169,7 @@ cap = torch.backends.cpu.get_cpu_capability()
 codes = torch.randint(0, 16, (576, 208), dtype=torch.uint8)
 assert torch.equal(pack_int4(codes, cap), torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.T.to(torch.int32).contiguous(), 1))
 t = get_target("cpu")
-layer = unpack_layer(_validate_layer("m", random_gptq_tensors(576, 208, 4, 128, False, True, True), QuantConfig(4, 128, False, True, "gptq")))
+layer = prepare_layer(_validate_layer("m", random_gptq_tensors(576, 208, 4, 128, False, True, True), QuantConfig(4, 128, False, True, "gptq")))
 tensors, meta = t.pack(layer, torch.bfloat16)
 m = t.make_module(meta, torch.bfloat16)
 m.load_state_dict(tensors, assign=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from quantprep.gptq_format import unpack_rows
-from quantprep.prepack import unpack_layer
+from quantprep.prepack import prepare_layer
 from quantprep.source import QuantConfig, _validate_layer
 from quantprep.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
@@ -53,7 +53,7 @@ def test_prepacked_linear_matches_dense_on_cpu(bits, group_size, sym, act_order,
     K, N = 576, 200
     gen = torch.Generator().manual_seed(hash((bits, group_size, sym, act_order, v1)) % 2**31)
     raw = random_gptq_tensors(K, N, bits, group_size, sym, act_order, v1, bias=True, generator=gen)
-    layer = unpack_layer(_validate_layer("m", raw, QuantConfig(bits, group_size, sym, act_order, "gptq" if v1 else "gptq_v2")))
+    layer = prepare_layer(_validate_layer("m", raw, QuantConfig(bits, group_size, sym, act_order, "gptq" if v1 else "gptq_v2")))
     tensors, meta = CUDA.pack(layer, torch.bfloat16)
     module = CUDA.make_module(meta, torch.bfloat16)
     module.load_state_dict(tensors, assign=True)
@@ -71,6 +71,6 @@ def test_prepacked_linear_matches_dense_on_cpu(bits, group_size, sym, act_order,
 def test_cuda_target_needs_bf16():
     from quantprep.errors import RecipeError
 
-    layer = unpack_layer(_validate_layer("m", random_gptq_tensors(128, 64, 4, 32, True, False, True), QuantConfig(4, 32, True, False, "gptq")))
+    layer = prepare_layer(_validate_layer("m", random_gptq_tensors(128, 64, 4, 32, True, False, True), QuantConfig(4, 32, True, False, "gptq")))
     with pytest.raises(RecipeError, match="bfloat16"):
         CUDA.pack(layer, torch.float16)
