@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import quantprep
-from quantprep.build import build_artifacts
+from quantprep.build import prepack
 from quantprep.synthetic import write_random_checkpoint
 
 
@@ -33,7 +33,7 @@ def decode_profile(model, label: str) -> None:
 def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         gptq = write_random_checkpoint(Path(d) / "gptq", QWEN_CFG, bits=4, group_size=128, desc_act=True, sym=True)
-        build_artifacts(gptq, {"path": str(gptq)}, ["cuda"], lambda t: Path(d) / "cuda", progress=False)
+        prepack(gptq, "cuda", Path(d) / "cuda")
         decode_profile(quantprep.load(Path(d) / "cuda"), "quantprep int4")
         # A dense model from the artifact's own config.json: separates config effects from the int4 modules.
         art_cfg = AutoConfig.from_pretrained(Path(d) / "cuda")

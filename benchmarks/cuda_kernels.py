@@ -117,14 +117,14 @@ def whole_model(workdir: Path) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import quantprep
-    from quantprep.build import build_artifacts
+    from quantprep.build import prepack
     from quantprep.synthetic import write_random_checkpoint
 
     t0 = time.perf_counter()
     gptq = write_random_checkpoint(workdir / "gptq", QWEN_CFG, bits=4, group_size=128, desc_act=True, sym=True)
     t1 = time.perf_counter()
-    [built] = build_artifacts(gptq, {"path": str(gptq)}, ["cuda"], lambda t: workdir / "cuda", progress=False)
-    build_artifacts(gptq, {"path": str(gptq)}, ["cuda"], lambda t: workdir / "cuda-unfused", progress=False, fuse=False)
+    built = prepack(gptq, "cuda", workdir / "cuda")
+    prepack(gptq, "cuda", workdir / "cuda-unfused", fuse=False)
     res = {"write_random_checkpoint_s": t1 - t0, "build": built}
     starts = []
     for _ in range(3):

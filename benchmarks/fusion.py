@@ -68,14 +68,14 @@ def whole_model(gptq: Path, target_name: str, rounds: int = 3) -> dict:
     import tempfile
 
     import quantprep
-    from quantprep.build import build_artifacts
+    from quantprep.build import prepack
 
     res: dict = {"checkpoint": str(gptq)}
     with tempfile.TemporaryDirectory() as d:
         models = {}
         for fuse in (True, False):
             out = Path(d) / f"fuse-{fuse}"
-            build_artifacts(gptq, {"path": str(gptq)}, [target_name], lambda t, out=out: out, progress=False, fuse=fuse)
+            prepack(gptq, target_name, out, fuse=fuse)
             models["fused" if fuse else "unfused"] = quantprep.load(out)
         device = next(iter(models.values())).device
         ids = torch.randint(0, 1000, (1, 8), device=device)

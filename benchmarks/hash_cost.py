@@ -33,7 +33,7 @@ CHILD = ("import sys, time, quantprep; t = time.perf_counter(); "
 def qwen_artifact(cache: Path) -> Path:
     from load import QWEN_1_5B
 
-    from quantprep.build import build_artifacts
+    from quantprep.build import prepack
     from quantprep.synthetic import write_random_checkpoint
 
     art = cache / "qwen2.5-1.5b-shapes-artifact"
@@ -41,7 +41,7 @@ def qwen_artifact(cache: Path) -> Path:
         gptq = cache / "qwen2.5-1.5b-shapes-gptq"
         if not (gptq / "quantize_config.json").is_file():
             write_random_checkpoint(gptq, QWEN_1_5B, bits=4, group_size=128, desc_act=True, sym=True)
-        build_artifacts(gptq, {"path": str(gptq)}, ["cpu"], lambda t: art, progress=False)
+        prepack(gptq, "cpu", art)
     return art
 
 

@@ -143,7 +143,7 @@ def smollm2_paths() -> tuple[Path, Path]:
 
 
 def qwen_paths() -> tuple[Path, Path, list[float]]:
-    from quantprep.build import build_artifacts
+    from quantprep.build import prepack
     from quantprep.synthetic import write_random_checkpoint
 
     gptq = BENCH_CACHE / "qwen2.5-1.5b-random-gptq"
@@ -157,11 +157,10 @@ def qwen_paths() -> tuple[Path, Path, list[float]]:
             shutil.copyfile(smol_gptq / f, tmp / f)
         tmp.rename(gptq)
     art = BENCH_CACHE / "qwen2.5-1.5b-artifact"
-    prepack = []
+    prepack_s = []
     for _ in range(3):
-        [r] = build_artifacts(gptq, {"path": str(gptq)}, ["cpu"], lambda t: art, progress=False)
-        prepack.append(r["prepack_s"])
-    return gptq, art, prepack
+        prepack_s.append(prepack(gptq, "cpu", art)["prepack_s"])
+    return gptq, art, prepack_s
 
 
 def main() -> None:

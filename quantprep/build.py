@@ -246,3 +246,13 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
         result["bytes"] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
         results.append(result)
     return results
+
+
+def prepack(src: str | os.PathLike, target: str, out: str | os.PathLike, act_dtype: str | None = None, fuse: bool = True,
+            force: bool = False, progress: bool = False, shard_bytes: int = SHARD_BYTES) -> dict:
+    """An existing GPTQ checkpoint directory -> one artifact for `target` at `out` (what `quantprep
+    prepack` does; build_artifacts writes several targets in one pass). Returns its summary."""
+    src = Path(src)
+    [result] = build_artifacts(src, {"path": str(src.absolute())}, [target], lambda t: Path(out), act_dtype, progress=progress,
+                               fuse=fuse, force=force, shard_bytes=shard_bytes)
+    return result

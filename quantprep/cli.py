@@ -136,7 +136,7 @@ def _shard_bytes(args) -> int:
 
 
 def cmd_prepack(args) -> int:
-    from .build import build_artifacts
+    from .build import prepack
     from .source import is_gptq_dir
 
     src = Path(args.gptq_dir)
@@ -144,9 +144,8 @@ def cmd_prepack(args) -> int:
         raise QuantprepError(f"{src}: no such directory; pass a GPTQ checkpoint directory")
     if not is_gptq_dir(src):
         raise QuantprepError(f"{src}: not a GPTQ checkpoint (no quantize_config.json or quantization_config); use `quantprep build RECIPE --source {src}` to quantize a float model")
-    results = build_artifacts(src, {"path": str(src.absolute())}, [args.target], lambda t: Path(args.out),
-                              args.act_dtype, progress=not args.json, fuse=args.fuse, force=args.force, shard_bytes=_shard_bytes(args))
-    r = results[0]
+    r = prepack(src, args.target, args.out, args.act_dtype, fuse=args.fuse, force=args.force, progress=not args.json,
+                shard_bytes=_shard_bytes(args))
     _print_json_or(args, r, f"wrote {r['path']} ({r['bytes'] / 2**20:.1f} MiB, {r['layers']} layers, prepack {r['prepack_s']:.2f} s)")
     return 0
 

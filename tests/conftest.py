@@ -79,10 +79,10 @@ def random_gptq(tmp_path) -> Path:
 
 @pytest.fixture
 def random_artifact(random_gptq, tmp_path) -> Path:
-    from quantprep.build import build_artifacts
+    from quantprep.build import prepack
 
     out = tmp_path / "artifact"
-    build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: out, progress=False)
+    prepack(random_gptq, "cpu", out)
     return out
 
 

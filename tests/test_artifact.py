@@ -7,7 +7,7 @@ import torch
 
 import quantprep
 from quantprep.artifact import MANIFEST, manifest_digest, read_manifest, write_json_durably
-from quantprep.build import build_artifacts
+from quantprep.build import build_artifacts, prepack
 from quantprep.errors import ArtifactError, ArtifactMismatch, SourceError
 from quantprep.verify import verify_artifact
 
@@ -133,7 +133,7 @@ def test_failed_build_keeps_previous_artifact(random_gptq, random_artifact):
     before = read_manifest(random_artifact)["manifest_sha256"]
     (random_gptq / "config.json").write_text("{ not json")  # the rebuild fails while reading the source
     with pytest.raises(SourceError):
-        build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: random_artifact, progress=False)
+        prepack(random_gptq, "cpu", random_artifact)
     assert read_manifest(random_artifact)["manifest_sha256"] == before
     verify_artifact(random_artifact)
     assert leftovers(random_artifact) == []
@@ -141,7 +141,7 @@ def test_failed_build_keeps_previous_artifact(random_gptq, random_artifact):
 
 def test_rebuild_replaces_atomically(random_gptq, random_artifact):
     before = read_manifest(random_artifact)["created"]
-    build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: random_artifact, "float32", progress=False)
+    prepack(random_gptq, "cpu", random_artifact, "float32")
     m = read_manifest(random_artifact)
     assert m["target"]["act_dtype"] == "float32" and m["created"] >= before
     verify_artifact(random_artifact)
@@ -189,7 +189,7 @@ def test_not_enough_disk_space_is_refused_before_writing(random_gptq, tmp_path, 
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 30, (1 << 30) - (1 << 20), 1 << 20))
     out = tmp_path / "art"
     with pytest.raises(QuantprepError, match=r"GiB free, the artifact needs .* GiB"):
-        build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: out, progress=False)
+        prepack(random_gptq, "cpu", out)
     assert not out.exists() and leftovers(out) == []
 
 

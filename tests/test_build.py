@@ -9,7 +9,7 @@ import pytest
 from conftest import CALIB, REPO
 from safetensors.torch import load_file, save_file
 
-from quantprep.build import quant_key, sha256_of
+from quantprep.build import prepack, quant_key, sha256_of
 from quantprep.errors import RecipeError
 from quantprep.quantize import builtin_calibration
 from quantprep.recipes import find_recipe
@@ -49,14 +49,13 @@ def test_builds_are_reproducible(random_gptq, tmp_path, monkeypatch):
     manifest included, wherever the checkpoint and the output live (SOURCE_DATE_EPOCH sets `created`)."""
     import shutil
 
-    from quantprep.build import build_artifacts
 
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1767225600")
     moved = shutil.copytree(random_gptq, tmp_path / "elsewhere" / "checkpoint")
     for target in ("cpu", "xpu"):
         a, b = tmp_path / f"a-{target}", tmp_path / "deeper" / f"b-{target}"
-        build_artifacts(random_gptq, {"path": str(random_gptq)}, [target], lambda t, a=a: a, progress=False)
-        build_artifacts(moved, {"path": str(moved)}, [target], lambda t, b=b: b, progress=False)
+        prepack(random_gptq, target, a)
+        prepack(moved, target, b)
         files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
         assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
         for rel in files:
@@ -193,10 +192,10 @@ def test_a_build_runs_torch_on_one_thread_unless_the_environment_says(random_gpt
     torch.set_num_threads(2)
     try:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-        build.build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: tmp_path / "a", progress=False)
+        build.prepack(random_gptq, "cpu", tmp_path / "a")
         assert torch.get_num_threads() == 2
         monkeypatch.setenv("OMP_NUM_THREADS", "2")
-        build.build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: tmp_path / "b", progress=False)
+        build.prepack(random_gptq, "cpu", tmp_path / "b")
     finally:
         torch.set_num_threads(threads)
     assert seen == [1, 2]

@@ -191,11 +191,11 @@ def test_files_follow_the_umask(random_gptq, tmp_path):
     import os
     import stat
 
-    from quantprep.build import build_artifacts
+    from quantprep.build import prepack
 
     old = os.umask(0o022)
     try:
-        build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: tmp_path / "art", progress=False)
+        prepack(random_gptq, "cpu", tmp_path / "art")
     finally:
         os.umask(old)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "art").iterdir()}

@@ -21,10 +21,10 @@ CTX = 32
 
 @pytest.fixture(scope="module")
 def tiny_art(tiny_gptq4, tmp_path_factory):
-    from quantprep.build import build_artifacts
+    from quantprep.build import prepack
 
     out = tmp_path_factory.mktemp("eval") / "cpu"
-    build_artifacts(tiny_gptq4, {"path": str(tiny_gptq4)}, ["cpu"], lambda t: out, progress=False)
+    prepack(tiny_gptq4, "cpu", out)
     return out
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import quantprep
-from quantprep.build import build_artifacts
+from quantprep.build import prepack
 from quantprep.fused import FusedGroup, FusedMember
 from quantprep.prepack import fusion_plan
 from quantprep.synthetic import write_random_checkpoint
@@ -34,7 +34,7 @@ def _artifact(tmp_path, name, act_dtype, shared=True, fuse=True, bits=4, sym=Tru
     if not gptq.exists():
         write_random_checkpoint(gptq, CFG, bits=bits, group_size=32, desc_act=True, sym=sym, shared_g_idx=shared)
     out = tmp_path / name
-    build_artifacts(gptq, {"path": str(gptq)}, ["cpu"], lambda t: out, act_dtype, progress=False, fuse=fuse)
+    prepack(gptq, "cpu", out, act_dtype, fuse=fuse)
     return out
 
 

@@ -25,12 +25,12 @@ FUZZ = settings(max_examples=1500, deadline=None, suppress_health_check=list(Hea
 def artifact(tmp_path_factory):
     from conftest import TINY_LLAMA
 
-    from quantprep.build import build_artifacts
+    from quantprep.build import prepack
     from quantprep.synthetic import write_random_checkpoint
 
     root = tmp_path_factory.mktemp("fuzz")
     gptq = write_random_checkpoint(root / "gptq", TINY_LLAMA, bits=4, group_size=64, desc_act=True, sym=False)
-    build_artifacts(gptq, {"path": str(gptq)}, ["cpu"], lambda t: root / "art", progress=False)
+    prepack(gptq, "cpu", root / "art")
     return root / "art"
 
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, pipeline
 
 import quantprep
 from quantprep.artifact import MANIFEST, WEIGHTS_INDEX, manifest_digest
-from quantprep.build import build_artifacts
+from quantprep.build import prepack
 from quantprep.errors import ArtifactError, ArtifactMismatch
 from quantprep.synthetic import write_random_checkpoint
 
@@ -24,7 +24,7 @@ QWEN2 = {"model_type": "qwen2", "vocab_size": 512, "hidden_size": 128, "intermed
 def _artifact(tmp_path, lm_head=False, fuse=False, act_dtype=None):
     gptq = write_random_checkpoint(tmp_path / "gptq", QWEN2, bits=4, group_size=32, desc_act=True, sym=False, lm_head=lm_head)
     out = tmp_path / "art"
-    build_artifacts(gptq, {"path": str(gptq)}, ["cpu"], lambda t: out, act_dtype, progress=False, fuse=fuse)
+    prepack(gptq, "cpu", out, act_dtype, fuse=fuse)
     return out
 
 
@@ -72,7 +72,7 @@ def test_pipeline_generates_like_quantprep_load(random_gptq, tmp_path):
     for f in smol.iterdir():
         (random_gptq / f.name).write_bytes(f.read_bytes())
     art = tmp_path / "art"
-    build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: art, progress=False)
+    prepack(random_gptq, "cpu", art)
     got = pipeline("text-generation", model=str(art))("c d e f", max_new_tokens=6, do_sample=False, return_tensors=True)[0]
     model = quantprep.load(art)
     tokenizer = AutoTokenizer.from_pretrained(art)

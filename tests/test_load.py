@@ -20,11 +20,11 @@ import torch
 from conftest import dense_reference_model, gptqmodel_run, rel_err, top1
 
 import quantprep
-from quantprep.build import build_artifacts
+from quantprep.build import prepack
 
 
 def _build(gptq_dir, out, act_dtype=None):
-    return build_artifacts(gptq_dir, {"path": str(gptq_dir)}, ["cpu"], lambda t: out, act_dtype, progress=False)[0]
+    return prepack(gptq_dir, "cpu", out, act_dtype)
 
 
 @pytest.fixture(scope="module", params=["tiny_gptq4", "tiny_gptq8"])
@@ -141,7 +141,7 @@ def test_artifact_that_lost_a_bias_is_refused_at_load(tmp_path, fuse):
 
     gptq = write_random_checkpoint(tmp_path / "gptq", TINY_QWEN2, group_size=32)
     art = tmp_path / "art"
-    build_artifacts(gptq, {"path": str(gptq)}, ["cpu"], lambda t: art, progress=False, fuse=fuse)
+    prepack(gptq, "cpu", art, fuse=fuse)
     quantprep.load(art)
     name = "model.layers.0.self_attn." + ("qkv_proj" if fuse else "q_proj")
     m = json.loads((art / MANIFEST).read_text())

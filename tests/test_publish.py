@@ -18,10 +18,10 @@ from quantprep.publish import INDEX, publish, pull
 
 @pytest.fixture
 def built(random_gptq, tmp_path):
-    from quantprep.build import build_artifacts
+    from quantprep.build import prepack
 
     for target in ("cpu", "xpu"):
-        build_artifacts(random_gptq, {"path": str(random_gptq)}, [target], lambda t: tmp_path / "art" / t, progress=False)
+        prepack(random_gptq, target, tmp_path / "art" / target)
     return tmp_path / "art"
 
 

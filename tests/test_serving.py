@@ -36,9 +36,9 @@ def test_padded_prefill_is_the_unpadded_one_in_float64(random_gptq, n):
 
 
 def test_a_bucketed_artifact_generates_the_same_tokens(random_gptq, tmp_path):
-    from quantprep.build import build_artifacts
+    from quantprep.build import prepack
 
-    build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: tmp_path / "a", "float32", progress=False)
+    prepack(random_gptq, "cpu", tmp_path / "a", "float32")
     model = quantprep.load(tmp_path / "a")
     assert model.quantprep_buckets == [1, 16, 128, 512]  # the shapes warm runs (DEFAULT_SHAPES)
     ids = torch.randint(2, model.config.vocab_size, (1, 37), generator=torch.Generator().manual_seed(0))
@@ -69,7 +69,7 @@ def chat_artifact(root):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from quantprep.build import build_artifacts
+    from quantprep.build import prepack
     from quantprep.synthetic import write_random_checkpoint
 
     gptq = write_random_checkpoint(root / "gptq", TINY_LLAMA, bits=4, group_size=64, desc_act=True, sym=False)
@@ -78,7 +78,7 @@ def chat_artifact(root):
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece(prefix="##")  # decodes joined by spaces
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="a", pad_token="a", eos_token="zzzzzzzzzz",
                             chat_template=CHAT_TEMPLATE).save_pretrained(gptq)
-    build_artifacts(gptq, {"path": str(gptq)}, ["cpu"], lambda t: root / "art", progress=False)
+    prepack(gptq, "cpu", root / "art")
     return root / "art"
 
 

@@ -22,10 +22,10 @@ from quantprep.publish import INDEX, publish, pull
 
 @pytest.fixture
 def art(random_gptq, tmp_path) -> Path:
-    from quantprep.build import build_artifacts
+    from quantprep.build import prepack
 
     out = tmp_path / "art"
-    build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu"], lambda t: out, progress=False)
+    prepack(random_gptq, "cpu", out)
     return out
 
 
@@ -370,10 +370,10 @@ def test_case05_a_source_with_remote_code_is_refused(random_gptq, tmp_path, caps
 # --- 12. generate reads the tokenizer of the directory load verified --------------------------------
 
 def test_case12_generate_ignores_a_tokenizer_beside_a_reference(tiny_gptq4, cache, tmp_path, capsys):
-    from quantprep.build import build_artifacts
+    from quantprep.build import prepack
 
     a = tmp_path / "a"
-    build_artifacts(tiny_gptq4, {"path": str(tiny_gptq4)}, ["cpu"], lambda t: a, progress=False)
+    prepack(tiny_gptq4, "cpu", a)
     ref = tmp_path / "ref"
     publish([a], str(ref))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):  # the reference's root is not checked

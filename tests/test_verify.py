@@ -6,7 +6,7 @@ injected into the unpackers those paths use, as a wrong layout would be."""
 import pytest
 import torch
 
-from quantprep.build import build_artifacts
+from quantprep.build import prepack
 from quantprep.verify import verify_artifact
 
 
@@ -30,7 +30,7 @@ def test_each_kernel_path_is_probed(random_gptq, tmp_path, monkeypatch, target, 
     if target == "cuda" and torch.cuda.is_available():
         pytest.skip("on a GPU the cuda modules run the real kernels, not the unpackers (tests/targets/test_cuda_gpu.py)")
     art = tmp_path / target
-    build_artifacts(random_gptq, {"path": str(random_gptq)}, [target], lambda t: art, progress=False)
+    prepack(random_gptq, target, art)
     assert _failing_sizes(art) == set()
     import importlib
 

@@ -284,13 +284,13 @@ def test_a_reader_racing_a_writer_sees_the_new_artifact_not_an_error(tmp_path):
     """A manifest read just before a writer republishes (warm adding kcache/, a rebuild) no longer
     matches the directory: check_files alone fails; read_checked reads the new manifest and passes."""
     from quantprep.artifact import check_files, read_checked
-    from quantprep.build import build_artifacts
+    from quantprep.build import prepack
     from quantprep.errors import ArtifactError
 
     art = _build(tmp_path)
     stale = read_manifest(art)
     gptq = tmp_path / "gptq"  # where _build wrote the checkpoint
-    build_artifacts(gptq, {"path": str(gptq)}, ["cpu"], lambda t: art, "float32", progress=False)  # other shard sizes
+    prepack(gptq, "cpu", art, "float32")  # other shard sizes
     with pytest.raises(ArtifactError, match="size"):
         check_files(art, stale, full_hash=False)
     assert read_checked(art, manifest=stale)["target"]["act_dtype"] == "float32"

@@ -99,14 +99,14 @@ def test_a_wrong_zero_is_caught():
 def test_whole_model_through_emulator_and_refused_without_xpu(tmp_path):
     from conftest import dense_reference_model, rel_err, top1
 
-    from quantprep.build import build_artifacts
+    from quantprep.build import prepack
     from quantprep.synthetic import write_random_checkpoint
     from quantprep.verify import verify_artifact
 
     cfg = {"model_type": "qwen2", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}
     gptq = write_random_checkpoint(tmp_path / "gptq", cfg, bits=4, group_size=128, desc_act=True, sym=True)
-    build_artifacts(gptq, {"path": str(gptq)}, ["xpu"], lambda t: tmp_path / "xpu", progress=False)  # float16
+    prepack(gptq, "xpu", tmp_path / "xpu")  # float16
     with pytest.raises(ArtifactMismatch, match="no XPU device"):
         quantprep.load(tmp_path / "xpu")
     with pytest.raises(ArtifactMismatch, match="runs float16 or bfloat16 activations only, not float32"):
