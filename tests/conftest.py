@@ -245,3 +245,8 @@ def one_line_error(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in err[0], err
     return err[0]
+
+
+def leftovers(out: Path) -> list[str]:
+    """What writers of `out` left beside it (staging siblings), by name; the `.lock` file is meant to stay."""
+    return sorted(p.name for p in out.parent.glob(f".{out.name}.*") if not p.name.endswith(".lock"))

@@ -4,25 +4,22 @@ import json
 
 import pytest
 import torch
+from conftest import edit_manifest, leftovers
 
 import quantprep
-from quantprep.artifact import MANIFEST, manifest_digest, read_manifest, write_json_durably
+from quantprep.artifact import MANIFEST, read_manifest, write_json_durably
 from quantprep.build import build_artifacts, prepack
 from quantprep.errors import ArtifactError, ArtifactMismatch, SourceError
 from quantprep.verify import verify_artifact
 
 
 def _rewrite_manifest(art, fn, fix_digest=True):
+    if fix_digest:
+        edit_manifest(art, fn)
+        return
     m = json.loads((art / MANIFEST).read_text())
     fn(m)
-    if fix_digest:
-        m["manifest_sha256"] = manifest_digest(m)
     write_json_durably(art / MANIFEST, m)
-
-
-def leftovers(art):
-    """Temporary siblings of an artifact (the `.lock` file is meant to stay)."""
-    return [p for p in art.parent.glob(f".{art.name}.*") if not p.name.endswith(".lock")]
 
 
 def _shard(art):

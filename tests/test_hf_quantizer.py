@@ -9,10 +9,11 @@ import sys
 
 import pytest
 import torch
+from conftest import edit_manifest
 from transformers import AutoModelForCausalLM, pipeline
 
 import quantprep
-from quantprep.artifact import MANIFEST, WEIGHTS_INDEX, manifest_digest
+from quantprep.artifact import MANIFEST, WEIGHTS_INDEX
 from quantprep.build import prepack
 from quantprep.errors import ArtifactError, ArtifactMismatch
 from quantprep.synthetic import write_random_checkpoint
@@ -81,16 +82,9 @@ def test_pipeline_generates_like_quantprep_load(random_gptq, tmp_path):
     assert list(got["generated_token_ids"]) == out[0].tolist() and len(set(out[0, ids.shape[1]:].tolist())) > 1
 
 
-def _edit_manifest(art, change):
-    m = json.loads((art / MANIFEST).read_text())
-    change(m)
-    m["manifest_sha256"] = manifest_digest(m)
-    (art / MANIFEST).write_text(json.dumps(m))
-
-
 def test_the_same_refusals(tmp_path):
     art = _artifact(tmp_path)
-    _edit_manifest(art, lambda m: m["compat"].update(cpu_capability="AVX512_VNNI_AMX"))
+    edit_manifest(art, lambda m: m["compat"].update(cpu_capability="AVX512_VNNI_AMX"))
     with pytest.raises(ArtifactMismatch, match="built for cpu_capability=AVX512_VNNI_AMX") as e1:
         quantprep.load(art)
     with pytest.raises(ArtifactMismatch, match="built for cpu_capability=AVX512_VNNI_AMX") as e2:
@@ -109,7 +103,7 @@ def test_a_tensor_the_model_lacks_is_refused_before_loading(tmp_path):
     t = load_file(shard)
     t["model.layers.0.mlp.up_proj.scales_and_zeros"] = t["model.layers.0.mlp.up_proj.scales_and_zeros"][:1].clone()
     save_file(t, str(shard), metadata={"format": "pt"})
-    _edit_manifest(art, lambda m: m["files"][shard.name].update(sha256=sha256_file(shard), size=shard.stat().st_size))
+    edit_manifest(art, lambda m: m["files"][shard.name].update(sha256=sha256_file(shard), size=shard.stat().st_size))
     with pytest.raises(ArtifactError, match=r"tensor model.layers.0.mlp.up_proj.scales_and_zeros is torch.bfloat16 \(1,"):
         AutoModelForCausalLM.from_pretrained(art)
 
@@ -125,7 +119,7 @@ def test_an_index_that_points_elsewhere_is_refused(tmp_path):
     index["weight_map"][name] = "probes.safetensors"
     (art / WEIGHTS_INDEX).write_text(json.dumps(index))
     f = art / WEIGHTS_INDEX
-    _edit_manifest(art, lambda m: m["files"][WEIGHTS_INDEX].update(sha256=sha256_file(f), size=f.stat().st_size))
+    edit_manifest(art, lambda m: m["files"][WEIGHTS_INDEX].update(sha256=sha256_file(f), size=f.stat().st_size))
     with pytest.raises(ArtifactError, match="does not list the tensors of the manifest's shards|not a shard of the manifest"):
         AutoModelForCausalLM.from_pretrained(art)
 

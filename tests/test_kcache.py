@@ -14,8 +14,9 @@ import sys
 import zipfile
 
 import pytest
+from conftest import edit_manifest
 
-from quantprep.artifact import MANIFEST, manifest_digest, read_manifest, sha256_file
+from quantprep.artifact import read_manifest, sha256_file
 from quantprep.errors import ArtifactError
 from quantprep.kcache import KCACHE, activate, cache_env, exec_env, kcache_digest, materialize, runtime_dir
 
@@ -32,14 +33,13 @@ __attribute__((constructor)) static void planted(void) {
 
 def _resign(art, edit=None):
     """What an attacker can do: change files, then rewrite the manifest's digests to match."""
-    m = json.loads((art / MANIFEST).read_text())
-    for rel, f in m["kcache"]["files"].items():
-        p = art / KCACHE / rel
-        f.update(sha256=sha256_file(p), size=p.stat().st_size)
-    if edit:
-        edit(m)
-    m["manifest_sha256"] = manifest_digest(m)
-    (art / MANIFEST).write_text(json.dumps(m))
+    def change(m):
+        for rel, f in m["kcache"]["files"].items():
+            p = art / KCACHE / rel
+            f.update(sha256=sha256_file(p), size=p.stat().st_size)
+        if edit:
+            edit(m)
+    edit_manifest(art, change)
     return read_manifest(art)
 
 

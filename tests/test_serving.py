@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import dense_reference_model, rel_err
+from conftest import dense_reference_model, edit_manifest, rel_err
 
 import quantprep
 from quantprep.serving import bucket_for, generate, prefill
@@ -249,11 +249,9 @@ def test_sigterm_during_a_request_stops_it_cleanly(tmp_path):
 
 def test_serve_refuses_in_one_line(tmp_path):
     """Not an artifact; an artifact built for another CPU: one line, exit 2, before any server starts."""
-    import json
     import subprocess
     import sys
 
-    from quantprep.artifact import MANIFEST, manifest_digest
 
     def serve_err(src):
         proc = subprocess.run([sys.executable, "-m", "quantprep", "serve", str(src), "--port", "1"], capture_output=True,
@@ -263,8 +261,5 @@ def test_serve_refuses_in_one_line(tmp_path):
 
     assert "not an artifact directory" in serve_err(tmp_path)
     art = chat_artifact(tmp_path / "a")
-    m = json.loads((art / MANIFEST).read_text())
-    m["compat"]["cpu_capability"] = "AVX512_VNNI_AMX"
-    m["manifest_sha256"] = manifest_digest(m)
-    (art / MANIFEST).write_text(json.dumps(m))
+    edit_manifest(art, lambda m: m["compat"].update(cpu_capability="AVX512_VNNI_AMX"))
     assert "built for cpu_capability=AVX512_VNNI_AMX" in serve_err(art)

@@ -11,9 +11,10 @@ import sys
 import time
 
 import pytest
+from conftest import edit_manifest
 
 import quantprep
-from quantprep.artifact import MANIFEST, manifest_digest, read_manifest, sha256_file
+from quantprep.artifact import MANIFEST, read_manifest, sha256_file
 from quantprep.kcache import KCACHE, MEGACACHE, activate, cache_key
 from quantprep.verify import verify_artifact
 from quantprep.warm import warm
@@ -118,10 +119,7 @@ def test_eager_and_compiled_agree(warmed):
 
 
 def _resign(art, edit):
-    m = json.loads((art / MANIFEST).read_text())
-    edit(m)
-    m["manifest_sha256"] = manifest_digest(m)
-    (art / MANIFEST).write_text(json.dumps(m))
+    edit_manifest(art, edit)
     return read_manifest(art)
 
 
