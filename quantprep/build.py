@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from . import settings
 from .artifact import (
     DEFAULT_SHAPES,
     FORMAT,
@@ -49,7 +50,7 @@ DEFAULT_OUT = Path("artifacts")
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("QUANTPREP_CACHE", DEFAULT_OUT / ".cache")).absolute()
+    return Path(os.environ.get(settings.CACHE, DEFAULT_OUT / ".cache")).absolute()
 
 
 def cached_checkpoint(sha256: str) -> Path | None:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from . import settings
 from .artifact import SIGNATURE, read_manifest, sha256_file, write_hashed
 from .errors import ArtifactError, QuantprepError
 from .intel_runtime import cache_warning, primitive_cache_env
@@ -44,7 +45,7 @@ from .userdirs import private_dir, user_dir
 
 KCACHE = "kcache"
 MEGACACHE = "torch-compile.bin"  # torch.compiler.save_cache_artifacts() output
-TRUST_ENV = "QUANTPREP_TRUST_KCACHE"
+TRUST_ENV = settings.TRUST_KCACHE
 COMPLETE = ".complete"  # marks a finished runtime copy
 
 
@@ -150,7 +151,7 @@ def kcache_digest(entry: dict) -> str:
 
 def trust_dir() -> Path:
     """This user's trust store: one empty file per trusted kcache digest."""
-    return user_dir("QUANTPREP_TRUST_DIR", "data", "trusted-kcache")
+    return user_dir(settings.TRUST_DIR, "data", "trusted-kcache")
 
 
 def record_trust(entry: dict) -> None:
@@ -200,7 +201,7 @@ def untrusted_message(path: Path) -> str:
 
 def runtime_dir(manifest: dict) -> Path:
     """Private per-user writable copy of kcache/, one per kcache content (its digest names it)."""
-    base = user_dir("QUANTPREP_KCACHE_DIR", "cache", "kcache")
+    base = user_dir(settings.KCACHE_DIR, "cache", "kcache")
     return private_dir(base) / kcache_digest(manifest["kcache"])[:16]
 
 

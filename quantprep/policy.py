@@ -22,19 +22,20 @@ import tomllib
 from pathlib import Path
 from urllib.parse import urlparse
 
+from . import settings
 from .errors import QuantprepError
 from .signing import VERIFY_KEY_ENV
 from .userdirs import user_dir
 
 MODES = ("enforce", "warn", "off")
-MODE_ENV = "QUANTPREP_SIGNATURES"
+MODE_ENV = settings.SIGNATURES
 MAX_POLICY_BYTES = 1 << 20
 
 
 def policy_file() -> Path:
-    if path := os.environ.get("QUANTPREP_POLICY"):
+    if path := os.environ.get(settings.POLICY):
         return Path(path)
-    return user_dir("QUANTPREP_POLICY", "config") / "policy.toml"
+    return user_dir(settings.POLICY, "config") / "policy.toml"
 
 
 def _mode(value, where: str) -> str:

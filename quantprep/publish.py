@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from urllib.parse import urlparse
 
-from . import hub, registry
+from . import hub, registry, settings
 from .artifact import MANIFEST, SIGNED, is_artifact, read_checked, read_manifest, write_hashed
 from .errors import ArtifactError, ArtifactMismatch, QuantprepError
 from .jsonfile import MAX_JSON_BYTES, read_json_object
@@ -244,7 +244,7 @@ def choose_variant(index: dict, ref: str, target: str | None = None) -> dict:
 
 
 def cache_root() -> Path:
-    return user_dir("QUANTPREP_PULL_CACHE", "cache", "pulled")
+    return user_dir(settings.PULL_CACHE, "cache", "pulled")
 
 
 def pull(ref: str, out: str | os.PathLike | None = None, target: str | None = None,

@@ -14,6 +14,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import settings
 from .artifact import DEFAULT_SHAPES
 from .errors import RecipeError
 from .gptq_format import SUPPORTED_BITS
@@ -112,7 +113,7 @@ def parse_recipe(path: Path) -> Recipe:
 
 def recipe_dirs(extra: list[str] | None = None) -> list[Path]:
     """Where recipes are looked up, first match wins: `extra` (--recipes), QUANTPREP_RECIPES, the built-in ones."""
-    user = [*(extra or []), *filter(None, os.environ.get("QUANTPREP_RECIPES", "").split(os.pathsep))]
+    user = [*(extra or []), *filter(None, os.environ.get(settings.RECIPES, "").split(os.pathsep))]
     for d in user:
         if not Path(d).is_dir():
             raise RecipeError(f"{d}: recipe directory does not exist (from --recipes or QUANTPREP_RECIPES)")

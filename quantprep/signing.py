@@ -17,13 +17,14 @@ import json
 import os
 from pathlib import Path
 
+from . import settings
 from .artifact import IDENTITY, SIGNATURE
 from .errors import ArtifactError, QuantprepError
 from .jsonfile import read_json_object
 from .staging import MARKER
 
-VERIFY_KEY_ENV = "QUANTPREP_VERIFY_KEY"
-VERIFY_ISSUER_ENV = "QUANTPREP_VERIFY_ISSUER"
+VERIFY_KEY_ENV = settings.VERIFY_KEY
+VERIFY_ISSUER_ENV = settings.VERIFY_ISSUER
 GITHUB_ISSUER = "https://token.actions.githubusercontent.com"
 SIGSTORE = "sigstore"
 

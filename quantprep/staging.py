@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from . import settings
 from .errors import QuantprepError
 
 MARKER = ".quantprep-staging"
@@ -35,7 +36,7 @@ MARKER = ".quantprep-staging"
 def pause_point(stage: str) -> None:
     """Fault-injection seam for the kill tests: QUANTPREP_PAUSE_AT=<stage> stops here, and the test
     SIGKILLs the process. Stages: quantize, prepack, write, publish, warm."""
-    if os.environ.get("QUANTPREP_PAUSE_AT") == stage:
+    if os.environ.get(settings.PAUSE_AT) == stage:
         print(f"quantprep: paused at {stage}", file=sys.stderr, flush=True)
         time.sleep(3600)
 

@@ -19,13 +19,14 @@ import json
 import os
 from pathlib import Path
 
+from . import settings
 from .artifact import MANIFEST, SIGNED, check_files
 from .errors import ArtifactError
 from .userdirs import private_dir, user_dir
 
 
 def marks_dir() -> Path:
-    return user_dir("QUANTPREP_VERIFIED_DIR", "cache", "verified")
+    return user_dir(settings.VERIFIED_DIR, "cache", "verified")
 
 
 def stamp(path: Path, manifest: dict) -> str:

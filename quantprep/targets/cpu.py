@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import settings
 from .common import (
     PackedLinear,
     Target,
@@ -117,7 +118,7 @@ def native_packer():
     """`pack_int4_cpu` from NATIVE_PACK_SOURCE, compiled now; None without a C compiler or with
     QUANTPREP_PACK=torch (then the tensor ops)."""
     cc = shutil.which("cc")
-    if os.environ.get("QUANTPREP_PACK") == "torch" or cc is None:
+    if os.environ.get(settings.PACK) == "torch" or cc is None:
         return None
     with tempfile.TemporaryDirectory(prefix="quantprep-pack-") as tmp:
         src, lib = Path(tmp, "pack.c"), Path(tmp, "pack.so")
