@@ -152,13 +152,13 @@ class QuantprepQuantizer(HfQuantizer):
             hub_signed, key = _hub_policy(model.config.name_or_path, path, key)
         device = _device_of(self.device_map, None)
         art = open_artifact(path, device, self.dtype, None, key)
-        if (q.target, q.act_dtype) != (art["manifest"]["target"]["name"], art["manifest"]["target"]["act_dtype"]):
+        if (q.target, q.act_dtype) != (art.manifest["target"]["name"], art.manifest["target"]["act_dtype"]):
             raise ArtifactError(f"{path}/config.json: quantization_config says target {q.target} ({q.act_dtype}), the manifest "
-                                f"{art['manifest']['target']['name']} ({art['manifest']['target']['act_dtype']}); the artifact is inconsistent: rebuild it")
-        untie_quantized_head(model.config, art["manifest"])
+                                f"{art.manifest['target']['name']} ({art.manifest['target']['act_dtype']}); the artifact is inconsistent: rebuild it")
+        untie_quantized_head(model.config, art.manifest)
         install_modules(model, path, art)
         tensors, where = {}, {}
-        for shard in art["manifest"]["shards"]:
+        for shard in art.manifest["shards"]:
             try:
                 with safe_open(path / shard, "pt") as f:
                     for name in f.keys():
@@ -166,7 +166,7 @@ class QuantprepQuantizer(HfQuantizer):
                         dt = TORCH_DTYPES.get(meta.get_dtype())
                         if dt is None:
                             raise ArtifactError(f"{path / shard}: tensor {name} has dtype {meta.get_dtype()}; the artifact is corrupt: rebuild it")
-                        tensors[name] = (self.dtype if dt.is_floating_point and self.dtype != art["packed_dtype"] else dt,
+                        tensors[name] = (self.dtype if dt.is_floating_point and self.dtype != art.packed_dtype else dt,
                                          tuple(meta.get_shape()))
                         where[name] = shard
             except ArtifactError:
@@ -177,7 +177,7 @@ class QuantprepQuantizer(HfQuantizer):
         # transformers reads the shards this index names (config.transformers_weights, in the directory it
         # loaded): it must name exactly the manifest's shards' tensors, and every file it read is one of them
         index = read_json_object(path / WEIGHTS_INDEX, ArtifactError, "the artifact is corrupt: rebuild it")
-        if outside := sorted({Path(f).name for f in checkpoint_files} - set(art["manifest"]["shards"])):
+        if outside := sorted({Path(f).name for f in checkpoint_files} - set(art.manifest["shards"])):
             raise ArtifactError(f"{path / WEIGHTS_INDEX}: names {outside[0]}, which is not a shard of the manifest; refusing it")
         if index.get("weight_map") != where:
             raise ArtifactError(f"{path / WEIGHTS_INDEX}: does not list the tensors of the manifest's shards; the artifact is "

@@ -12,6 +12,7 @@ import contextlib
 import os
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from .intel_runtime import cache_warning
 from .kcache import MEGACACHE, activate, xpu_driver_version, xpu_primitive_env
 from .signing import configured_key
 from .signing import verify as verify_signature
-from .targets import act_dtype_problem, get_target
+from .targets import Target, act_dtype_problem, get_target
 from .verified import check_hashed, hash_and_mark
 
 DECODE_STEPS = 2
@@ -141,11 +142,24 @@ def is_reference(path: str | os.PathLike) -> bool:
     return "://" in text or (Path(text, "index.json").is_file() and not Path(text, "manifest.json").exists())
 
 
-def open_artifact(path: Path, device: str | torch.device | None, dtype: torch.dtype | None, verify: bool | None, key) -> dict:
+@dataclass(frozen=True)
+class OpenedArtifact:
+    """An artifact directory after every check (open_artifact), carried down the load."""
+
+    path: Path
+    manifest: dict
+    target: Target
+    device: torch.device  # where its modules run (cpu for an emulated xpu/cuda artifact)
+    dtype: torch.dtype  # the activation dtype asked for
+    packed_dtype: torch.dtype  # the one its float tensors are stored in
+    emulate: bool  # running another device's artifact through that target's CPU path
+
+
+def open_artifact(path: Path, device: str | torch.device | None, dtype: torch.dtype | None, verify: bool | None, key) -> OpenedArtifact:
     """Every check before a byte of weights is read: the manifest and every file's sha256
     (verified.py: once per file as it is; `verify` True: every time, False: sizes only),
     the signature (`key`), the target, this machine's compatibility key, the device and dtype.
-    Returns what the later steps need: manifest, target, device, dtype, packed_dtype, emulate."""
+    Returns what the later steps need (OpenedArtifact), read and checked once."""
     manifest = read_checked(path)
     if verify is None:
         check_hashed(path, manifest)
@@ -175,12 +189,12 @@ def open_artifact(path: Path, device: str | torch.device | None, dtype: torch.dt
         warnings.warn(f"{path}: {note}", stacklevel=3)
     if target.device == "xpu" and not emulate:  # before the first oneDNN primitive is created
         os.environ.update(xpu_primitive_env(manifest, dict(os.environ)))
-    return {"manifest": manifest, "target": target, "device": device, "dtype": dtype, "packed_dtype": packed_dtype, "emulate": emulate}
+    return OpenedArtifact(path, manifest, target, device, dtype, packed_dtype, emulate)
 
 
-def activate_kcache(path: Path, art: dict, kcache: bool, compile: bool, trust_kcache: bool, signed: bool) -> dict:
-    status = activate(path, art["manifest"], art["device"].type, compile, trust_kcache, signed=signed) if kcache else {"status": "off"}
-    if art["target"].device == "xpu" and not art["emulate"] and (msg := cache_warning(dict(os.environ), xpu_driver_version())):
+def activate_kcache(path: Path, art: OpenedArtifact, kcache: bool, compile: bool, trust_kcache: bool, signed: bool) -> dict:
+    status = activate(path, art.manifest, art.device.type, compile, trust_kcache, signed=signed) if kcache else {"status": "off"}
+    if art.target.device == "xpu" and not art.emulate and (msg := cache_warning(dict(os.environ), xpu_driver_version())):
         warnings.warn(f"{path}: {msg}", stacklevel=3)
     return status
 
@@ -191,10 +205,10 @@ def untie_quantized_head(config, manifest: dict) -> None:
         config.tie_word_embeddings = False
 
 
-def install_modules(model, path: Path, art: dict) -> None:
+def install_modules(model, path: Path, art: OpenedArtifact) -> None:
     """Swap the model's Linears for the target's modules the manifest lists (sizes and biases checked)."""
-    config, target, dtype = model.config, art["target"], art["dtype"]
-    for name, meta in art["manifest"]["modules"].items():
+    config, target, dtype = model.config, art.target, art.dtype
+    for name, meta in art.manifest["modules"].items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         fused = meta.get("fused")
@@ -235,7 +249,7 @@ def tied_names(model) -> set[str]:
     return shared | set(getattr(model, "all_tied_weights_keys", None) or {})
 
 
-def finish(model, path: Path, art: dict, kcache_status: dict, compile: bool, warmup: bool, prefetch=None):
+def finish(model, path: Path, art: OpenedArtifact, kcache_status: dict, compile: bool, warmup: bool, prefetch=None):
     """After the weights are in: generation config, compile, the warmed buckets, warm-up, status."""
     from transformers import GenerationConfig
 
@@ -245,9 +259,9 @@ def finish(model, path: Path, art: dict, kcache_status: dict, compile: bool, war
     if compile:
         if prefetch:
             prefetch.join()
-        compile_model(model, art["manifest"], kcache_status, art["dtype"])
+        compile_model(model, art.manifest, kcache_status, art.dtype)
     # the prefill lengths warm ran: quantprep.serving pads prompts to them
-    manifest = art["manifest"]
+    manifest = art.manifest
     model.quantprep_buckets = usable_shapes(model, manifest.get("kcache", manifest.get("serving", {})).get("shapes", DEFAULT_SHAPES))
     if warmup:  # in the thread that will serve: PyTorch's oneDNN primitive cache on xpu is per thread
         model.quantprep_warmup = run_shapes(model, model.quantprep_buckets)
@@ -299,7 +313,7 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
         signed = key is not None
     path = Path(path)
     art = open_artifact(path, device, dtype, verify, None if pulled else key)
-    manifest, device, dtype = art["manifest"], art["device"], art["dtype"]
+    manifest, device, dtype = art.manifest, art.device, art.dtype
     kcache_status = activate_kcache(path, art, kcache, compile, trust_kcache, signed=signed)
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)
@@ -318,7 +332,7 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
             state.update(load_file(path / shard, device=str(device)))
         except Exception as e:
             raise ArtifactError(f"{path / shard}: cannot read safetensors file ({e}); the artifact is corrupt: rebuild it") from None
-    if dtype != art["packed_dtype"]:
+    if dtype != art.packed_dtype:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     check_tensors(path, model, {k: (v.dtype, tuple(v.shape)) for k, v in state.items()}, skip=tied_names(model))
     model.load_state_dict(state, strict=False, assign=True)
