@@ -1,4 +1,4 @@
-"""Named recipes: `<name>.toml` in quantprep/pipelines/ (package data: they ship with the wheel), or in
+"""Named recipes: `<name>.toml` in pipelines/ (installed as quantprep.pipelines) (package data: they ship with the wheel), or in
 the user's own directories (`--recipes DIR`, `QUANTPREP_RECIPES=DIR[:DIR...]`), which are searched
 first. Unknown keys are rejected, never ignored.
 
@@ -9,6 +9,7 @@ shapes `warm` runs (and whether it torch.compiles).
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from .artifact import DEFAULT_SHAPES
 from .errors import RecipeError
 from .gptq_format import SUPPORTED_BITS
 
-PIPELINES_DIR = Path(__file__).resolve().parent / "pipelines"
+PIPELINES_DIR = Path(str(importlib.resources.files("quantprep.pipelines")))  # pipelines/ in the repository, in the wheel
 
 SCHEMA: dict[str, dict[str, type | tuple]] = {
     "": {"name": str, "description": str},
