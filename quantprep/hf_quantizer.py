@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ from .artifact import TORCH_DTYPES, WEIGHTS_INDEX
 from .errors import ArtifactError, ArtifactMismatch
 from .jsonfile import read_json_object
 from .load import activate_kcache, check_tensors, finish, install_modules, open_artifact, tied_names, untie_quantized_head
+from .policy import check_signature, signature_policy
 from .signing import configured_key
 
 METHOD = "quantprep"
@@ -88,29 +88,6 @@ def loaded_directory(name_or_path: str, checkpoint_files: list[str]) -> Path:
     return here
 
 
-def _hub_policy(repo_id: str, path: Path, key: str | None) -> tuple[bool, None]:
-    """from_pretrained of a Hub id: check the downloaded directory's signature as the policy for
-    hf://ID says (policy.py; the identity of a published reference is checked by `quantprep pull`,
-    whose layout from_pretrained does not read). Returns (whether it verified, None: no key left
-    for open_artifact to check again)."""
-    from .policy import signature_policy
-    from .signing import verify
-
-    mode, key = signature_policy(f"hf://{repo_id}", key)
-    if mode == "off":
-        return False, None
-    try:
-        if key is None:
-            raise ArtifactError(f"hf://{repo_id}: no key to check its signature with")
-        verify(path, key)
-        return True, None
-    except ArtifactError as e:
-        if mode == "enforce":
-            raise
-        warnings.warn(f"{e} (signatures: warn for hf://{repo_id}; its kcache is not trusted by signature)", stacklevel=2)
-        return False, None
-
-
 class QuantprepQuantizer(HfQuantizer):
     requires_calibration = True  # loads prepacked artifacts only; quantizing is `quantprep build`
 
@@ -149,7 +126,10 @@ class QuantprepQuantizer(HfQuantizer):
         key = configured_key(options.get("verify_key"))
         hub_signed = None
         if not os.path.isdir(model.config.name_or_path):  # a Hub id: the signature policy of hf://ID applies
-            hub_signed, key = _hub_policy(model.config.name_or_path, path, key)
+            # (to the signature; the identity of a published reference is `quantprep pull`'s, whose layout
+            # from_pretrained does not read); then no key is left for open_artifact to check again
+            ref = f"hf://{model.config.name_or_path}"
+            hub_signed, key = check_signature(path, *signature_policy(ref, key), ref), None
         device = _device_of(self.device_map, None)
         art = open_artifact(path, device, self.dtype, None, key)
         if (q.target, q.act_dtype) != (art.manifest["target"]["name"], art.manifest["target"]["act_dtype"]):

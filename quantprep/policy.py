@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import tomllib
 from pathlib import Path
 from urllib.parse import urlparse
 
 from . import settings
-from .errors import QuantprepError
-from .signing import VERIFY_KEY_ENV
+from .errors import ArtifactError, QuantprepError
+from .signing import VERIFY_KEY_ENV, verify
 from .userdirs import user_dir
 
 MODES = ("enforce", "warn", "off")
@@ -108,3 +109,21 @@ def signature_policy(ref: str, verify_key: str | os.PathLike | None = None) -> t
         raise QuantprepError(f"{ref}: signatures are enforced for it ({MODE_ENV} or {path}) but no key is given: add `key` to the "
                              f"rule, set {VERIFY_KEY_ENV} or pass --verify-key")
     return mode, key
+
+
+def check_signature(path: Path, mode: str, key: str | None, ref: str, asked: dict | None = None) -> bool:
+    """The policy's check of `path`, an artifact from `ref`: enforce refuses what does not verify
+    (signed for `asked`, when given); warn says so in one line on stderr and goes on, unverified;
+    off checks nothing. Whether the signature verified (what lets its kcache run)."""
+    if mode == "off":
+        return False
+    try:
+        if key is None:
+            raise ArtifactError(f"{ref}: no key to check its signature with (set `key` in the policy or {VERIFY_KEY_ENV})")
+        verify(path, key, asked)
+        return True
+    except QuantprepError as e:
+        if mode == "enforce":
+            raise
+        print(f"quantprep: warning: {e} (signatures: warn for {ref}; its kcache is not trusted by signature)", file=sys.stderr)
+        return False

@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from urllib.parse import urlparse
@@ -33,8 +32,8 @@ from . import hub, registry, settings
 from .artifact import MANIFEST, SIGNED, is_artifact, read_checked, read_manifest, write_hashed
 from .errors import ArtifactError, ArtifactMismatch, QuantprepError
 from .jsonfile import MAX_JSON_BYTES, read_json_object
-from .policy import signature_policy
-from .signing import sign, verify
+from .policy import check_signature, signature_policy
+from .signing import sign
 from .staging import staging
 from .userdirs import user_dir
 from .verified import mark
@@ -279,7 +278,7 @@ def pull_checked(ref: str, out: str | os.PathLike | None = None, target: str | N
     dest = Path(out).absolute() if out else cache_root() / hashlib.sha256(ref_id.encode()).hexdigest()[:16] / variant["name"]
     asked = reference_identity(ref)
     if _is_copy_of(dest, variant):  # a finished pull of this very variant: nothing to fetch (offline)
-        return dest, _signature_checked(dest, mode, key, asked, ref)
+        return dest, check_signature(dest, mode, key, ref, asked)
     with staging(dest, is_artifact, "quantprep artifact", force, mode=0o700) as tmp:
         if ref.startswith("oci://"):
             source = _OciSource(reg, variant, ref)
@@ -297,26 +296,9 @@ def pull_checked(ref: str, out: str | os.PathLike | None = None, target: str | N
             if f"{what}_sha256" in variant:
                 source.copy(name, tmp / name, variant[f"{what}_sha256"], None)
         read_checked(tmp, staged=True)  # nothing unlisted, every size right
-        signed = _signature_checked(tmp, mode, key, asked, ref)
+        signed = check_signature(tmp, mode, key, ref, asked)
     mark(dest, manifest)  # every file was hashed as it was copied
     return dest, signed
-
-
-def _signature_checked(path: Path, mode: str, key: str | None, asked: dict, ref: str) -> bool:
-    """The policy's check of a pulled variant: enforce refuses what does not verify for `ref`; warn
-    says so in one line and goes on (unverified); off checks nothing. Whether it verified."""
-    if mode == "off":
-        return False
-    try:
-        if key is None:
-            raise ArtifactError(f"{ref}: no key to check its signature with (set `key` in the policy or QUANTPREP_VERIFY_KEY)")
-        verify(path, key, asked)
-        return True
-    except (ArtifactError, QuantprepError) as e:
-        if mode == "enforce":
-            raise
-        print(f"quantprep: warning: {e} (signatures: warn for {ref}; its kcache is not trusted by signature)", file=sys.stderr)
-        return False
 
 
 def _valid_entry(v: dict) -> bool:
