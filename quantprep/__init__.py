@@ -4,9 +4,9 @@ import importlib.abc
 import importlib.util
 import sys
 
-from .errors import ArtifactError, ArtifactMismatch, QuantprepError, RecipeError, SourceError
-from .load import load
-from .version import __version__
+from quantprep.errors import ArtifactError, ArtifactMismatch, QuantprepError, RecipeError, SourceError
+from quantprep.runtime.load import load
+from quantprep.version import __version__
 
 __all__ = ["load", "QuantprepError", "ArtifactError", "ArtifactMismatch", "SourceError", "RecipeError", "__version__"]
 
@@ -26,14 +26,14 @@ class _RegisterWithTransformers(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            if "quantprep.hf_quantizer" not in sys.modules:  # else it is the one importing the registry; it registers when done
-                from . import hf_quantizer  # noqa: F401 (registers on import)
+            if "quantprep.runtime.hf_quantizer" not in sys.modules:  # else it is the one importing the registry; it registers when done
+                from quantprep.runtime import hf_quantizer  # noqa: F401 (registers on import)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
 if "transformers.quantizers.auto" in sys.modules:
-    from . import hf_quantizer  # noqa: F401 (registers on import)
+    from quantprep.runtime import hf_quantizer  # noqa: F401 (registers on import)
 elif not any(isinstance(f, _RegisterWithTransformers) for f in sys.meta_path):
     sys.meta_path.insert(0, _RegisterWithTransformers())

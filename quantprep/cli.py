@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import QuantprepError
+from quantprep.errors import QuantprepError
 
 TRUST_HELP = ("run the artifact's kcache/ (compiled code) although it was not warmed here by you; "
               "only for artifacts from a source you trust (also QUANTPREP_TRUST_KCACHE=1)")
@@ -25,11 +25,11 @@ def _print_json_or(args, data, text: str) -> None:
 
 
 def cmd_build(args) -> int:
-    from .artifact import is_artifact
-    from .build import DEFAULT_OUT, build_artifacts, resolve_source
-    from .recipes import find_recipe
-    from .staging import check_replaceable
-    from .targets import get_target
+    from quantprep._io.staging import check_replaceable
+    from quantprep.build.pipeline import DEFAULT_OUT, build_artifacts, resolve_source
+    from quantprep.build.recipes import find_recipe
+    from quantprep.format.artifact import is_artifact
+    from quantprep.targets import get_target
 
     shard_bytes = _shard_bytes(args)  # bad options fail before any work
     recipe = find_recipe(args.recipe, args.recipes)
@@ -75,8 +75,8 @@ def _warm_text(w: dict | None) -> str:
 
 
 def cmd_warm(args) -> int:
-    from .serving import PREFILL_BUCKETS
-    from .warm import warm
+    from quantprep.runtime.warm import warm
+    from quantprep.tools.serving import PREFILL_BUCKETS
 
     shapes = (PREFILL_BUCKETS if args.shapes == "buckets" else _int_list("--shapes", args.shapes)) if args.shapes else None
     r = warm(Path(args.dir), device=args.device, shapes=shapes, compile=args.compile, aot=args.aot, progress=not args.json)
@@ -89,7 +89,7 @@ def cmd_warm(args) -> int:
 def cmd_exec(args) -> int:
     import os
 
-    from .kcache import exec_env
+    from quantprep.runtime.kcache import exec_env
 
     cmd = args.cmd
     if "--" in cmd:  # options between DIR and `--` (argparse hands them over with the command)
@@ -127,7 +127,7 @@ SHARD_HELP = ("safetensors shard size (default 512, artifact.SHARD_BYTES): the b
 
 def _shard_bytes(args) -> int:
     if args.shard_size is None:
-        from .artifact import SHARD_BYTES
+        from quantprep.format.artifact import SHARD_BYTES
 
         return SHARD_BYTES
     if not 1 <= args.shard_size <= 1 << 20:
@@ -136,8 +136,8 @@ def _shard_bytes(args) -> int:
 
 
 def cmd_prepack(args) -> int:
-    from .build import prepack
-    from .source import is_gptq_dir
+    from quantprep.build.pipeline import prepack
+    from quantprep.build.source import is_gptq_dir
 
     src = Path(args.gptq_dir)
     if not src.is_dir():
@@ -151,7 +151,7 @@ def cmd_prepack(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .artifact import read_manifest
+    from quantprep.format.artifact import read_manifest
 
     m = read_manifest(Path(args.dir))
     if args.json:
@@ -178,12 +178,12 @@ def _eval_line(e: dict) -> str:
 
 
 def cmd_eval(args) -> int:
-    from .eval import evaluate
+    from quantprep.tools.eval import evaluate
 
     r = evaluate(args.dir, reference=args.reference, text_file=args.text, dataset=args.dataset, ctx=args.ctx,
                  max_tokens=args.max_tokens, device=args.device, store=args.store, progress=not args.json)
     if args.plot:
-        from .eval import plot
+        from quantprep.tools.eval import plot
 
         plot(r, Path(args.dir), args.plot)
     r.pop("kld_values")
@@ -195,7 +195,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .verify import verify_artifact
+    from quantprep.tools.verify import verify_artifact
 
     report = verify_artifact(Path(args.dir), strict=False)
     kc = f" + {report['kcache_files']} kcache files" if "kcache_files" in report else ""
@@ -214,7 +214,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from .recipes import list_recipes, parse_recipe
+    from quantprep.build.recipes import list_recipes, parse_recipe
 
     rows = [parse_recipe(p) for p in list_recipes(args.recipes)]
     _print_json_or(args, [{"name": r.name, "description": r.description, "targets": r.targets} for r in rows],
@@ -225,7 +225,7 @@ def cmd_list(args) -> int:
 def cmd_selftest(args) -> int:
     import torch
 
-    from .selftest import run_selftest
+    from quantprep.tools.selftest import run_selftest
 
     device = args.device
     if device is None:
@@ -247,7 +247,7 @@ def cmd_selftest(args) -> int:
 
 
 def cmd_publish(args) -> int:
-    from .publish import publish
+    from quantprep.distribution.publish import publish
 
     plan = publish(args.dirs, args.to, dry_run=args.dry_run, sign_key=args.sign_key, plain_http=args.plain_http, tag=args.tag,
                    force=args.force)
@@ -259,13 +259,13 @@ def cmd_publish(args) -> int:
 
 
 def cmd_sign(args) -> int:
-    from .artifact import read_checked
-    from .signing import sign
+    from quantprep.distribution.signing import sign
+    from quantprep.format.artifact import read_checked
 
     read_checked(Path(args.dir), full_hash=True)  # sign only what verifies
     identity = None
     if args.for_ref:
-        from .publish import reference_identity
+        from quantprep.distribution.publish import reference_identity
 
         asked = reference_identity(args.for_ref)
         identity = {"name": asked["name"], "versions": asked["versions"]}
@@ -274,7 +274,7 @@ def cmd_sign(args) -> int:
 
 
 def cmd_pull(args) -> int:
-    from .publish import pull
+    from quantprep.distribution.publish import pull
 
     path = pull(args.ref, out=args.out, target=args.target, verify_key=args.verify_key, plain_http=args.plain_http, force=args.force)
     _print_json_or(args, {"ref": args.ref, "path": str(path)}, f"pulled {args.ref} -> {path} (every file's sha256 checked)")
@@ -285,7 +285,7 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     import torch
 
-    from . import load
+    from quantprep import load
 
     model = load(args.dir, trust_kcache=args.trust_kcache)
     t1 = time.perf_counter()
@@ -308,7 +308,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .serving import serve
+    from quantprep.tools.serving import serve
 
     def ready(info: dict) -> None:
         print(f"serving {info['model']} at {info['url']} (kcache {info['kcache']}, warm-up {info['warmup']}); "
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("warm", help="run the serving shapes and ship the kernel caches in DIR/kcache/")
     w.add_argument("dir")
     w.add_argument("--device", help="default: the artifact's target device")
-    w.add_argument("--shapes", help="comma-separated prefill lengths, or `buckets` for quantprep.serving.PREFILL_BUCKETS "
+    w.add_argument("--shapes", help="comma-separated prefill lengths, or `buckets` for quantprep.tools.serving.PREFILL_BUCKETS "
                                     "(default: the manifest's, else 1,16,128,512)")
     w.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile and ship its cache (default: the recipe's choice recorded in the manifest)")

@@ -16,7 +16,6 @@ Build:
     QUANTPREP_CACHE          the build cache (default artifacts/.cache; build.py)
     QUANTPREP_PACK           `torch`: the cpu target packs with tensor ops, not its compiled packer
 Tests only:
-    QUANTPREP_PAUSE_AT       stop at a stage so a kill test can SIGKILL there (staging.pause_point)
 """
 
 TRUST_DIR = "QUANTPREP_TRUST_DIR"
@@ -31,4 +30,3 @@ SIGNATURES = "QUANTPREP_SIGNATURES"
 RECIPES = "QUANTPREP_RECIPES"
 CACHE = "QUANTPREP_CACHE"
 PACK = "QUANTPREP_PACK"
-PAUSE_AT = "QUANTPREP_PAUSE_AT"

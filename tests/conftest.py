@@ -27,7 +27,7 @@ os.environ.setdefault("QUANTPREP_KCACHE_DIR", str(_USER_STATE / "kcache"))
 os.environ.setdefault("QUANTPREP_VERIFIED_DIR", str(_USER_STATE / "verified"))
 
 REPO = Path(__file__).resolve().parent.parent
-CALIB = (REPO / "quantprep" / "calibration.txt").read_text()
+CALIB = (REPO / "quantprep" / "build" / "calibration.txt").read_text()
 
 
 def make_tiny_float_model(out: Path, seed: int = 0) -> Path:
@@ -53,7 +53,7 @@ def make_tiny_float_model(out: Path, seed: int = 0) -> Path:
 def quantize_tiny(float_dir: Path, out: Path, **qc) -> Path:
     """Quantize in a subprocess: gptqmodel starts worker pools we do not want inside pytest."""
     code = (
-        "import sys, json; from quantprep.quantize import quantize_gptq, builtin_calibration; "
+        "import sys, json; from quantprep.build.quantize import quantize_gptq, builtin_calibration; "
         "from pathlib import Path; a = json.loads(sys.argv[1]); "
         "quantize_gptq(Path(a['src']), Path(a['out']), a['bits'], a['group_size'], a['desc_act'], a['sym'], builtin_calibration(17), "
         "checkpoint_format=a.get('checkpoint_format', 'gptq'))"
@@ -72,14 +72,14 @@ TINY_LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "inte
 def random_gptq(tmp_path) -> Path:
     """A 1-layer Llama GPTQ checkpoint with random codes (no gptqmodel: milliseconds). K=160 with
     group 64 gives down_proj a partial last group."""
-    from quantprep.synthetic import write_random_checkpoint
+    from quantprep.build.synthetic import write_random_checkpoint
 
     return write_random_checkpoint(tmp_path / "gptq", TINY_LLAMA, bits=4, group_size=64, desc_act=True, sym=False)
 
 
 @pytest.fixture
 def random_artifact(random_gptq, tmp_path) -> Path:
-    from quantprep.build import prepack
+    from quantprep.build.pipeline import prepack
 
     out = tmp_path / "artifact"
     prepack(random_gptq, "cpu", out)
@@ -132,15 +132,15 @@ def gptqmodel_run(gptq_dir: Path, input_ids: torch.Tensor, tmp: Path, new_tokens
 
 def dense_reference_model(gptq_dir: Path, dtype: torch.dtype = torch.float32):
     """The same checkpoint with every quantized weight dequantized to a dense float Linear."""
-    from quantprep.eval import dequantized_model
+    from quantprep.tools.eval import dequantized_model
 
     return dequantized_model(gptq_dir, dtype)
 
 
 def prepacked_module(target_name: str, raw: dict, q, dtype: torch.dtype):
     """On-disk GPTQ tensors of one layer -> (PrepackLayer, the target's loaded module, its meta)."""
-    from quantprep.prepack import prepare_layer
-    from quantprep.source import _validate_layer
+    from quantprep.build.prepack import prepare_layer
+    from quantprep.build.source import _validate_layer
     from quantprep.targets import get_target
 
     target = get_target(target_name)
@@ -165,7 +165,7 @@ def warmed_aot(tmp_path_factory):
     the CPU), by this user: its kcache is in the session's trust store. Shared: use copy_of to edit."""
     from test_warm import _build
 
-    from quantprep.warm import warm
+    from quantprep.runtime.warm import warm
 
     art = _build(tmp_path_factory.mktemp("aot"))
     return art, warm(art, progress=False)
@@ -221,7 +221,7 @@ def serve(argv: list[str], probe_url: str, what: str, timeout: float = 60, **pop
 
 def edit_manifest(art: Path, edit) -> dict:
     """Change an artifact's manifest as anyone can (edit(manifest) in place), with a fresh self-digest."""
-    from quantprep.artifact import MANIFEST, manifest_digest
+    from quantprep.format.artifact import MANIFEST, manifest_digest
 
     m = json.loads((art / MANIFEST).read_text())
     edit(m)
@@ -232,7 +232,7 @@ def edit_manifest(art: Path, edit) -> dict:
 
 def relist(art: Path, *names: str) -> dict:
     """Record the files `names` as they are now in the artifact's manifest (sha256 and size)."""
-    from quantprep.artifact import sha256_file
+    from quantprep.format.artifact import sha256_file
 
     def edit(m):
         for name in names:
@@ -250,3 +250,23 @@ def one_line_error(capsys) -> str:
 def leftovers(out: Path) -> list[str]:
     """What writers of `out` left beside it (staging siblings), by name; the `.lock` file is meant to stay."""
     return sorted(p.name for p in out.parent.glob(f".{out.name}.*") if not p.name.endswith(".lock"))
+
+
+PAUSED_CLI = """import sys, time
+from quantprep._io import staging
+
+def pause(stage, at=sys.argv[1]):
+    if stage == at:
+        print(f"quantprep: paused at {stage}", file=sys.stderr, flush=True)
+        time.sleep(3600)
+
+staging.stage_hook = pause
+from quantprep.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def cli_paused_at(stage: str, *args: str) -> list[str]:
+    """argv of the quantprep CLI that sleeps when it reaches `stage` (staging.stage_reached), so a
+    kill test's SIGKILL lands there. The seam is set only in this child process."""
+    return [sys.executable, "-c", PAUSED_CLI, stage, *args]

@@ -11,8 +11,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from quantprep import registry as oci
-from quantprep.artifact import MANIFEST, SIGNED
+from quantprep.distribution import registry as oci
+from quantprep.format.artifact import MANIFEST, SIGNED
 
 
 def digest(data: bytes) -> str:

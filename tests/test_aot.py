@@ -13,12 +13,12 @@ import torch
 from test_warm import _build
 
 import quantprep
-from quantprep.aot import signature
-from quantprep.artifact import read_manifest
-from quantprep.kcache import KCACHE
+from quantprep.format.artifact import read_manifest
+from quantprep.runtime.aot import signature
+from quantprep.runtime.kcache import KCACHE
+from quantprep.runtime.warm import warm
 from quantprep.targets.cpu import CpuInt4Linear
-from quantprep.verify import verify_artifact
-from quantprep.warm import warm
+from quantprep.tools.verify import verify_artifact
 
 # Fresh process: load with compile, report kcache status, dynamo's graph count, logits vs eager.
 CHILD = """
@@ -111,7 +111,7 @@ def test_signature_tells_layouts_apart(warmed_aot):
 PREFETCH_CHILD = """
 import json, sys
 import torch
-from quantprep.aot import INDUCTOR_RUNTIME, prefetch_runtime
+from quantprep.runtime.aot import INDUCTOR_RUNTIME, prefetch_runtime
 before = [m for m in INDUCTOR_RUNTIME if m in sys.modules]
 thread = prefetch_runtime([{"format": "inductor", "file": "aot/x.bin", "signature": "x", "tokens": [1, 1]}])
 thread.join(600)
@@ -124,7 +124,7 @@ print(json.dumps({"before": before, "after": [m for m in INDUCTOR_RUNTIME if m i
 def test_prefetch_imports_inductor_in_the_background_for_inductor_artifacts():
     """Fails when a module name goes stale with a new torch: the thread swallows the import error
     (the main thread's own import reports it), so only this test notices the lost overlap."""
-    from quantprep.aot import INDUCTOR_RUNTIME, prefetch_runtime
+    from quantprep.runtime.aot import INDUCTOR_RUNTIME, prefetch_runtime
 
     assert prefetch_runtime([]) is None
     assert prefetch_runtime([{"file": "aot/x.pt2", "signature": "x", "tokens": [1, 1], "format": "aoti"}]) is None
@@ -154,7 +154,7 @@ def test_check_rejects_a_package_that_does_not_load_or_fit(warmed_aot, tmp_path)
     import shutil
     import zipfile
 
-    from quantprep.aot import check_packages
+    from quantprep.runtime.aot import check_packages
 
     art, _ = warmed_aot
     good = read_manifest(art)["kcache"]["aot"]
@@ -174,7 +174,7 @@ def warmed_inductor(tmp_path_factory):
     """warm where every AOTInductor package fails its check, as on the GPU machine's torch 2.11
     (each load crashed there): only the check's verdict on those is replaced; the AOTInductor and
     Inductor builds, the check of the Inductor artifacts and the compile phase run for real."""
-    import quantprep.warm as w
+    import quantprep.runtime.warm as w
 
     real = w._run_child
 
@@ -232,7 +232,7 @@ def test_package_that_does_not_load_falls_back_to_torch_compile(warmed_inductor,
 
 
 def test_packages_are_checked_at_both_ends_of_their_range():
-    from quantprep.aot import CHECK_BYTES, check_points
+    from quantprep.runtime.aot import CHECK_BYTES, check_points
 
     assert check_points(1, 1, 1000) == [1]
     assert check_points(2, 511, 1000) == [2, 65, 511]  # both ends

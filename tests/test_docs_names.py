@@ -8,8 +8,9 @@ import re
 from conftest import REPO
 
 DOCS = [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted((REPO / "docs").glob("*.md"))]
-MODULES = {p.stem: f"quantprep.{p.stem}" for p in (REPO / "quantprep").glob("*.py") if p.stem != "__init__"} | {
-    p.stem: f"quantprep.targets.{p.stem}" for p in (REPO / "quantprep" / "targets").glob("*.py") if p.stem != "__init__"}
+PACKAGE = REPO / "quantprep"
+MODULES = {p.stem: ".".join(p.relative_to(REPO).with_suffix("").parts)  # stems are unique (test_layers.py)
+           for p in PACKAGE.rglob("*.py") if p.stem != "__init__"}
 MENTION = re.compile(r"`(?:quantprep\.)?([a-z_][a-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)(?:\.([A-Za-z_][A-Za-z0-9_]*))?(?:\(\))?`")
 FILE_SUFFIXES = {"py", "md", "json", "toml", "sh"}  # `warm.py` names a file
 

@@ -12,16 +12,16 @@ from conftest import CALIB, make_tiny_float_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import quantprep
-from quantprep.artifact import read_checked
 from quantprep.cli import main
-from quantprep.eval import evaluate, token_windows
+from quantprep.format.artifact import read_checked
+from quantprep.tools.eval import evaluate, token_windows
 
 CTX = 32
 
 
 @pytest.fixture(scope="module")
 def tiny_art(tiny_gptq4, tmp_path_factory):
-    from quantprep.build import prepack
+    from quantprep.build.pipeline import prepack
 
     out = tmp_path_factory.mktemp("eval") / "cpu"
     prepack(tiny_gptq4, "cpu", out)
@@ -97,7 +97,7 @@ def test_the_result_is_stored_and_shown(tiny_art, tiny_float, text, tmp_path, ca
 def test_eval_keeps_the_kcache(tiny_art, tiny_gptq4, tmp_path, capsys):
     from test_warm import _build
 
-    from quantprep.warm import warm
+    from quantprep.runtime.warm import warm
 
     art = tmp_path / "art"
     shutil.copytree(tiny_art, art)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import quantprep
-from quantprep.build import prepack
-from quantprep.fused import FusedGroup, FusedMember
-from quantprep.prepack import fusion_plan
-from quantprep.synthetic import write_random_checkpoint
+from quantprep.build.pipeline import prepack
+from quantprep.build.prepack import fusion_plan
+from quantprep.build.synthetic import write_random_checkpoint
+from quantprep.runtime.fused import FusedGroup, FusedMember
 
 CFG = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 160,
        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "tie_word_embeddings": False}
@@ -56,7 +56,7 @@ def test_fused_artifact_gives_the_unfused_logits(tmp_path, bits, sym):
     # float32 activations: the fused matmul computes each output column as the separate one does.
     assert ((a - b).norm() / b.norm()).item() < 1e-5
     assert torch.equal(a.argmax(-1), b.argmax(-1))
-    from quantprep.verify import verify_artifact
+    from quantprep.tools.verify import verify_artifact
 
     verify_artifact(fused)
 

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import quantprep
-from quantprep.artifact import MANIFEST, check_files, manifest_digest, read_manifest, sha256_file
 from quantprep.errors import ArtifactError
+from quantprep.format.artifact import MANIFEST, check_files, manifest_digest, read_manifest, sha256_file
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False) | st.text(string.printable, max_size=12),
@@ -25,8 +25,8 @@ FUZZ = settings(max_examples=1500, deadline=None, suppress_health_check=list(Hea
 def artifact(tmp_path_factory):
     from conftest import TINY_LLAMA
 
-    from quantprep.build import prepack
-    from quantprep.synthetic import write_random_checkpoint
+    from quantprep.build.pipeline import prepack
+    from quantprep.build.synthetic import write_random_checkpoint
 
     root = tmp_path_factory.mktemp("fuzz")
     gptq = write_random_checkpoint(root / "gptq", TINY_LLAMA, bits=4, group_size=64, desc_act=True, sym=False)

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantprep.gptq_format import pack_cols, pack_rows, unpack_cols, unpack_rows, v1_to_v2_qzeros, v2_to_v1_qzeros
+from quantprep.format.gptq import pack_cols, pack_rows, unpack_cols, unpack_rows, v1_to_v2_qzeros, v2_to_v1_qzeros
 
 bits_st = st.sampled_from([4, 8])
 

@@ -13,10 +13,10 @@ from conftest import edit_manifest
 from transformers import AutoModelForCausalLM, pipeline
 
 import quantprep
-from quantprep.artifact import MANIFEST, WEIGHTS_INDEX
-from quantprep.build import prepack
+from quantprep.build.pipeline import prepack
+from quantprep.build.synthetic import write_random_checkpoint
 from quantprep.errors import ArtifactError, ArtifactMismatch
-from quantprep.synthetic import write_random_checkpoint
+from quantprep.format.artifact import MANIFEST, WEIGHTS_INDEX
 
 QWEN2 = {"model_type": "qwen2", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}
@@ -95,7 +95,7 @@ def test_the_same_refusals(tmp_path):
 def test_a_tensor_the_model_lacks_is_refused_before_loading(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from quantprep.artifact import sha256_file
+    from quantprep.format.artifact import sha256_file
 
     art = _artifact(tmp_path)
     m = json.loads((art / MANIFEST).read_text())
@@ -111,7 +111,7 @@ def test_a_tensor_the_model_lacks_is_refused_before_loading(tmp_path):
 def test_an_index_that_points_elsewhere_is_refused(tmp_path):
     """transformers reads the shards the index names: one naming another file (its manifest entry
     updated, as a consistent forgery would) is refused before anything is read."""
-    from quantprep.artifact import sha256_file
+    from quantprep.format.artifact import sha256_file
 
     art = _artifact(tmp_path)
     index = json.loads((art / WEIGHTS_INDEX).read_text())

@@ -8,7 +8,7 @@ src/common/verbose.cpp (v3.6+) for the int4 matmul that PyTorch's WoQMatmul.cpp 
 
 import pytest
 
-from quantprep.intel_runtime import (
+from quantprep.targets.intel_runtime import (
     ARCHITECTURES,
     aot_name,
     arch_warning,
@@ -134,7 +134,7 @@ def test_int4_matmul_report_names_the_implementation_and_the_fallback():
 
 
 def test_selftest_notes_say_when_the_card_falls_back():
-    from quantprep.selftest import onednn_notes, xpu_cache_report
+    from quantprep.tools.selftest import onednn_notes, xpu_cache_report
 
     notes = onednn_notes(int4_matmul_report(INT4_LINES))
     assert "REFERENCE" not in notes[0] and "created in 312.5 ms" in notes[0]

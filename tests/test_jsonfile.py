@@ -1,9 +1,9 @@
-"""Bounded JSON reading (quantprep/jsonfile.py): every untrusted JSON file goes through it."""
+"""Bounded JSON reading (quantprep/_io/jsonfile.py): every untrusted JSON file goes through it."""
 
 import pytest
 
+from quantprep._io.jsonfile import read_json_object
 from quantprep.errors import ArtifactError, SourceError
-from quantprep.jsonfile import read_json_object
 
 
 @pytest.mark.parametrize("raw, problem", [
@@ -30,8 +30,8 @@ def test_reads_an_object_and_reports_a_missing_file(tmp_path):
 
 
 def test_an_oversized_manifest_is_refused_before_parsing(tmp_path):
-    from quantprep.artifact import MANIFEST, read_manifest
-    from quantprep.jsonfile import MAX_JSON_BYTES
+    from quantprep._io.jsonfile import MAX_JSON_BYTES
+    from quantprep.format.artifact import MANIFEST, read_manifest
 
     with open(tmp_path / MANIFEST, "wb") as f:
         f.write(b"{")

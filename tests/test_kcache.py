@@ -16,9 +16,9 @@ import zipfile
 import pytest
 from conftest import edit_manifest
 
-from quantprep.artifact import read_manifest, sha256_file
 from quantprep.errors import ArtifactError
-from quantprep.kcache import KCACHE, activate, cache_env, exec_env, kcache_digest, materialize, runtime_dir
+from quantprep.format.artifact import read_manifest, sha256_file
+from quantprep.runtime.kcache import KCACHE, activate, cache_env, exec_env, kcache_digest, materialize, runtime_dir
 
 PLANTED_C = r"""
 #include <stdio.h>
@@ -238,19 +238,43 @@ def test_every_process_sees_existing_dirs_for_the_cache_variables_it_gets(tmp_pa
         assert all(seen.values()), seen
     load_code = ("import os, json, sys, quantprep\n"
                  "m = quantprep.load(sys.argv[1], compile=True)\n"
-                 "print(json.dumps([{v: os.path.isdir(os.environ[v]) for v in ('TORCHINDUCTOR_CACHE_DIR', 'TRITON_CACHE_DIR') "
-                 "if v in os.environ}, m.quantprep_kcache['status']]))")
+                 "scoped = m.quantprep_kcache['env']\n"
+                 "print(json.dumps([{v: os.path.isdir(d) for v, d in scoped.items()}, m.quantprep_kcache['status'],"
+                 " sorted(v for v, d in scoped.items() if os.environ.get(v) == d)]))")
     proc = subprocess.run([sys.executable, "-c", load_code, str(random_artifact)], env=dict(env, QUANTPREP_TEST_DIR_LOG=""),
                           capture_output=True, text=True, timeout=600)
-    seen, status = json.loads(proc.stdout.strip().splitlines()[-1])
+    seen, status, left = json.loads(proc.stdout.strip().splitlines()[-1])
     assert status == "used" and seen == {"TORCHINDUCTOR_CACHE_DIR": True, "TRITON_CACHE_DIR": True}, (seen, status)
+    assert left == [], left  # issue 30: they point at the copy during load only (Inductor may set its default after)
+
+
+def test_a_used_kcache_serves_its_shapes_and_leaves_the_environment_as_it_was(warmed_aot, tmp_path, monkeypatch):
+    """Issue 30: load points Triton and Inductor at the kcache copy only while it runs the warmed
+    shapes. Afterwards the variables are what they were before, so a second model or a child
+    process never writes into this artifact's copy."""
+    import quantprep
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("QUANTPREP_KCACHE_DIR", str(tmp_path / "rt"))
+    seen = []
+    import quantprep.runtime.load as load_mod
+
+    run = load_mod.run_shapes
+    monkeypatch.setattr(load_mod, "run_shapes", lambda m, s: seen.append(os.environ.get("TORCHINDUCTOR_CACHE_DIR")) or run(m, s))
+    first = quantprep.load(warmed_aot[0], compile=True)
+    assert first.quantprep_kcache["status"] == "used", first.quantprep_kcache
+    assert seen == [first.quantprep_kcache["env"]["TORCHINDUCTOR_CACHE_DIR"]]  # the shapes ran inside the scope
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != first.quantprep_kcache["env"]["TORCHINDUCTOR_CACHE_DIR"]
+    assert first.quantprep_warmup and [r["prefill"] for r in first.quantprep_warmup] == first.quantprep_buckets
 
 
 def test_xpu_warm_asks_triton_for_native_code_only_with_ocloc(tmp_path):
     """Issue 14 item 7: with `ocloc` on PATH, warm's child gets TRITON_XPU_GEN_NATIVE_CODE=1 (Triton then
     ships zebins, not SPIR-V); load sets it again only when the kcache was warmed so and ocloc is here.
     The ocloc here is an empty stand-in: only its presence on PATH is read."""
-    from quantprep.kcache import triton_native_env, xpu_warm_env
+    from quantprep.runtime.kcache import triton_native_env, xpu_warm_env
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

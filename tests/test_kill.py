@@ -1,7 +1,7 @@
 """Killed builds (issue 5, item 3): SIGKILL `quantprep prepack` at each stage of a rebuild over a
 published artifact. Afterwards the path holds a complete artifact that verifies (the old one,
 or the new one once the atomic swap happened), nothing half-written loads, and a rerun cleans
-the leftovers and succeeds. `QUANTPREP_PAUSE_AT` stops the process at a stage so the kill lands
+the leftovers and succeeds. A test-only seam (conftest.cli_paused_at) stops the process at a stage so the kill lands
 there deterministically."""
 
 import os
@@ -11,16 +11,17 @@ import sys
 import time
 
 import pytest
-from conftest import leftovers
+from conftest import cli_paused_at, leftovers
 
 import quantprep
-from quantprep.artifact import read_manifest
-from quantprep.verify import verify_artifact
+from quantprep.format.artifact import read_manifest
+from quantprep.tools.verify import verify_artifact
 
 
-def _prepack(gptq, out, *extra, env=None, stderr=None):
-    cmd = [sys.executable, "-m", "quantprep", "prepack", str(gptq), "--target", "cpu", "--out", str(out), *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, env=env)
+def _prepack(gptq, out, *extra, pause_at=None, stderr=None):
+    args = ["prepack", str(gptq), "--target", "cpu", "--out", str(out), *extra]
+    cmd = cli_paused_at(pause_at, *args) if pause_at else [sys.executable, "-m", "quantprep", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr)
 
 
 @pytest.mark.parametrize("stage", ["prepack", "write", "publish"])
@@ -31,7 +32,7 @@ def test_sigkill_during_rebuild(random_gptq, tmp_path, stage):
 
     err = tmp_path / "stderr.txt"
     with open(err, "w") as err_file:
-        proc = _prepack(random_gptq, out, "--act-dtype", "float32", env=dict(os.environ, QUANTPREP_PAUSE_AT=stage), stderr=err_file)
+        proc = _prepack(random_gptq, out, "--act-dtype", "float32", pause_at=stage, stderr=err_file)
         deadline = time.time() + 120
         while f"paused at {stage}" not in err.read_text() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.1)
@@ -59,7 +60,7 @@ def test_sigkill_first_build_leaves_nothing_loadable(random_gptq, tmp_path):
     out = tmp_path / "art"
     err = tmp_path / "stderr.txt"
     with open(err, "w") as err_file:
-        proc = _prepack(random_gptq, out, env=dict(os.environ, QUANTPREP_PAUSE_AT="write"), stderr=err_file)
+        proc = _prepack(random_gptq, out, pause_at="write", stderr=err_file)
         deadline = time.time() + 120
         while "paused at write" not in err.read_text() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.1)
@@ -81,11 +82,11 @@ def test_sigkill_during_quantize(tiny_float, tmp_path):
     recipe.write_text(f'[source]\npath = "{tiny_float}"\n[quantize]\nbits = 4\ngroup_size = 128\nsamples = 4\n')
     cache, out = tmp_path / "cache", tmp_path / "out"
     env = dict(os.environ, QUANTPREP_CACHE=str(cache))
-    cmd = [sys.executable, "-m", "quantprep", "build", str(recipe), "--out", str(out), "--no-check"]
+    cmd = cli_paused_at("quantize", "build", str(recipe), "--out", str(out), "--no-check")
     err = tmp_path / "stderr.txt"
     with open(err, "w") as err_file:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True,
-                                env=dict(env, QUANTPREP_PAUSE_AT="quantize"))
+                                env=env)
         deadline = time.time() + 300
 
         def paused():  # gptqmodel's output, the pause's line with it, goes to its log in the build cache

@@ -20,7 +20,7 @@ import torch
 from conftest import dense_reference_model, gptqmodel_run, rel_err, top1
 
 import quantprep
-from quantprep.build import prepack
+from quantprep.build.pipeline import prepack
 
 
 def _build(gptq_dir, out, act_dtype=None):
@@ -87,7 +87,7 @@ def test_float_tensors_are_stored_in_act_dtype_and_tied(case):
 @pytest.mark.parametrize("lm_head", [False, True])
 def test_random_qwen2_with_quantized_lm_head(tmp_path, lm_head):
     """Tied embeddings with a float lm_head, and a quantized lm_head (which unties it)."""
-    from quantprep.synthetic import write_random_checkpoint
+    from quantprep.build.synthetic import write_random_checkpoint
 
     cfg = {"model_type": "qwen2", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}
@@ -115,8 +115,8 @@ def _drop_tensor(gptq, key):
 
 def test_checkpoint_that_lost_a_bias_is_refused_at_build(tmp_path, capsys):
     """Qwen2's q/k/v have biases: a checkpoint without one is refused, naming the tensor, before anything is written."""
+    from quantprep.build.synthetic import write_random_checkpoint
     from quantprep.cli import main
-    from quantprep.synthetic import write_random_checkpoint
 
     gptq = write_random_checkpoint(tmp_path / "gptq", TINY_QWEN2, group_size=32)
     _drop_tensor(gptq, "model.layers.0.self_attn.k_proj.bias")
@@ -135,9 +135,9 @@ def test_artifact_that_lost_a_bias_is_refused_at_load(tmp_path, fuse):
 
     from safetensors.torch import load_file, save_file
 
-    from quantprep.artifact import MANIFEST, manifest_digest, sha256_file
+    from quantprep.build.synthetic import write_random_checkpoint
     from quantprep.errors import ArtifactError
-    from quantprep.synthetic import write_random_checkpoint
+    from quantprep.format.artifact import MANIFEST, manifest_digest, sha256_file
 
     gptq = write_random_checkpoint(tmp_path / "gptq", TINY_QWEN2, group_size=32)
     art = tmp_path / "art"

@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantprep.prepack import act_order_perm, can_fuse, prepare_layer, prepare_layers
-from quantprep.source import QuantConfig, _validate_layer
-from quantprep.synthetic import pack_gptq, random_gptq_codes
+from quantprep.build.prepack import act_order_perm, can_fuse, prepare_layer, prepare_layers
+from quantprep.build.source import QuantConfig, _validate_layer
+from quantprep.build.synthetic import pack_gptq, random_gptq_codes
 
 
 def dense_truth(v: dict, K: int) -> torch.Tensor:
@@ -95,7 +95,7 @@ def test_prepack_memory_stays_flat_as_the_model_grows(tmp_path):
     import sys
     import time
 
-    from quantprep.synthetic import write_random_checkpoint_sharded
+    from quantprep.build.synthetic import write_random_checkpoint_sharded
 
     def peak_rss_mib(layers: int, vocab: int = 1024, intermediate: int = 5504) -> float:
         cfg = {"model_type": "qwen2", "hidden_size": 2048, "intermediate_size": intermediate, "num_hidden_layers": layers,

@@ -10,15 +10,15 @@ import torch
 from conftest import free_port, serve
 
 import quantprep
-from quantprep.artifact import MANIFEST
 from quantprep.cli import main
+from quantprep.distribution.publish import INDEX, publish, pull
 from quantprep.errors import ArtifactError, ArtifactMismatch, QuantprepError
-from quantprep.publish import INDEX, publish, pull
+from quantprep.format.artifact import MANIFEST
 
 
 @pytest.fixture
 def built(random_gptq, tmp_path):
-    from quantprep.build import prepack
+    from quantprep.build.pipeline import prepack
 
     for target in ("cpu", "xpu"):
         prepack(random_gptq, target, tmp_path / "art" / target)
@@ -144,7 +144,7 @@ def test_signed_publish_pull_and_load(built, cache, tmp_path, capsys, monkeypatc
     assert not (built / "cpu" / "model.sig").exists()  # the source directory is not modified
     got = pull(str(signed), verify_key=pub)
     assert (got / "model.sig").is_file()
-    from quantprep import signing
+    from quantprep.distribution import signing
 
     with monkeypatch.context() as m:  # the pull verified these very files: the load does not hash them again
         m.setattr(signing, "_model_signing", lambda: pytest.fail("verified twice"))
@@ -160,7 +160,7 @@ def test_signed_publish_pull_and_load(built, cache, tmp_path, capsys, monkeypatc
         quantprep.load(got)  # load checks the key too
     monkeypatch.delenv("QUANTPREP_VERIFY_KEY")
     # Tampering after signing: change a file, re-sign the manifest's digests (what an attacker can do).
-    from quantprep.artifact import manifest_digest, sha256_file
+    from quantprep.format.artifact import manifest_digest, sha256_file
 
     [variant] = json.loads((signed / INDEX).read_text())["variants"]
     vdir = signed / variant["name"]
@@ -195,7 +195,7 @@ def test_a_verified_signature_trusts_the_kcache(cache, tmp_path, monkeypatch):
     user's key, and not otherwise (another user: an empty trust store)."""
     from test_warm import _build
 
-    from quantprep.warm import warm
+    from quantprep.runtime.warm import warm
 
     key, pub = _keypair(tmp_path / "keys")
     art = _build(tmp_path / "b")

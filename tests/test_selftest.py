@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from quantprep.cli import main
-from quantprep.selftest import _module, check_case, xpu_cache_report
 from quantprep.targets import get_target
+from quantprep.tools.selftest import _module, check_case, xpu_cache_report
 
 
 def test_selftest_cpu_passes_and_times(capsys):

@@ -13,7 +13,7 @@ import torch
 from conftest import dense_reference_model, edit_manifest, rel_err
 
 import quantprep
-from quantprep.serving import bucket_for, generate, prefill
+from quantprep.tools.serving import bucket_for, generate, prefill
 
 BUCKETS = [4, 8, 16]
 
@@ -36,7 +36,7 @@ def test_padded_prefill_is_the_unpadded_one_in_float64(random_gptq, n):
 
 
 def test_a_bucketed_artifact_generates_the_same_tokens(random_gptq, tmp_path):
-    from quantprep.build import prepack
+    from quantprep.build.pipeline import prepack
 
     prepack(random_gptq, "cpu", tmp_path / "a", "float32")
     model = quantprep.load(tmp_path / "a")
@@ -51,8 +51,8 @@ def test_a_bucketed_artifact_generates_the_same_tokens(random_gptq, tmp_path):
 
 
 def test_the_qwen_recipe_warms_the_prefill_buckets():
-    from quantprep.recipes import find_recipe
-    from quantprep.serving import PREFILL_BUCKETS
+    from quantprep.build.recipes import find_recipe
+    from quantprep.tools.serving import PREFILL_BUCKETS
 
     assert find_recipe("qwen2.5-1.5b").warm_shapes == PREFILL_BUCKETS
     assert all(b / a <= 1.1 + 8 / a for a, b in zip(PREFILL_BUCKETS[1:], PREFILL_BUCKETS[2:], strict=False))  # <= 10% + rounding
@@ -69,8 +69,8 @@ def chat_artifact(root):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from quantprep.build import prepack
-    from quantprep.synthetic import write_random_checkpoint
+    from quantprep.build.pipeline import prepack
+    from quantprep.build.synthetic import write_random_checkpoint
 
     gptq = write_random_checkpoint(root / "gptq", TINY_LLAMA, bits=4, group_size=64, desc_act=True, sym=False)
     vocab = {chr(97 + i % 26) * (1 + i // 26): i for i in range(TINY_LLAMA["vocab_size"])}
@@ -170,7 +170,7 @@ def test_serve_a_published_reference(tmp_path, monkeypatch):
     from conftest import free_port
     from openai import OpenAI
 
-    from quantprep.publish import publish
+    from quantprep.distribution.publish import publish
 
     art = chat_artifact(tmp_path / "a")
     publish([art], str(tmp_path / "published"))

@@ -6,7 +6,7 @@ import shutil
 import pytest
 from test_publish import _keypair
 
-from quantprep import signing
+from quantprep.distribution import signing
 from quantprep.errors import ArtifactError
 
 

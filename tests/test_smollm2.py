@@ -29,7 +29,7 @@ import torch
 from conftest import REPO, dense_reference_model, gptqmodel_run, rel_err, top1
 
 import quantprep
-from quantprep.build import build_artifacts
+from quantprep.build.pipeline import build_artifacts
 
 PROMPT = "Tell me a short story about a lighthouse keeper."
 GREEDY_MARGIN = 1.0  # logits: a near-tie that legitimate bf16/fp16 rounding may flip
@@ -88,7 +88,7 @@ def test_logits_vs_dense(smollm2):
     gptq_dir, art, art32 = smollm2
     from transformers import AutoTokenizer
 
-    from quantprep.eval import HELDOUT_FILE
+    from quantprep.tools.eval import HELDOUT_FILE
 
     # Real text only: after random tokens the next-token distributions are near-flat, so bf16 rounding
     # flips their argmax by chance (unseeded random tokens gave top-1 0.889 once on a 2-core AVX2 run).

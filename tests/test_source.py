@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from quantprep.build.prepack import prepare_layer
+from quantprep.build.source import read_checkpoint
 from quantprep.errors import SourceError
-from quantprep.prepack import prepare_layer
-from quantprep.source import read_checkpoint
 
 Q = "model.layers.0.self_attn.q_proj"
 DOWN = "model.layers.0.mlp.down_proj"  # K=160, group 64: partial last group
@@ -63,7 +63,7 @@ def test_sharded_equals_single(ckpt_dir, tmp_path):
 
 def test_config_from_config_json_and_v2(ckpt_dir):
     """No quantize_config.json: config.json's quantization_config is used; v2 zeros are read as is."""
-    from quantprep.gptq_format import v1_to_v2_qzeros
+    from quantprep.format.gptq import v1_to_v2_qzeros
 
     (ckpt_dir / "quantize_config.json").unlink()
     cfg = json.loads((ckpt_dir / "config.json").read_text())
@@ -183,8 +183,8 @@ def test_large_float_tensors_are_converted_block_by_block(tmp_path):
     """read_converted (embeddings and other float tensors at prepack): a tensor past block_bytes is
     written by write_safetensors a block of rows at a time, with the bytes of a whole `.to(dtype)`;
     smaller and integer tensors come back whole."""
-    from quantprep.artifact import write_safetensors
-    from quantprep.source import LazyTensors, StoredRows
+    from quantprep.build.source import LazyTensors, StoredRows
+    from quantprep.format.artifact import write_safetensors
 
     emb, ids = torch.randn(1003, 40, dtype=torch.float16), torch.arange(7, dtype=torch.int64)
     save_file({"emb": emb, "ids": ids}, tmp_path / "m.safetensors")

@@ -14,15 +14,15 @@ import pytest
 from conftest import edit_manifest, one_line_error
 from hostile_registry import HostileRegistry
 
-from quantprep.artifact import MANIFEST, sha256_file
 from quantprep.cli import main
+from quantprep.distribution.publish import INDEX, publish, pull
 from quantprep.errors import ArtifactError
-from quantprep.publish import INDEX, publish, pull
+from quantprep.format.artifact import MANIFEST, sha256_file
 
 
 @pytest.fixture
 def art(random_gptq, tmp_path) -> Path:
-    from quantprep.build import prepack
+    from quantprep.build.pipeline import prepack
 
     out = tmp_path / "art"
     prepack(random_gptq, "cpu", out)
@@ -98,7 +98,7 @@ def test_case01_leftover_names_without_quantprep_marker_are_never_touched(art, t
     assert main(["publish", str(art), "--to", str(ref)]) == 0  # a replace, with a user's `.old` in the way of none
     assert (tree(partial), tree(old)) == before
     # quantprep's own leftovers (marked, their writer dead) are cleaned by the next writer
-    from quantprep.staging import MARKER
+    from quantprep._io.staging import MARKER
 
     mine = tmp_path / ".ref.partial-999998"
     mine.mkdir()
@@ -111,7 +111,7 @@ def test_case01_leftover_names_without_quantprep_marker_are_never_touched(art, t
 
 @pytest.mark.parametrize("command", ["pull", "publish"])
 def test_case13_every_file_and_directory_is_fsynced_before_the_swap(art, cache, tmp_path, monkeypatch, command):
-    from quantprep import staging
+    from quantprep._io import staging
 
     ref = tmp_path / "ref"
     publish([art], str(ref))
@@ -248,7 +248,7 @@ def test_case10_an_endless_probe_body_is_not_read(art, cache, hostile, capsys):
 
 
 def test_case10_json_layers_are_capped_before_download(art, cache, hostile, tmp_path, capsys):
-    from quantprep.jsonfile import MAX_JSON_BYTES
+    from quantprep._io.jsonfile import MAX_JSON_BYTES
 
     name, entry = _entry(art, tmp_path)
     hostile.publish(art, name, entry, layer_edit=lambda layers: layers[0].update(size=MAX_JSON_BYTES + 1))
@@ -268,8 +268,8 @@ def test_case02_from_pretrained_refuses_an_index_that_points_at_another_artifact
     from transformers import AutoModelForCausalLM
 
     import quantprep  # noqa: F401 (registers the quantizer)
-    from quantprep.artifact import WEIGHTS_INDEX
-    from quantprep.signing import sign
+    from quantprep.distribution.signing import sign
+    from quantprep.format.artifact import WEIGHTS_INDEX
 
     key, pub = _keypair(tmp_path / "keys")
     sign(art, key)
@@ -317,7 +317,7 @@ def test_case04_a_weight_map_that_is_not_a_plain_file_name_is_refused(random_gpt
 
 def test_case04_a_hub_cache_snapshot_with_links_to_its_blobs_still_builds(random_gptq, tmp_path):
     """The allowed case: huggingface_hub's snapshots are links into the repository's blobs/."""
-    from quantprep.artifact import read_manifest
+    from quantprep.format.artifact import read_manifest
 
     repo = tmp_path / "hub" / "models--org--tiny"
     snap, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
@@ -370,7 +370,7 @@ def test_case05_a_source_with_remote_code_is_refused(random_gptq, tmp_path, caps
 # --- 12. generate reads the tokenizer of the directory load verified --------------------------------
 
 def test_case12_generate_ignores_a_tokenizer_beside_a_reference(tiny_gptq4, cache, tmp_path, capsys):
-    from quantprep.build import prepack
+    from quantprep.build.pipeline import prepack
 
     a = tmp_path / "a"
     prepack(tiny_gptq4, "cpu", a)
@@ -397,8 +397,8 @@ def test_case06_a_kcache_file_swapped_after_a_read_is_not_what_runs(art, tmp_pat
     holds the bytes that were hashed, because the artifact's file is read once, while copying."""
     import builtins
 
-    from quantprep.artifact import read_manifest
-    from quantprep.kcache import activate, cache_key
+    from quantprep.format.artifact import read_manifest
+    from quantprep.runtime.kcache import activate, cache_key
 
     good = b"\x7fELF" + b"\x01" * 60
     _with_kcache(art, {"triton/kernel.so": good})
@@ -467,7 +467,7 @@ def test_case07_options_reach_the_one_load_and_not_the_environment(tmp_path, mon
     from transformers import AutoModelForCausalLM
 
     import quantprep  # noqa: F401 (registers the quantizer)
-    from quantprep.hf_quantizer import load_options
+    from quantprep.runtime.hf_quantizer import load_options
 
     for var in ("QUANTPREP_TRUST_KCACHE", "QUANTPREP_VERIFY_KEY"):
         monkeypatch.delenv(var, raising=False)
@@ -514,7 +514,7 @@ def test_case08_hashed_once_then_marked_until_a_file_changes(art, tmp_path, monk
     import shutil
 
     import quantprep
-    from quantprep import artifact
+    from quantprep.format import artifact
 
     monkeypatch.setenv("QUANTPREP_VERIFIED_DIR", str(tmp_path / "marks"))
     copy = tmp_path / "copied"
@@ -531,7 +531,7 @@ def test_case08_hashed_once_then_marked_until_a_file_changes(art, tmp_path, monk
 
 def test_case08_a_build_and_a_pull_mark_what_they_hashed(art, cache, tmp_path, monkeypatch):
     import quantprep
-    from quantprep import artifact
+    from quantprep.format import artifact
 
     publish([art], str(tmp_path / "ref"))
     got = pull(str(tmp_path / "ref"))
@@ -722,8 +722,8 @@ def test_case08_a_file_changed_while_it_is_hashed_is_not_marked(art, tmp_path, m
     """The attacker rewrites a shard (same size) right after quantprep hashed it: nothing may record
     those bytes as hashed, so the next load hashes again and refuses them."""
     import quantprep
-    from quantprep import artifact, verified
-    from quantprep.verify import verify_artifact
+    from quantprep.format import artifact, verified
+    from quantprep.tools.verify import verify_artifact
 
     monkeypatch.setenv("QUANTPREP_VERIFIED_DIR", str(tmp_path / "marks"))
     m = json.loads((art / MANIFEST).read_text())
@@ -750,7 +750,7 @@ def test_case08_a_file_changed_while_it_is_hashed_is_not_marked(art, tmp_path, m
 @pytest.mark.parametrize("spelling", ["oci://REGISTRY.example.com/ml-team/x:v1", "oci://registry.example.com:443/ml-team/x:v1",
                                       "oci://registry.example.com//ml-team/x:v1", "hf://ML-Org/x", "DIR//team/./x", "file://DIR/team/x"])
 def test_policy_rules_match_however_the_reference_is_spelled(tmp_path, monkeypatch, spelling):
-    from quantprep.policy import signature_policy
+    from quantprep.distribution.policy import signature_policy
 
     policy = tmp_path / "policy.toml"
     policy.write_text(f'[[rule]]\nmatch = "oci://registry.example.com/ml-team/"\nsignatures = "enforce"\nkey = "k.pub"\n\n'
@@ -764,7 +764,7 @@ def test_policy_rules_match_however_the_reference_is_spelled(tmp_path, monkeypat
 
 def test_case14_a_hub_commit_pin_is_checked_by_name():
     """A commit is made after signing, so a signature cannot name it: pinning one compares the name."""
-    from quantprep.publish import reference_identity
+    from quantprep.distribution.publish import reference_identity
 
     assert reference_identity("hf://org/x@" + "0123456789abcdef" * 2 + "01234567")["version"] is None
     assert reference_identity("hf://org/x@v1")["version"] == "v1"
@@ -791,7 +791,7 @@ def test_case01_a_refused_command_creates_nothing(art, cache, tmp_path, capsys):
 
 
 def test_a_staging_marker_inside_an_artifact_is_an_unknown_file(art, capsys):
-    from quantprep.staging import MARKER
+    from quantprep._io.staging import MARKER
 
     (art / MARKER).write_text(json.dumps({"pid": 1, "out": "art"}))
     assert main(["inspect", str(art)]) == 0 and main(["generate", str(art), "--max-new-tokens", "1"]) == 2

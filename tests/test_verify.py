@@ -6,8 +6,8 @@ injected into the unpackers those paths use, as a wrong layout would be."""
 import pytest
 import torch
 
-from quantprep.build import prepack
-from quantprep.verify import verify_artifact
+from quantprep.build.pipeline import prepack
+from quantprep.tools.verify import verify_artifact
 
 
 def _swap_nibble_order(unpack):

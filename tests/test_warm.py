@@ -11,13 +11,13 @@ import sys
 import time
 
 import pytest
-from conftest import edit_manifest
+from conftest import cli_paused_at, edit_manifest
 
 import quantprep
-from quantprep.artifact import MANIFEST, read_manifest, sha256_file
-from quantprep.kcache import KCACHE, MEGACACHE, activate, cache_key
-from quantprep.verify import verify_artifact
-from quantprep.warm import warm
+from quantprep.format.artifact import MANIFEST, read_manifest, sha256_file
+from quantprep.runtime.kcache import KCACHE, MEGACACHE, activate, cache_key
+from quantprep.runtime.warm import warm
+from quantprep.tools.verify import verify_artifact
 
 SHAPES = [1, 8]
 
@@ -25,8 +25,8 @@ SHAPES = [1, 8]
 def _build(root, name="art"):
     from conftest import TINY_LLAMA
 
-    from quantprep.build import build_artifacts
-    from quantprep.synthetic import write_random_checkpoint
+    from quantprep.build.pipeline import build_artifacts
+    from quantprep.build.synthetic import write_random_checkpoint
 
     gptq = write_random_checkpoint(root / "gptq", dict(TINY_LLAMA, num_hidden_layers=2), bits=4, group_size=64,
                                    desc_act=True, sym=False)
@@ -46,7 +46,7 @@ def warmed(tmp_path_factory):
 CHILD = """
 import json, sys, torch
 import quantprep
-from quantprep.load import run_shapes
+from quantprep.runtime.load import run_shapes
 from torch._dynamo.utils import counters
 model = quantprep.load(sys.argv[1], compile=True, kcache=sys.argv[2] == "1")
 ids = torch.arange(8).view(1, 8) % model.config.vocab_size
@@ -199,7 +199,7 @@ def test_moved_triton_kernels_still_hit_in_the_runtime_copy(tmp_path, monkeypatc
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
-    from quantprep.kcache import materialize
+    from quantprep.runtime.kcache import materialize
     from quantprep.targets.cuda import _int4_kn_gemm
 
     signature = {"a_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
@@ -258,8 +258,7 @@ def test_sigkill_during_warm_keeps_the_published_artifact(tmp_path):
     before = (art / MANIFEST).read_bytes()
     err = tmp_path / "stderr.txt"
     with open(err, "w") as err_file:
-        proc = subprocess.Popen([sys.executable, "-m", "quantprep", "warm", str(art), "--no-compile"],
-                                stdout=subprocess.DEVNULL, stderr=err_file, env=dict(os.environ, QUANTPREP_PAUSE_AT="warm"))
+        proc = subprocess.Popen(cli_paused_at("warm", "warm", str(art), "--no-compile"), stdout=subprocess.DEVNULL, stderr=err_file)
         deadline = time.time() + 300
         while "paused at warm" not in err.read_text() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.1)
@@ -281,9 +280,9 @@ def test_sigkill_during_warm_keeps_the_published_artifact(tmp_path):
 def test_a_reader_racing_a_writer_sees_the_new_artifact_not_an_error(tmp_path):
     """A manifest read just before a writer republishes (warm adding kcache/, a rebuild) no longer
     matches the directory: check_files alone fails; read_checked reads the new manifest and passes."""
-    from quantprep.artifact import check_files, read_checked
-    from quantprep.build import prepack
+    from quantprep.build.pipeline import prepack
     from quantprep.errors import ArtifactError
+    from quantprep.format.artifact import check_files, read_checked
 
     art = _build(tmp_path)
     stale = read_manifest(art)

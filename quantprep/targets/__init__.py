@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import importlib
 
-from ..errors import RecipeError
-from .common import Target
+from quantprep.errors import RecipeError
+from quantprep.targets.common import Target
 
 TARGET_NAMES = ("cpu", "xpu", "cuda")
 

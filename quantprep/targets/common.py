@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import SourceError
+from quantprep.errors import SourceError
 
 if TYPE_CHECKING:  # the load path never imports the build side
-    from ..prepack import PrepackLayer
+    from quantprep.format.gptq import PrepackLayer
 
 
 class Target:

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import settings
-from .common import (
+from quantprep import settings
+from quantprep.targets.common import (
     PackedLinear,
     Target,
     base_meta,
@@ -47,7 +47,7 @@ KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 N_ALIGN = 16
 
 if TYPE_CHECKING:  # the load path never imports the build side
-    from ..prepack import PrepackLayer
+    from quantprep.format.gptq import PrepackLayer
 
 
 # Block sizes of aten._convert_weight_to_int4pack_for_cpu's layout per ISA (pytorch

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..gptq_format import pack_rows, unpack_rows
-from .common import (
+from quantprep.format.gptq import pack_rows, unpack_rows
+from quantprep.targets.common import (
     PackedLinear,
     Target,
     base_meta,
@@ -47,7 +47,7 @@ DECODE_MAX_M = 16  # tinygemm up to here: measured crossover on an H200 (BENCHMA
 PREFILL_CONFIG = (64, 64, 128, 4, 3)  # Triton tiles, picked by benchmarks/cuda_kernels.py --sweep
 
 if TYPE_CHECKING:  # the load path never imports the build side
-    from ..prepack import PrepackLayer
+    from quantprep.format.gptq import PrepackLayer
 
 
 def inner_k_tiles(padded_in: int) -> int:
@@ -177,7 +177,7 @@ class CudaTarget(Target):
 
     def pack(self, layer: PrepackLayer, act_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
         if act_dtype != torch.bfloat16:
-            from ..errors import RecipeError
+            from quantprep.errors import RecipeError
 
             raise RecipeError(f"the cuda target needs bfloat16 activations (tinygemm is bf16-only), got {act_dtype}")
         meta, tensors = base_meta(layer), optional_tensors(layer, act_dtype)

@@ -16,16 +16,25 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..intel_runtime import arch_warning
-from . import xpu_emulator
-from .common import PackedLinear, Target, base_meta, make_int8_module, optional_tensors, pack_int8, regroup, torch_base_version
+from quantprep.targets import xpu_emulator
+from quantprep.targets.common import (
+    PackedLinear,
+    Target,
+    base_meta,
+    make_int8_module,
+    optional_tensors,
+    pack_int8,
+    regroup,
+    torch_base_version,
+)
+from quantprep.targets.intel_runtime import arch_warning
 
 KERNEL = "aten._weight_int4pack_mm_with_scales_and_zeros"
 # Any multiple of 32 is accepted (Blas.cpp); these are the ones GPTQ group sizes divide into.
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 
 if TYPE_CHECKING:  # the load path never imports the build side
-    from ..prepack import PrepackLayer
+    from quantprep.format.gptq import PrepackLayer
 
 
 def pack_int4_nk(codes: torch.Tensor, block: int = 1 << 24) -> torch.Tensor:

@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import prepacked_module
 
-from quantprep.source import QuantConfig
-from quantprep.synthetic import random_gptq_tensors
+from quantprep.build.source import QuantConfig
+from quantprep.build.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
 from quantprep.targets.common import Int8PerChannelLinear
 
@@ -94,7 +94,7 @@ def _native_or_skip():
 def test_native_pack_from_gptq_equals_the_tensor_ops(K, N, Kp, Np, act_order, isa):
     """The C packer reads GPTQ's int32 codes and the act-order perm; the tensor-ops path unpacks,
     gathers, pads with 8 and packs. Same bytes for both ISAs' blocks (whatever this CPU is)."""
-    from quantprep.gptq_format import unpack_rows
+    from quantprep.format.gptq import unpack_rows
     from quantprep.targets.cpu import FAST_PACK_BLOCK_N, pack_int4, pack_int4_from_gptq
 
     _native_or_skip()
@@ -112,8 +112,8 @@ def test_native_pack_from_gptq_equals_the_tensor_ops(K, N, Kp, Np, act_order, is
 def test_the_target_packs_from_gptq_codes_without_unpacking_them(monkeypatch):
     """With a C compiler the cpu target never unpacks the codes, and its tensors equal those of the
     tensor-ops path (QUANTPREP_PACK=torch)."""
-    from quantprep.prepack import prepare_layer
-    from quantprep.source import _validate_layer
+    from quantprep.build.prepack import prepare_layer
+    from quantprep.build.source import _validate_layer
     from quantprep.targets import cpu
 
     _native_or_skip()
@@ -160,9 +160,9 @@ def test_other_isas_pack_and_run(isa):
     code = """
 import torch
 from quantprep.targets.cpu import pack_int4
-from quantprep.prepack import prepare_layer
-from quantprep.source import QuantConfig, _validate_layer
-from quantprep.synthetic import random_gptq_tensors
+from quantprep.build.prepack import prepare_layer
+from quantprep.build.source import QuantConfig, _validate_layer
+from quantprep.build.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
 from quantprep.targets.common import Int8PerChannelLinear
 cap = torch.backends.cpu.get_cpu_capability()

@@ -10,10 +10,10 @@ import itertools
 import pytest
 import torch
 
-from quantprep.gptq_format import unpack_rows
-from quantprep.prepack import prepare_layer
-from quantprep.source import QuantConfig, _validate_layer
-from quantprep.synthetic import random_gptq_tensors
+from quantprep.build.prepack import prepare_layer
+from quantprep.build.source import QuantConfig, _validate_layer
+from quantprep.build.synthetic import random_gptq_tensors
+from quantprep.format.gptq import unpack_rows
 from quantprep.targets import get_target
 from quantprep.targets.common import Int8PerChannelLinear
 from quantprep.targets.cuda import pack_tinygemm, unpack_tinygemm

@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import prepacked_module
 
-from quantprep.source import QuantConfig
-from quantprep.synthetic import random_gptq_tensors
+from quantprep.build.source import QuantConfig
+from quantprep.build.synthetic import random_gptq_tensors
 from quantprep.targets.cuda import pack_tinygemm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -15,10 +15,10 @@ import torch
 from conftest import prepacked_module
 
 import quantprep
+from quantprep.build.source import QuantConfig
+from quantprep.build.synthetic import random_gptq_tensors
 from quantprep.errors import ArtifactMismatch
-from quantprep.gptq_format import pack_rows
-from quantprep.source import QuantConfig
-from quantprep.synthetic import random_gptq_tensors
+from quantprep.format.gptq import pack_rows
 from quantprep.targets import get_target
 from quantprep.targets.xpu import pack_int4_nk
 from quantprep.targets.xpu_emulator import dequantize_nk
@@ -99,9 +99,9 @@ def test_a_wrong_zero_is_caught():
 def test_whole_model_through_emulator_and_refused_without_xpu(tmp_path):
     from conftest import dense_reference_model, rel_err, top1
 
-    from quantprep.build import prepack
-    from quantprep.synthetic import write_random_checkpoint
-    from quantprep.verify import verify_artifact
+    from quantprep.build.pipeline import prepack
+    from quantprep.build.synthetic import write_random_checkpoint
+    from quantprep.tools.verify import verify_artifact
 
     cfg = {"model_type": "qwen2", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}

@@ -19,10 +19,10 @@ import json
 import os
 from pathlib import Path
 
-from . import settings
-from .artifact import MANIFEST, SIGNED, check_files
-from .errors import ArtifactError
-from .userdirs import private_dir, user_dir
+from quantprep import settings
+from quantprep._io.userdirs import private_dir, user_dir
+from quantprep.errors import ArtifactError
+from quantprep.format.artifact import MANIFEST, SIGNED, check_files
 
 
 def marks_dir() -> Path:

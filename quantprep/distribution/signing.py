@@ -17,11 +17,11 @@ import json
 import os
 from pathlib import Path
 
-from . import settings
-from .artifact import IDENTITY, SIGNATURE
-from .errors import ArtifactError, QuantprepError
-from .jsonfile import read_json_object
-from .staging import MARKER
+from quantprep import settings
+from quantprep._io.jsonfile import read_json_object
+from quantprep._io.staging import MARKER
+from quantprep.errors import ArtifactError, QuantprepError
+from quantprep.format.artifact import IDENTITY, SIGNATURE
 
 VERIFY_KEY_ENV = settings.VERIFY_KEY
 VERIFY_ISSUER_ENV = settings.VERIFY_ISSUER

@@ -20,8 +20,8 @@ import logging
 from contextlib import contextmanager
 from pathlib import Path
 
-from .artifact import MANIFEST, SIGNED
-from .errors import ArtifactError, QuantprepError
+from quantprep.errors import ArtifactError, QuantprepError
+from quantprep.format.artifact import MANIFEST, SIGNED
 
 DEFAULT_REVISION = "main"
 

@@ -17,9 +17,9 @@ import tarfile
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .artifact import MANIFEST, SIGNED, write_hashed
-from .errors import ArtifactError, QuantprepError
-from .jsonfile import parse_json_object
+from quantprep._io.jsonfile import parse_json_object
+from quantprep.errors import ArtifactError, QuantprepError
+from quantprep.format.artifact import MANIFEST, SIGNED, write_hashed
 
 INDEX_MEDIA_TYPE = "application/vnd.oci.image.index.v1+json"
 MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"

@@ -31,7 +31,7 @@ PREFILL_BUCKETS = geometric_buckets()
 
 def buckets_of(model) -> list[int]:
     """The prefill lengths this model's artifact warmed (warmup replays them), largest last."""
-    from .artifact import DEFAULT_SHAPES
+    from quantprep.format.artifact import DEFAULT_SHAPES
 
     shapes = getattr(model, "quantprep_buckets", None) or DEFAULT_SHAPES
     return sorted(set(shapes))
@@ -103,16 +103,16 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
     from transformers.cli.serve import Serve
     from transformers.cli.serving.model_manager import ModelManager
 
-    from .artifact import WEIGHTS_INDEX
-    from .errors import QuantprepError
-    from .hf_quantizer import load_options, register
-    from .load import is_reference, open_artifact, run_shapes
-    from .signing import configured_key
+    from quantprep.distribution.signing import configured_key
+    from quantprep.errors import QuantprepError
+    from quantprep.format.artifact import WEIGHTS_INDEX
+    from quantprep.runtime.hf_quantizer import load_options, register
+    from quantprep.runtime.load import is_reference, open_artifact, run_shapes
 
     register()
     key, signed = configured_key(verify_key), False
     if is_reference(src):  # pulled and checked under the reference's signature policy; then served as a directory
-        from .publish import pull_checked
+        from quantprep.distribution.publish import pull_checked
 
         src, signed = pull_checked(src, verify_key=verify_key)
         key = None

@@ -26,12 +26,12 @@ from transformers.quantizers.auto import register_quantization_config, register_
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .artifact import TORCH_DTYPES, WEIGHTS_INDEX
-from .errors import ArtifactError, ArtifactMismatch
-from .jsonfile import read_json_object
-from .load import activate_kcache, check_tensors, finish, install_modules, open_artifact, tied_names, untie_quantized_head
-from .policy import check_signature, signature_policy
-from .signing import configured_key
+from quantprep._io.jsonfile import read_json_object
+from quantprep.distribution.policy import check_signature, signature_policy
+from quantprep.distribution.signing import configured_key
+from quantprep.errors import ArtifactError, ArtifactMismatch
+from quantprep.format.artifact import TORCH_DTYPES, WEIGHTS_INDEX
+from quantprep.runtime.load import activate_kcache, check_tensors, finish, install_modules, open_artifact, tied_names, untie_quantized_head
 
 METHOD = "quantprep"
 # Options for the load of one artifact directory (load_options): how `quantprep serve` passes its

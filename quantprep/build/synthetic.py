@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .gptq_format import pack_cols, pack_rows, v2_to_v1_qzeros
+from quantprep.format.gptq import pack_cols, pack_rows, v2_to_v1_qzeros
 
 
 def random_gptq_codes(K: int, N: int, bits: int, group_size: int, sym: bool, act_order: bool,
@@ -63,7 +63,7 @@ def write_random_checkpoint(out: Path, model_config: dict, bits: int = 4, group_
     quantized from the same input's Hessian); False gives each its own."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .prepack import FUSIONS
+    from quantprep.build.prepack import FUSIONS
 
     g = torch.Generator().manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
@@ -110,8 +110,8 @@ def write_random_checkpoint_sharded(out: Path, model_config: dict, bits: int = 4
     write_random_checkpoint (v1 format, shared q/k/v and gate/up g_idx)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .artifact import ShardWriter
-    from .prepack import FUSIONS
+    from quantprep.build.prepack import FUSIONS
+    from quantprep.format.artifact import ShardWriter
 
     g = torch.Generator().manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)

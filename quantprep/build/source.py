@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .artifact import SIDE_FILES, TORCH_DTYPES, refuse_code
-from .background import in_thread
-from .errors import SourceError
-from .gptq_format import SUPPORTED_BITS
-from .jsonfile import read_json_object
+from quantprep._io.background import in_thread
+from quantprep._io.jsonfile import read_json_object
+from quantprep.errors import SourceError
+from quantprep.format.artifact import SIDE_FILES, TORCH_DTYPES, refuse_code
+from quantprep.format.gptq import SUPPORTED_BITS
 
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @dataclass(frozen=True)
@@ -323,7 +323,7 @@ def _validate_layer(name: str, t: dict[str, torch.Tensor], q: QuantConfig, value
     if bias is not None:
         _check(bias.dim() == 1 and bias.shape[0] == N and bias.is_floating_point(), f"{name}.bias", f"expected float ({N},), got {bias.dtype} {tuple(bias.shape)}")
     if q.checkpoint_format == "gptq":
-        from .gptq_format import v1_to_v2_qzeros
+        from quantprep.format.gptq import v1_to_v2_qzeros
 
         qzeros = v1_to_v2_qzeros(qzeros, q.bits)
     return GPTQLayer(name, q.bits, gs, K, N, qweight, qzeros, scales, g_idx, bias)

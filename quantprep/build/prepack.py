@@ -8,69 +8,11 @@ has a fused packer (the cpu target). The only Python loop is over layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
-
 import torch
 from tqdm import tqdm
 
-from .gptq_format import unpack_cols, unpack_rows
-from .source import GPTQCheckpoint, GPTQLayer
-
-
-@dataclass
-class PrepackLayer:
-    """A GPTQ layer (or a fused group of them) ready for a target to pack: `qweight` still GPTQ's
-    packed int32 words with K in the checkpoint's order, zeros unpacked, and `perm` the act-order
-    permutation. `codes` (unpacked at first use) are in act-order: row k belongs to group k // group_size."""
-
-    name: str
-    bits: int
-    group_size: int
-    in_features: int  # K
-    out_features: int  # N
-    qweight: torch.Tensor  # int32 [K * bits/32, N] as GPTQ packs it, K in the ORIGINAL order (fused: members side by side)
-    zeros: torch.Tensor  # uint8 [G, N], v2 (w = (code - zero) * scale)
-    scales: torch.Tensor  # [G, N] as stored
-    perm: torch.Tensor | None  # int64 [K]: permuted input k reads original input perm[k]; None = identity
-    bias: torch.Tensor | None
-
-    @cached_property
-    def codes(self) -> torch.Tensor:
-        """uint8 [K, N], permuted K: unpacked at first use (a target with a fused packer never asks)."""
-        return self.unpack_codes()
-
-    def unpack_codes(self, block: int = 1 << 24) -> torch.Tensor:
-        """The codes, unpacked and put in act-order about `block` codes at a time, straight into the
-        result: whole, the temporaries of a Qwen2.5-32B gate/up took 680 MB beside its 283 MB of codes."""
-        K, N = self.in_features, self.out_features
-        codes, cols = torch.empty(K, N, dtype=torch.uint8), max(1, block // K)
-        for c0 in range(0, N, cols):
-            part = unpack_rows(self.qweight[:, c0:c0 + cols], self.bits)
-            codes[:, c0:c0 + part.shape[1]] = part if self.perm is None else part.index_select(0, self.perm)
-        return codes
-
-    def dequantize(self) -> torch.Tensor:
-        """Dense float32 weight [K, N] in the ORIGINAL input order: the reference every kernel is checked against."""
-        w = self.dequantize_rows(0, self.in_features)
-        if self.perm is not None:
-            w = torch.empty_like(w).index_copy_(0, self.perm, w)
-        return w
-
-    def dequantize_rows(self, k0: int, k1: int) -> torch.Tensor:
-        """Float32 rows k0:k1 of the weight in the permuted (act-order) input order: (code - zero) * scale."""
-        group = torch.arange(k0, k1) // self.group_size
-        return self.codes[k0:k1].float().sub_(self.zeros[group]).mul_(self.scales[group])
-
-    def reference_matmul(self, x: torch.Tensor, block: int = 1 << 23) -> torch.Tensor:
-        """x [M, K] float32 @ dequantize(), about `block` weights at a time: the whole float32
-        weight and its temporaries took 2.2 GB for a Qwen2.5-32B down_proj. x @ W = x[:, perm] @ W_perm."""
-        if self.perm is not None:
-            x = x.index_select(1, self.perm)
-        y, rows = x.new_zeros(x.shape[0], self.out_features), max(1, block // self.out_features)
-        for k0 in range(0, self.in_features, rows):
-            y.addmm_(x[:, k0:k0 + rows], self.dequantize_rows(k0, min(k0 + rows, self.in_features)))
-        return y
+from quantprep.build.source import GPTQCheckpoint, GPTQLayer
+from quantprep.format.gptq import PrepackLayer, unpack_cols
 
 
 def act_order_perm(g_idx: torch.Tensor) -> torch.Tensor | None:
@@ -158,7 +100,7 @@ def prepack_stream(ckpt: GPTQCheckpoint, packers: list[tuple[object, torch.dtype
     each layer is read (ckpt.layers reads it from disk), its codes unpacked at most once (when a
     target or the verify probe asks), packed per target and handed to `emit(i, tensors)` for
     packer i, then dropped, so memory holds one layer, not the model. Returns (per-module manifest metadata per packer, verify probes)."""
-    from .artifact import pause_point
+    from quantprep.format.artifact import stage_reached
 
     modules: list[dict[str, dict]] = [{} for _ in packers]
     probes: dict[str, torch.Tensor] = {}
@@ -175,7 +117,7 @@ def prepack_stream(ckpt: GPTQCheckpoint, packers: list[tuple[object, torch.dtype
             unpacked = layer if fused else prepare_layer(layer)
             if name in probe_names and j == 0:
                 probes.update(make_probe(unpacked))
-                pause_point("prepack")
+                stage_reached("prepack")
             for i, (target, act_dtype) in enumerate(packers):
                 packed, meta = target.pack(unpacked, act_dtype)
                 if fused:

@@ -19,18 +19,18 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from .aot import compile_regions, prefetch_runtime
-from .aot import install as install_packages
-from .artifact import DEFAULT_SHAPES, read_checked, refuse_code
-from .background import in_thread
-from .errors import ArtifactError, ArtifactMismatch
-from .fused import install as install_fused
-from .intel_runtime import cache_warning
-from .kcache import MEGACACHE, activate, xpu_driver_version, xpu_primitive_env
-from .signing import configured_key
-from .signing import verify as verify_signature
-from .targets import Target, act_dtype_problem, get_target
-from .verified import check_hashed, hash_and_mark
+from quantprep._io.background import in_thread
+from quantprep.distribution.signing import configured_key
+from quantprep.distribution.signing import verify as verify_signature
+from quantprep.errors import ArtifactError, ArtifactMismatch
+from quantprep.format.artifact import DEFAULT_SHAPES, read_checked, refuse_code
+from quantprep.format.verified import check_hashed, hash_and_mark
+from quantprep.runtime.aot import compile_regions, prefetch_runtime
+from quantprep.runtime.aot import install as install_packages
+from quantprep.runtime.fused import install as install_fused
+from quantprep.runtime.kcache import MEGACACHE, activate, scoped_env, xpu_driver_version, xpu_primitive_env
+from quantprep.targets import Target, act_dtype_problem, get_target
+from quantprep.targets.intel_runtime import cache_warning
 
 DECODE_STEPS = 2
 
@@ -256,15 +256,19 @@ def finish(model, path: Path, art: OpenedArtifact, kcache_status: dict, compile:
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()
-    if compile:
-        if prefetch:
-            prefetch.join()
-        compile_model(model, art.manifest, kcache_status, art.dtype)
-    # the prefill lengths warm ran: quantprep.serving pads prompts to them
     manifest = art.manifest
+    # the prefill lengths warm ran: quantprep.tools.serving pads prompts to them
     model.quantprep_buckets = usable_shapes(model, manifest.get("kcache", manifest.get("serving", {})).get("shapes", DEFAULT_SHAPES))
-    if warmup:  # in the thread that will serve: PyTorch's oneDNN primitive cache on xpu is per thread
-        model.quantprep_warmup = run_shapes(model, model.quantprep_buckets)
+    # A used kcache's directories are set for this block only, and its shapes always run in it: what
+    # it holds is then in memory, and a shape met later compiles into the user's own caches, so a
+    # second model or a child process never writes into this artifact's copy.
+    with scoped_env(kcache_status.get("env", {})):
+        if compile:
+            if prefetch:
+                prefetch.join()
+            compile_model(model, manifest, kcache_status, art.dtype)
+        if warmup or kcache_status.get("env"):  # in the thread that will serve: PyTorch's oneDNN primitive cache on xpu is per thread
+            model.quantprep_warmup = run_shapes(model, model.quantprep_buckets)
     model.quantprep_kcache = kcache_status
     model.quantprep_path = path  # the directory that was checked: read its tokenizer from here (not a reference's name)
     return model
@@ -290,8 +294,9 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     thread that will serve, since PyTorch's oneDNN primitive cache is per thread).
     kcache: use the artifact's kernel cache when it is trusted and matches this machine (kcache.py:
     warmed here by this user, or `trust_kcache=True` / QUANTPREP_TRUST_KCACHE=1; an untrusted,
-    foreign or corrupt one is ignored with a warning); using it sets TRITON_CACHE_DIR,
-    TORCHINDUCTOR_CACHE_DIR (with compile) and, on xpu, NEO_/SYCL_CACHE_* for this process (cpu
+    foreign or corrupt one is ignored with a warning); using it sets TRITON_CACHE_DIR and
+    TORCHINDUCTOR_CACHE_DIR (with compile) during this call only, and runs the warmed shapes in
+    it; on xpu NEO_/SYCL_CACHE_* stay set, since the driver reads them when the device starts (cpu
     without compile: nothing to use). `model.quantprep_kcache` says what happened.
     verify_key: a PEM public key (default: QUANTPREP_VERIFY_KEY): the artifact must carry a
     signature (`quantprep sign`) that verifies with it, and its kcache is then trusted.
@@ -303,7 +308,7 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     pulled = is_reference(path)
     if pulled:  # a published reference: pull the variant that fits (verified, its signature too) into the cache first,
         # while transformers' modeling code imports (seconds of Python, which the download and hashing overlap)
-        from .publish import pull_checked
+        from quantprep.distribution.publish import pull_checked
 
         job = in_thread(pull_checked, str(path), verify_key=verify_key)  # the reference's signature policy applies
         import transformers.modeling_utils  # noqa: F401
@@ -315,7 +320,6 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     art = open_artifact(path, device, dtype, verify, None if pulled else key)
     manifest, device, dtype = art.manifest, art.device, art.dtype
     kcache_status = activate_kcache(path, art, kcache, compile, trust_kcache, signed=signed)
-
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the modules are swapped here, not by a transformers quantizer

@@ -28,15 +28,16 @@ import tempfile
 from pathlib import Path
 from urllib.parse import urlparse
 
-from . import hub, registry, settings
-from .artifact import MANIFEST, SIGNED, is_artifact, read_checked, read_manifest, write_hashed
-from .errors import ArtifactError, ArtifactMismatch, QuantprepError
-from .jsonfile import MAX_JSON_BYTES, read_json_object
-from .policy import check_signature, signature_policy
-from .signing import sign
-from .staging import staging
-from .userdirs import user_dir
-from .verified import mark
+from quantprep import settings
+from quantprep._io.jsonfile import MAX_JSON_BYTES, read_json_object
+from quantprep._io.staging import staging
+from quantprep._io.userdirs import user_dir
+from quantprep.distribution import hub, registry
+from quantprep.distribution.policy import check_signature, signature_policy
+from quantprep.distribution.signing import sign
+from quantprep.errors import ArtifactError, ArtifactMismatch, QuantprepError
+from quantprep.format.artifact import MANIFEST, SIGNED, is_artifact, read_checked, read_manifest, write_hashed
+from quantprep.format.verified import mark
 
 INDEX = "index.json"
 INDEX_FORMAT = "quantprep-index"
@@ -208,7 +209,7 @@ def _safe_name(name: str) -> bool:
 
 
 def machine_summary() -> str:
-    from .targets import TARGET_NAMES, get_target
+    from quantprep.targets import TARGET_NAMES, get_target
 
     have = []
     for t in map(get_target, TARGET_NAMES):
@@ -219,7 +220,7 @@ def machine_summary() -> str:
 
 def fits(variant: dict) -> bool:
     """This machine can run the variant: its device is present and its compatibility key is ours."""
-    from .targets import TARGET_NAMES, get_target
+    from quantprep.targets import TARGET_NAMES, get_target
 
     if variant["target"] not in TARGET_NAMES:
         return False

@@ -32,17 +32,13 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .errors import QuantprepError
+from quantprep.errors import QuantprepError
+from quantprep.format.artifact import AOT_FORMATS as FORMATS
+from quantprep.format.artifact import package_format
 
 MAX_RANGES = 6  # more means export keeps specializing on exact sizes: give up (torch.compile is used)
 CHECK_REL_ERR = 2e-2  # package vs eager MLP: bf16 activations, Inductor keeps silu*mul in float32
 AOT_DIR = "aot"
-FORMATS = {"aoti": ".pt2", "inductor": ".bin"}  # format: file suffix, in the order warm tries them
-
-
-def package_format(entry: dict) -> str:
-    """An `aot` entry's format; entries written before formats existed are AOTInductor packages."""
-    return entry.get("format", "aoti")
 
 
 def _tensors(mlp: nn.Module) -> tuple[list[str], list[torch.Tensor]]:

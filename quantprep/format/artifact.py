@@ -23,12 +23,10 @@ from typing import BinaryIO
 import torch
 from safetensors.torch import save_file
 
-from .aot import FORMATS as PACKAGE_FORMATS
-from .aot import package_format
-from .errors import ArtifactError, QuantprepError
-from .jsonfile import read_json_object
-from .staging import MARKER, fsync_path, pause_point, staging
-from .version import __version__
+from quantprep._io.jsonfile import read_json_object
+from quantprep._io.staging import MARKER, fsync_path, stage_reached, staging
+from quantprep.errors import ArtifactError, QuantprepError
+from quantprep.version import __version__
 
 FORMAT = "quantprep-artifact"
 FORMAT_VERSION = 1
@@ -159,7 +157,7 @@ class ShardWriter:
             keys = sorted(self.pending)  # before the writer, which empties the dict as it writes
             self.done.append((path, self.pool.submit(_write_shard, path, self.pending), keys))
             self.pending, self.size = {}, 0
-            pause_point("write")
+            stage_reached("write")
 
     def close(self) -> None:
         """Wait for the shard in writing (before its directory is removed or published)."""
@@ -280,7 +278,7 @@ def republish(out: Path, add_from: Path, add_as: str | None, add_files: list[str
     `add_as/`) and `manifest_update` merged into the manifest. The other files are hard links (no
     copy; files are never modified in place), so the swap is as atomic as a first build's. The
     kcache stays unless it is what is replaced (add_as "kcache")."""
-    from .verified import is_marked, mark  # it checks files with this module's check_files
+    from quantprep.format.verified import is_marked, mark  # it checks files with this module's check_files
 
     with staging(out, is_artifact, "quantprep artifact") as tmp:
         manifest = read_manifest(out)
@@ -302,7 +300,7 @@ def republish(out: Path, add_from: Path, add_as: str | None, add_files: list[str
         manifest = {k: v for k, v in manifest.items() if k != "manifest_sha256"} | manifest_update
         manifest["manifest_sha256"] = manifest_digest(manifest)
         write_json_durably(tmp / MANIFEST, manifest)
-        pause_point("warm")
+        stage_reached("warm")
     if hashed:  # the kept files are the hashed ones; the new ones were written here
         mark(out, manifest)
 
@@ -384,6 +382,14 @@ def read_manifest(path: Path) -> dict:
     return m
 
 
+AOT_FORMATS = {"aoti": ".pt2", "inductor": ".bin"}  # kcache.aot entry format: file suffix, in the order warm tries them
+
+
+def package_format(entry: dict) -> str:
+    """A kcache `aot` entry's format; entries written before formats existed are AOTInductor packages."""
+    return entry.get("format", "aoti")
+
+
 def _is_shape_list(x) -> bool:
     return isinstance(x, list) and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in x)
 
@@ -397,7 +403,7 @@ def _valid_aot(entries, files: dict) -> bool:
     """kcache.aot: [{file (listed in kcache.files), signature, tokens [lo, hi], format}] (warm.py, aot.py)."""
     return isinstance(entries, list) and all(
         isinstance(e, dict) and e.get("file") in files and isinstance(e.get("signature"), str)
-        and package_format(e) in PACKAGE_FORMATS
+        and package_format(e) in AOT_FORMATS
         and _is_shape_list(e.get("tokens")) and len(e["tokens"]) == 2 and e["tokens"][0] <= e["tokens"][1]
         for e in entries)
 

@@ -15,10 +15,10 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import settings
-from .artifact import DEFAULT_SHAPES
-from .errors import RecipeError
-from .gptq_format import SUPPORTED_BITS
+from quantprep import settings
+from quantprep.errors import RecipeError
+from quantprep.format.artifact import DEFAULT_SHAPES
+from quantprep.format.gptq import SUPPORTED_BITS
 
 PIPELINES_DIR = Path(str(importlib.resources.files("quantprep.pipelines")))  # pipelines/ in the repository, in the wheel
 

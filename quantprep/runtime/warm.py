@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from .aot import compile_regions
-from .artifact import DEFAULT_SHAPES, read_checked, republish, sha256_file
-from .errors import QuantprepError
-from .intel_runtime import cache_warning
-from .kcache import KCACHE, MEGACACHE, cache_env, cache_key, record_trust, xpu_driver_version, xpu_warm_env
-from .load import DECODE_STEPS, run_shapes, usable_shapes
+from quantprep.errors import QuantprepError
+from quantprep.format.artifact import DEFAULT_SHAPES, read_checked, republish, sha256_file
+from quantprep.runtime.aot import compile_regions
+from quantprep.runtime.kcache import KCACHE, MEGACACHE, cache_env, cache_key, record_trust, xpu_driver_version, xpu_warm_env
+from quantprep.runtime.load import DECODE_STEPS, run_shapes, usable_shapes
+from quantprep.targets.intel_runtime import cache_warning
 
 AOT_TIMEOUT_S = 1800  # per phase of warm that builds or checks compiled MLP packages
 # Inductor's FX-graph and AOT entries come back from the mega-cache; locks are per process.
@@ -37,7 +37,7 @@ NOT_SHIPPED = {"inductor/fxgraph", "inductor/aotautograd", "inductor/locks"}
 def _child_main() -> None:
     """Runs in the fresh process that `warm` starts, with cache_env() already in its environment."""
     args = json.loads(sys.argv[1])
-    from .load import load
+    from quantprep.runtime.load import load
 
     t0 = time.perf_counter()
     model = load(args["path"], device=args["device"], kcache=False)
@@ -47,7 +47,7 @@ def _child_main() -> None:
         # its CPU ISA probes (compiled once per dir, 12 s on 2 cores) are needed at load too.
         # AOTInductor's build directories (a wrapper.cpp in each) are not shipped: the packages
         # hold what they built.
-        from .aot import build_packages
+        from quantprep.runtime.aot import build_packages
 
         entries = build_packages(model, Path(args["scratch"]), next(model.parameters()).dtype, args["format"])
         for d in (Path(args["scratch"]) / "inductor").iterdir():
@@ -56,7 +56,7 @@ def _child_main() -> None:
         print(json.dumps({"aot": entries, "s": round(time.perf_counter() - t0, 3)}))
         return
     if args["phase"] == "aot_check":  # yet another process: what load will do, before shipping
-        from .aot import check_packages
+        from quantprep.runtime.aot import check_packages
 
         bad = check_packages(model, Path(args["scratch"]), args["entries"], next(model.parameters()).dtype)
         print(json.dumps({"bad": bad}))
@@ -136,7 +136,7 @@ def _aot_phases(path: Path, device: str, env: dict, scratch: Path, **args) -> di
     crashed on every package under the GPU machine's torch 2.11) or disagrees with eager is not
     shipped. If none passes, the last format's good packages ship, and load(compile=True)
     torch.compiles what they do not cover. Never fails the warm."""
-    from .aot import FORMATS
+    from quantprep.runtime.aot import FORMATS
 
     t0 = time.perf_counter()
     entries: list[dict] = []
@@ -163,7 +163,7 @@ def _aot_phases(path: Path, device: str, env: dict, scratch: Path, **args) -> di
 def _run_child(path: Path, device: str, phase: str, env: dict, timeout: float | None = None, **args) -> dict:
     arg = json.dumps(dict(args, path=str(path), device=device, phase=phase))
     try:
-        proc = subprocess.run([sys.executable, "-c", "from quantprep.warm import _child_main; _child_main()", arg],
+        proc = subprocess.run([sys.executable, "-c", "from quantprep.runtime.warm import _child_main; _child_main()", arg],
                               env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise QuantprepError(f"{path}: warm-up run ({phase}) on {device} did not finish in {timeout:.0f} s") from None

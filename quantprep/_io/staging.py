@@ -23,22 +23,23 @@ import json
 import os
 import shutil
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from . import settings
-from .errors import QuantprepError
+from quantprep.errors import QuantprepError
 
 MARKER = ".quantprep-staging"
 
 
-def pause_point(stage: str) -> None:
-    """Fault-injection seam for the kill tests: QUANTPREP_PAUSE_AT=<stage> stops here, and the test
-    SIGKILLs the process. Stages: quantize, prepack, write, publish, warm."""
-    if os.environ.get(settings.PAUSE_AT) == stage:
-        print(f"quantprep: paused at {stage}", file=sys.stderr, flush=True)
-        time.sleep(3600)
+# Called at each stage boundary: quantize, prepack, write, publish, warm. Nothing happens unless a
+# test sets it: the kill tests' child process (tests/conftest.py, cli_paused_at) sleeps there so
+# that its SIGKILL lands at that stage deterministically.
+stage_hook: Callable[[str], None] | None = None
+
+
+def stage_reached(stage: str) -> None:
+    if stage_hook is not None:
+        stage_hook(stage)
 
 
 def fsync_path(path: Path) -> None:
@@ -157,13 +158,13 @@ def swap_in(tmp: Path, out: Path) -> None:
     if out.exists() and _exchange(tmp, out):
         _mark(tmp, out)  # tmp now holds the old directory: a kill from here on leaves a marked leftover
         fsync_path(out.parent)
-        pause_point("publish")
+        stage_reached("publish")
         shutil.rmtree(tmp, ignore_errors=True)
         return
     if not out.exists():
         os.rename(tmp, out)
         fsync_path(out.parent)
-        pause_point("publish")
+        stage_reached("publish")
         return
     old = out.parent / f".{out.name}.old"
     if os.path.lexists(old):
@@ -172,7 +173,7 @@ def swap_in(tmp: Path, out: Path) -> None:
     _mark(old, out)
     os.rename(tmp, out)
     fsync_path(out.parent)
-    pause_point("publish")
+    stage_reached("publish")
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -15,7 +15,7 @@ import os
 import stat
 from pathlib import Path
 
-from .errors import ArtifactError
+from quantprep.errors import ArtifactError
 
 KINDS = {"data": ("XDG_DATA_HOME", "~/.local/share"), "cache": ("XDG_CACHE_HOME", "~/.cache"),
          "config": ("XDG_CONFIG_HOME", "~/.config")}

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from .artifact import read_checked, refuse_code, republish
-from .errors import QuantprepError
+from quantprep.errors import QuantprepError
+from quantprep.format.artifact import read_checked, refuse_code, republish
 
 HELDOUT_FILE = Path(__file__).with_name("heldout.txt")
 DEFAULT_CTX = 512
@@ -75,8 +75,8 @@ def token_windows(tokenizer, text: str, ctx: int, max_tokens: int | None = None)
 
 def find_reference(manifest: dict, reference: str | os.PathLike | None = None) -> tuple[str, Path]:
     """(kind, directory): "float" or "dequantized"."""
-    from .build import cache_dir, cached_checkpoint
-    from .source import is_gptq_dir, resolve_hub_model
+    from quantprep.build.pipeline import cache_dir, cached_checkpoint
+    from quantprep.build.source import is_gptq_dir, resolve_hub_model
 
     if reference is not None:
         path = Path(reference)
@@ -104,8 +104,8 @@ def dequantized_model(gptq_dir: Path, dtype: torch.dtype = torch.float32):
     """The GPTQ checkpoint with every quantized weight dequantized to a dense float Linear."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .prepack import prepare_layer
-    from .source import read_checkpoint
+    from quantprep.build.prepack import prepare_layer
+    from quantprep.build.source import read_checkpoint
 
     ckpt = read_checkpoint(gptq_dir)
     config = AutoConfig.from_pretrained(gptq_dir, trust_remote_code=False)
@@ -172,7 +172,7 @@ def evaluate(path: str | os.PathLike, reference: str | os.PathLike | None = None
     artifact's manifest (`eval`, keyed by text and ctx; published again atomically, as warm does)."""
     from transformers import AutoTokenizer
 
-    from .load import load
+    from quantprep.runtime.load import load
 
     path = Path(path)
     manifest = read_checked(path)
@@ -186,7 +186,7 @@ def evaluate(path: str | os.PathLike, reference: str | os.PathLike | None = None
     kind, ref_path = find_reference(manifest, reference)
     target = manifest["target"]["name"]
     if device is None:  # the target's device, else its CPU emulator (xpu: slow; --max-tokens bounds it)
-        from .targets import get_target
+        from quantprep.targets import get_target
 
         t = get_target(target)
         device = "cpu" if t.runtime_problem() is not None and t.cpu_emulator else None
@@ -242,7 +242,7 @@ def plot(result: dict, path: Path, out: str | os.PathLike) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .artifact import read_manifest
+    from quantprep.format.artifact import read_manifest
 
     key, ppl = stored_key(result), {result["target"]: result["ppl"]}
     for sibling in sorted(Path(path).absolute().parent.iterdir()):

@@ -15,8 +15,22 @@ from pathlib import Path
 
 import torch
 
-from . import settings
-from .artifact import (
+from quantprep import settings
+from quantprep._io.staging import check_replaceable
+from quantprep.build.prepack import prepack_stream
+from quantprep.build.recipes import Recipe
+from quantprep.build.source import (
+    GPTQCheckpoint,
+    _sha256_files,
+    _tensor_files,
+    check_against_model,
+    import_model_code,
+    is_gptq_dir,
+    read_checkpoint,
+    resolve_hub_model,
+)
+from quantprep.errors import RecipeError, SourceError
+from quantprep.format.artifact import (
     DEFAULT_SHAPES,
     FORMAT,
     FORMAT_VERSION,
@@ -27,24 +41,10 @@ from .artifact import (
     read_manifest,
     sha256_file,
 )
-from .errors import RecipeError, SourceError
-from .prepack import prepack_stream
-from .recipes import Recipe
-from .source import (
-    GPTQCheckpoint,
-    _sha256_files,
-    _tensor_files,
-    check_against_model,
-    import_model_code,
-    is_gptq_dir,
-    read_checkpoint,
-    resolve_hub_model,
-)
-from .staging import check_replaceable
-from .targets import act_dtype_problem, get_target
-from .verified import mark
-from .version import __version__
-from .warm import warm
+from quantprep.format.verified import mark
+from quantprep.runtime.warm import warm
+from quantprep.targets import act_dtype_problem, get_target
+from quantprep.version import __version__
 
 DEFAULT_OUT = Path("artifacts")
 
@@ -56,7 +56,7 @@ def cache_dir() -> Path:
 def cached_checkpoint(sha256: str) -> Path | None:
     """The GPTQ checkpoint in this machine's build cache whose tensor files have this content hash
     (an artifact's source.sha256: manifests record no build-machine paths)."""
-    from .source import is_gptq_dir
+    from quantprep.build.source import is_gptq_dir
 
     for path in sorted((cache_dir() / "gptq").glob("*")):
         if is_gptq_dir(path) and _sha256_files(path, _tensor_files(path)) == sha256:
@@ -87,7 +87,7 @@ def _quantize(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: st
               verbose: bool = False) -> tuple[Path, dict]:
     """(GPTQ checkpoint, identity fields: quantized_by, and quantized_on = the device gptqmodel ran on)."""
     out = _quantize_cached(recipe, float_dir, source_id, source_sha256, device, verbose)
-    from .quantize import QUANTIZED_ON
+    from quantprep.build.quantize import QUANTIZED_ON
 
     try:
         on = json.loads((out / QUANTIZED_ON).read_text()).get("device")
@@ -97,7 +97,7 @@ def _quantize(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: st
 
 
 def _quantize_cached(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: str, device: str, verbose: bool) -> Path:
-    from .quantize import calibration_texts, gptqmodel_output, quantize_device, quantize_gptq
+    from quantprep.build.quantize import calibration_texts, gptqmodel_output, quantize_device, quantize_gptq
 
     texts = calibration_texts(recipe.calibration, recipe.samples, recipe.seq_len, float_dir)
     out = cache_dir() / "gptq" / f"{recipe.name}-{quant_key(recipe, source_sha256, texts)}"
@@ -137,7 +137,7 @@ def resolve_source(recipe: Recipe, source: str | None, quantize_device: str = "a
     if "hub" in src:
         return _from_dir(recipe, resolve_hub_model(src["hub"], src.get("revision")),
                          {"id": src["hub"], "revision": src.get("revision")}, dev, verbose)
-    from .quantize import assemble_gguf, export_gguf, find_gguf
+    from quantprep.build.quantize import assemble_gguf, export_gguf, find_gguf
 
     if "gguf_parts" in src:
         parts = src["gguf_parts"]

@@ -16,9 +16,9 @@ import os
 import sys
 from pathlib import Path
 
-from .artifact import refuse_code
-from .errors import SourceError
-from .staging import pause_point, staging
+from quantprep._io.staging import stage_reached, staging
+from quantprep.errors import SourceError
+from quantprep.format.artifact import refuse_code
 
 CALIBRATION_FILE = Path(__file__).with_name("calibration.txt")
 
@@ -248,5 +248,5 @@ def quantize_gptq(float_dir: Path, out: Path, bits: int, group_size: int, desc_a
         model.quantize(texts, batch_size=1)
         model.save(str(tmp))
         (tmp / QUANTIZED_ON).write_text(json.dumps({"device": device, "s": round(time.perf_counter() - t0, 1)}) + "\n")
-        pause_point("quantize")  # kill tests: a complete but unpublished checkpoint must not be used
+        stage_reached("quantize")  # kill tests: a complete but unpublished checkpoint must not be used
     return out

@@ -32,16 +32,18 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from . import settings
-from .artifact import SIGNATURE, read_manifest, sha256_file, write_hashed
-from .errors import ArtifactError, QuantprepError
-from .intel_runtime import cache_warning, primitive_cache_env
-from .signing import configured_key, verify
-from .userdirs import private_dir, user_dir
+from quantprep import settings
+from quantprep._io.userdirs import private_dir, user_dir
+from quantprep.distribution.signing import configured_key, verify
+from quantprep.errors import ArtifactError, QuantprepError
+from quantprep.format.artifact import SIGNATURE, read_manifest, sha256_file, write_hashed
+from quantprep.targets.intel_runtime import cache_warning, primitive_cache_env
 
 KCACHE = "kcache"
 MEGACACHE = "torch-compile.bin"  # torch.compiler.save_cache_artifacts() output
@@ -334,11 +336,28 @@ def activate(path: Path, manifest: dict, device_type: str, compile: bool, trust:
             os.environ.update({k: v for k, v in env.items() if k.startswith(("NEO_", "SYCL_"))})
         if mismatch := key_mismatch(entry["key"], cache_key(device_type)):
             return _ignored(f"{path}: {mismatch}; {rewarm}")
-    os.environ.update(triton_native_env(entry, dict(os.environ)))
-    os.environ["TRITON_CACHE_DIR"] = env["TRITON_CACHE_DIR"]  # also eager: the cuda prefill GEMM is a Triton kernel
+    # Not set here: load holds these for its own duration only (scoped_env), so a second model or a
+    # child process never writes into this artifact's copy.
+    scoped = triton_native_env(entry, dict(os.environ))
+    scoped["TRITON_CACHE_DIR"] = env["TRITON_CACHE_DIR"]  # also eager: the cuda prefill GEMM is a Triton kernel
     if compile:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = env["TORCHINDUCTOR_CACHE_DIR"]
-    return {"status": "used", "dir": str(root), "trusted": reason}
+        scoped["TORCHINDUCTOR_CACHE_DIR"] = env["TORCHINDUCTOR_CACHE_DIR"]
+    return {"status": "used", "dir": str(root), "trusted": reason, "env": scoped}
+
+
+@contextmanager
+def scoped_env(env: dict[str, str]) -> Iterator[None]:
+    """`env` in os.environ for the block only; what was there before is put back."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _ignored(msg: str) -> dict:

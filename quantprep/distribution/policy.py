@@ -23,10 +23,10 @@ import tomllib
 from pathlib import Path
 from urllib.parse import urlparse
 
-from . import settings
-from .errors import ArtifactError, QuantprepError
-from .signing import VERIFY_KEY_ENV, verify
-from .userdirs import user_dir
+from quantprep import settings
+from quantprep._io.userdirs import user_dir
+from quantprep.distribution.signing import VERIFY_KEY_ENV, verify
+from quantprep.errors import ArtifactError, QuantprepError
 
 MODES = ("enforce", "warn", "off")
 MODE_ENV = settings.SIGNATURES

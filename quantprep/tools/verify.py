@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .artifact import PROBES_FILE, read_checked
-from .errors import ArtifactError
-from .load import make_module
-from .verified import hash_and_mark
+from quantprep.errors import ArtifactError
+from quantprep.format.artifact import PROBES_FILE, read_checked
+from quantprep.format.verified import hash_and_mark
+from quantprep.runtime.load import make_module
 
 # Relative error bounds vs the float32 reference. The kernels round the activations and the
 # folded zero (8 - z) * s to the activation dtype (bf16 has 8 mantissa bits: ~0.4% per element)
@@ -70,9 +70,9 @@ def verify_artifact(path: Path, strict: bool = True) -> dict:
     "passed", "failed" or "skipped" (an artifact for another CPU ISA or torch: its kernels cannot run
     here); the rows are under `probes`. Raises ArtifactError on a damaged file, and with `strict` on
     a failed probe."""
-    from .errors import ArtifactMismatch
-    from .load import check_compat
-    from .targets import get_target
+    from quantprep.errors import ArtifactMismatch
+    from quantprep.runtime.load import check_compat
+    from quantprep.targets import get_target
 
     path = Path(path)
     manifest = read_checked(path)
@@ -80,7 +80,7 @@ def verify_artifact(path: Path, strict: bool = True) -> dict:
     report = {"path": str(path), "files": len(manifest["files"]), "hashes": "ok", "numeric": "skipped", "probes": [],
               "skipped": None, "target": manifest["target"]["name"]}
     if "kcache" in manifest:
-        from .kcache import kcache_problem
+        from quantprep.runtime.kcache import kcache_problem
 
         problem = kcache_problem(path, manifest, full_hash=True)
         if problem:  # load ignores such a cache (it is only speed); verify reports the damage

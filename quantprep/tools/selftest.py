@@ -14,13 +14,13 @@ import time
 
 import torch
 
-from .errors import QuantprepError
-from .intel_runtime import aot_name, arch_warning, int4_matmul_report, neo_cache_state
-from .prepack import prepare_layer
-from .source import QuantConfig, _validate_layer
-from .synthetic import random_gptq_tensors
-from .targets import get_target
-from .verify import REL_TOL
+from quantprep.build.prepack import prepare_layer
+from quantprep.build.source import QuantConfig, _validate_layer
+from quantprep.build.synthetic import random_gptq_tensors
+from quantprep.errors import QuantprepError
+from quantprep.targets import get_target
+from quantprep.targets.intel_runtime import aot_name, arch_warning, int4_matmul_report, neo_cache_state
+from quantprep.tools.verify import REL_TOL
 
 CASES = [(bits, gs, act) for bits in (4, 8) for gs in (128, -1) for act in (True, False)]
 CHECK_ROWS = (1, 8, 520)  # decode, small prefill, and past every kernel switch by row count (verify.PROBE_SIZES)
@@ -90,7 +90,7 @@ def xpu_cache_report(env: dict[str, str], arch_list: list[str], device_name: str
     else:
         notes.append(f"SYCL program cache on, at {env.get('SYCL_CACHE_DIR', '~/.cache/libsycl_cache')}")
     notes.append("oneDNN builds one int4 primitive per prompt length, per thread, and keeps none across processes: "
-                 "warm the serving lengths with load(warmup=True) in the serving thread, and pad prompts to them (quantprep.serving)")
+                 "warm the serving lengths with load(warmup=True) in the serving thread, and pad prompts to them (quantprep.tools.serving)")
     return notes
 
 
@@ -119,7 +119,7 @@ def onednn_verbose_report() -> list[dict]:
     """Run the int4 matmuls in a fresh process with oneDNN's verbose output on (legacy level 2:
     creation and execution, understood by every oneDNN 3.x) and parse what it printed."""
     env = dict(os.environ, ONEDNN_VERBOSE="2")
-    proc = subprocess.run([sys.executable, "-c", "from quantprep.selftest import _onednn_child; _onednn_child()"],
+    proc = subprocess.run([sys.executable, "-c", "from quantprep.tools.selftest import _onednn_child; _onednn_child()"],
                           env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise QuantprepError(f"selftest --device xpu: the oneDNN verbose run failed: {proc.stderr.strip().splitlines()[-1:]}")

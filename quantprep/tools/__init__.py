@@ -1,0 +1,1 @@
+"""Commands built on the build and runtime sides: verify, eval, selftest, serve."""

@@ -1,0 +1,107 @@
+"""The import contract: quantprep's packages form layers, and a module imports only its own layer
+or lower ones. Every import counts, at module level or inside a function, because a lazy import
+still runs on the path that reaches it. docs/architecture.md draws the same picture.
+
+    cli, __init__, __main__         (top: the commands and the public API)
+    tools/                          verify, eval, selftest, serving
+    build/                          recipes, source, quantize (gptqmodel), prepack, pipeline
+    runtime/                        load, hf_quantizer, kcache, aot, fused, warm
+    distribution/                   publish/pull, registry (OCI), hub, signing, policy
+    targets/                        one module per kernel layout
+    format/                         gptq packing, the artifact manifest, verified marks
+    _io/, errors, settings, version (bottom: plumbing)
+
+So the load path (runtime/) never imports build/, tools/ or gptqmodel: a serving machine needs
+neither the quantizer nor its dependencies. The second test checks that on a real load.
+"""
+
+import ast
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+PACKAGE = REPO / "quantprep"
+LAYERS = {"_io": 0, "errors": 0, "settings": 0, "version": 0, "format": 1, "targets": 2, "distribution": 3,
+          "runtime": 4, "build": 5, "tools": 6, "cli": 7, "__init__": 7, "__main__": 7, "pipelines": 0}
+# third-party packages that only one layer may import, and which layer that is
+ONLY_IN = {"gptqmodel": "build"}
+
+
+def layer_of(module: str) -> str:
+    """`quantprep.runtime.load` -> "runtime"; `quantprep` itself -> "__init__"."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports(path) -> list[tuple[int, str]]:
+    """(line, absolute module) for every import in the file, relative ones resolved."""
+    module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], *([base] if base else [])])
+            # `from quantprep import x` imports the module quantprep.x when there is one
+            found += [(node.lineno, f"{base}.{a.name}" if (REPO / (base + "." + a.name).replace(".", "/")).exists()
+                       or (REPO / ((base + "." + a.name).replace(".", "/") + ".py")).exists() else base) for a in node.names]
+    return found
+
+
+def violations(root=PACKAGE) -> list[str]:
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        mine = layer_of(".".join(path.relative_to(REPO).with_suffix("").parts))
+        for line, name in imports(path):
+            top = name.split(".")[0]
+            if top in ONLY_IN and ONLY_IN[top] != mine:
+                bad.append(f"{path.relative_to(REPO)}:{line} {mine}/ imports {name} (only {ONLY_IN[top]}/ may)")
+            if top == "quantprep" and LAYERS[layer_of(name)] > LAYERS[mine]:
+                bad.append(f"{path.relative_to(REPO)}:{line} {mine}/ imports {name} ({layer_of(name)}/ is above it)")
+    return bad
+
+
+def test_every_package_imports_only_its_own_layer_or_lower():
+    assert not violations()
+
+
+def test_every_package_has_a_layer_and_stems_are_unique():
+    """A new package must be placed in LAYERS; module stems are unique so docs can name `stem.function`."""
+    tops = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    tops |= {p.stem for p in PACKAGE.glob("*.py")}
+    assert tops <= set(LAYERS), tops - set(LAYERS)
+    stems = [p.stem for p in PACKAGE.rglob("*.py") if p.stem != "__init__"]
+    assert len(stems) == len(set(stems)), sorted(s for s in stems if stems.count(s) > 1)
+
+
+def test_a_crossing_import_is_found(tmp_path, monkeypatch):
+    """The checker itself: a runtime module that imports the build side is reported."""
+    fake = tmp_path / "quantprep" / "runtime"
+    fake.mkdir(parents=True)
+    (fake / "x.py").write_text("def f():\n    from quantprep.build.source import read_checkpoint\n    import gptqmodel\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    found = violations(tmp_path / "quantprep")
+    assert len(found) == 2 and "build/ is above it" in found[0] and "only build/ may" in found[1], found
+
+
+@pytest.mark.parametrize("entry", ["quantprep.load", "from_pretrained"])
+def test_loading_an_artifact_imports_neither_build_nor_tools_nor_gptqmodel(random_artifact, entry):
+    """A fresh process loads a (random) cpu artifact and runs it; then no module of build/,
+    tools/ or gptqmodel may be in sys.modules."""
+    run = ("import quantprep; m = quantprep.load(p)" if entry == "quantprep.load" else
+           "import quantprep; from transformers import AutoModelForCausalLM; m = AutoModelForCausalLM.from_pretrained(p)")
+    code = f"""import sys, torch
+p = {str(random_artifact)!r}
+{run}
+m(torch.tensor([[1, 2, 3]]))
+bad = sorted(n for n in sys.modules if n.startswith(("quantprep.build", "quantprep.tools", "gptqmodel")))
+print("BAD", bad)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "BAD []" in out.stdout, out.stdout[-2000:]
