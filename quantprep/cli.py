@@ -265,10 +265,10 @@ def cmd_sign(args) -> int:
     read_checked(Path(args.dir), full_hash=True)  # sign only what verifies
     identity = None
     if args.for_ref:
-        from quantprep.distribution.publish import reference_identity
+        from quantprep.distribution.publish import reference_identity, signed_identity
 
         asked = reference_identity(args.for_ref)
-        identity = {"name": asked["name"], "versions": asked["versions"]}
+        identity = signed_identity(asked)
     print(f"signed {args.dir}: {sign(args.dir, args.key, identity)}")
     return 0
 

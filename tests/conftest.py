@@ -270,3 +270,67 @@ def cli_paused_at(stage: str, *args: str) -> list[str]:
     """argv of the quantprep CLI that sleeps when it reaches `stage` (staging.stage_reached), so a
     kill test's SIGKILL lands there. The seam is set only in this child process."""
     return [sys.executable, "-c", PAUSED_CLI, stage, *args]
+
+
+# --- publishing: artifacts to publish, the pull cache, keys, a real OCI registry ---
+
+
+@pytest.fixture
+def built(random_gptq, tmp_path):
+    from quantprep.build.pipeline import prepack
+
+    for target in ("cpu", "xpu"):
+        prepack(random_gptq, target, tmp_path / "art" / target)
+    return tmp_path / "art"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUANTPREP_PULL_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def files_left_in(root):
+    """What a refused pull left in the cache: nothing but empty dirs and the (empty) publish lock."""
+    return [p for p in root.rglob("*") if p.is_file() and not p.name.endswith(".lock")] if root.exists() else []
+
+
+def keypair(path):
+    """An EC P-256 key pair in PEM under `path`: (private key, public key)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                     serialization.NoEncryption()))
+    (path / "pub.pem").write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                                 serialization.PublicFormat.SubjectPublicKeyInfo))
+    return path / "key.pem", path / "pub.pem"
+
+
+REGISTRY_BIN = "/usr/bin/docker-registry"
+
+
+@pytest.fixture
+def registry(tmp_path):
+    yield from start_registry(tmp_path)
+
+
+def start_registry(tmp_path, auth: str = ""):
+    """A real OCI registry (CNCF distribution, from Debian) on a loopback port: yields (host:port,
+    its storage directory), then stops it. `auth`: extra config, {port} filled in."""
+    if not os.path.exists(REGISTRY_BIN):
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{REGISTRY_BIN} missing: `make setup` installs Debian's docker-registry when run as root")
+        pytest.skip(f"{REGISTRY_BIN} missing (apt-get install docker-registry)")
+    port = free_port()
+    storage = tmp_path / "registry-storage"
+    config = tmp_path / "registry.yml"
+    config.write_text(f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {storage}\n"
+                      f"  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:{port}\n{auth.format(port=port)}")
+    stop = serve([REGISTRY_BIN, "serve", str(config)], f"http://127.0.0.1:{port}/v2/", "the registry", timeout=20)
+    try:
+        yield f"127.0.0.1:{port}", storage
+    finally:
+        stop()

@@ -125,10 +125,10 @@ def test_an_index_that_points_elsewhere_is_refused(tmp_path):
 
 
 def test_an_unsigned_artifact_is_refused_with_a_verify_key(tmp_path, monkeypatch):
-    from test_publish import _keypair
+    from conftest import keypair
 
     art = _artifact(tmp_path)
-    _, pub = _keypair(tmp_path / "keys")
+    _, pub = keypair(tmp_path / "keys")
     monkeypatch.setenv("QUANTPREP_VERIFY_KEY", str(pub))
     with pytest.raises(ArtifactError, match="unsigned"):
         AutoModelForCausalLM.from_pretrained(art)

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, serve
+from conftest import files_left_in, free_port, keypair, serve
 from hub_standin import HubStandIn, git, lfs_path
-from test_publish import _keypair, _leftovers, built  # noqa: F401  (a fixture)
 
 import quantprep
 
@@ -72,7 +71,7 @@ def _one_line(r, needle):
 
 
 def test_hub_publish_is_one_commit_and_pull_takes_the_variant(built, hub, olah, tmp_path):  # noqa: F811
-    key, pub = _keypair(tmp_path / "keys")
+    key, pub = keypair(tmp_path / "keys")
     write = _env(tmp_path, hub.url, HF_TOKEN="hf_writer")
     r = qp(write, "publish", built / "cpu", built / "xpu", "--to", f"hf://{REPO}", "--sign-key", key)
     assert r.returncode == 0, r.stderr
@@ -167,7 +166,7 @@ def test_a_tampered_lfs_object_from_olah_is_refused(built, hub, olah, tmp_path):
     data[len(data) // 2] ^= 0xFF
     obj.write_bytes(bytes(data))
     _one_line(qp(_env(tmp_path, olah), "pull", f"hf://{REPO}"), "does not match the sha256")
-    assert not _leftovers(tmp_path / "cache")
+    assert not files_left_in(tmp_path / "cache")
 
 
 def test_hub_errors_are_one_line(built, hub, olah, tmp_path):  # noqa: F811
@@ -184,4 +183,4 @@ def test_hub_errors_are_one_line(built, hub, olah, tmp_path):  # noqa: F811
     _one_line(qp(read, "pull", "hf://org/plain"), "no index.json")
     r = qp(write, "publish", built / "cpu", "--to", f"hf://{REPO}", "--dry-run")
     assert r.returncode == 0 and "would publish 1 variant(s) to hf://org/tiny" in r.stdout
-    assert not _leftovers(tmp_path / "cache")
+    assert not files_left_in(tmp_path / "cache")

@@ -4,14 +4,14 @@ import os
 import shutil
 
 import pytest
-from test_publish import _keypair
+from conftest import keypair
 
 from quantprep.distribution import signing
 from quantprep.errors import ArtifactError
 
 
 def test_a_second_verify_of_unchanged_files_is_not_redone_and_any_write_undoes_that(random_artifact, tmp_path, monkeypatch):
-    key, pub = _keypair(tmp_path / "keys")
+    key, pub = keypair(tmp_path / "keys")
     art = tmp_path / "art"
     shutil.copytree(random_artifact, art)
     signing.sign(art, key)

@@ -264,14 +264,14 @@ def test_case02_from_pretrained_refuses_an_index_that_points_at_another_artifact
     """A folder with no manifest and no signature: an edited config.json and an index naming a
     signed artifact's shards. With a verify key set, the signed artifact was verified and this
     folder's config loaded. Now the loaded folder is what is verified, and it is refused."""
-    from test_publish import _keypair
+    from conftest import keypair
     from transformers import AutoModelForCausalLM
 
     import quantprep  # noqa: F401 (registers the quantizer)
     from quantprep.distribution.signing import sign
     from quantprep.format.artifact import WEIGHTS_INDEX
 
-    key, pub = _keypair(tmp_path / "keys")
+    key, pub = keypair(tmp_path / "keys")
     sign(art, key)
     monkeypatch.setenv("QUANTPREP_VERIFY_KEY", str(pub))
     AutoModelForCausalLM.from_pretrained(art)  # the signed artifact itself loads
@@ -462,7 +462,7 @@ def test_case07_options_reach_the_one_load_and_not_the_environment(tmp_path, mon
     """serve --trust-kcache / --verify-key apply to the served artifact's load through
     load_options, scoped to that one directory: another load in the process is not affected,
     and no QUANTPREP_TRUST_KCACHE or QUANTPREP_VERIFY_KEY is set for the process."""
-    from test_publish import _keypair
+    from conftest import keypair
     from test_serving import chat_artifact
     from transformers import AutoModelForCausalLM
 
@@ -471,7 +471,7 @@ def test_case07_options_reach_the_one_load_and_not_the_environment(tmp_path, mon
 
     for var in ("QUANTPREP_TRUST_KCACHE", "QUANTPREP_VERIFY_KEY"):
         monkeypatch.delenv(var, raising=False)
-    _, pub = _keypair(tmp_path / "keys")
+    _, pub = keypair(tmp_path / "keys")
     served, other = (chat_artifact(tmp_path / n) for n in ("a", "b"))
     with load_options(served, trust_kcache=True, verify_key=str(pub)):
         with pytest.raises(ArtifactError, match="unsigned"):
@@ -596,9 +596,9 @@ def _signed_for(art: Path, tmp_path: Path, ref: str, key: Path) -> Path:
 
 @pytest.mark.parametrize("served", ["an older version", "another model"])
 def test_case14_a_registry_cannot_serve_other_signed_content_under_a_tag(art, cache, hostile, tmp_path, capsys, served):
-    from test_publish import _keypair
+    from conftest import keypair
 
-    key, pub = _keypair(tmp_path / "keys")
+    key, pub = keypair(tmp_path / "keys")
     other = hostile.ref("models/x", "v1") if served == "an older version" else hostile.ref("models/other", "v2")
     signed = _signed_for(art, tmp_path, other, key)
     name, entry = _entry(signed, tmp_path)
@@ -614,9 +614,9 @@ def test_case14_a_registry_cannot_serve_other_signed_content_under_a_tag(art, ca
 def test_case14_a_directory_reference_is_signed_for_its_name(art, cache, tmp_path, capsys):
     import shutil
 
-    from test_publish import _keypair
+    from conftest import keypair
 
-    key, pub = _keypair(tmp_path / "keys")
+    key, pub = keypair(tmp_path / "keys")
     publish([art], str(tmp_path / "qwen-1.5b"), sign_key=key)
     assert pull(str(tmp_path / "qwen-1.5b"), verify_key=pub).is_dir()
     shutil.copytree(tmp_path / "qwen-1.5b", tmp_path / "llama-70b")  # the same signed files under another model's name
@@ -633,9 +633,9 @@ def test_case14_a_directory_reference_is_signed_for_its_name(art, cache, tmp_pat
 # --- also: a signature policy per registry and repository -------------------------------------------
 
 def test_signature_policy_per_reference_with_an_environment_override(art, cache, tmp_path, monkeypatch, capsys):
-    from test_publish import _keypair
+    from conftest import keypair
 
-    key, pub = _keypair(tmp_path / "keys")
+    key, pub = keypair(tmp_path / "keys")
     publish([art], str(tmp_path / "team" / "signed"), sign_key=key)
     publish([art], str(tmp_path / "team" / "unsigned"))
     publish([art], str(tmp_path / "public" / "unsigned"))

@@ -25,7 +25,11 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 from urllib.parse import urlparse
 
 from quantprep import settings
@@ -77,15 +81,9 @@ def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False, sign_
     each published variant (signing.py; the source directories are not modified); a variant
     signed before (quantprep sign) carries its signature. tag: the Hub's release tag (hf:// only).
     force: replace a destination directory that is not a published reference."""
-    oci, hf = to.startswith("oci://"), to.startswith("hf://")
-    if oci:
-        registry.parse_ref(to, plain_http)  # a malformed reference fails before any work
-    elif hf:
-        hub.parse_ref(to)
-    if tag is not None and not hf:
+    store = store_for(to, plain_http)  # a malformed reference fails before any work
+    if tag is not None and not isinstance(store, HubStore):
         raise QuantprepError(f"{to}: --tag is for hf:// references; an OCI reference carries its tag (oci://HOST/REPO:TAG)")
-    remote = oci or hf
-    dest = None if remote else destination(to).absolute()
     variants, names = [], set()
     for d in map(Path, dirs):
         manifest = read_checked(d, full_hash=True)
@@ -101,29 +99,13 @@ def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False, sign_
     if sign_key is not None and str(sign_key) != "sigstore" and not Path(sign_key).is_file():
         raise QuantprepError(f"{sign_key}: no such key file; pass a PEM elliptic-curve private key")
     # a Hub publish's release tag, known before signing (the signatures name it): --tag, else the unsigned index's digest
-    release = (tag or f"quantprep-{hashlib.sha256(_index_bytes(index)).hexdigest()[:12]}") if hf else None
-    identity = reference_identity(to if remote else str(dest), release=release)
-    plan = {"to": to if remote else str(dest), "variants": [{"name": n, "from": str(d), "files": len(_files(m)), "bytes": sum(f["size"] for f in _files(m).values())}
-                                          for d, m, n in variants]}
+    release = (tag or f"quantprep-{hashlib.sha256(_index_bytes(index)).hexdigest()[:12]}") if isinstance(store, HubStore) else None
+    signing = _Signing(sign_key, signed_identity(store.identity(release)))
+    plan = {"to": store.where, "variants": [{"name": n, "from": str(d), "files": len(_files(m)), "bytes": sum(f["size"] for f in _files(m).values())}
+                                           for d, m, n in variants]}
     if dry_run:
         return plan
-    if remote:
-        with tempfile.TemporaryDirectory(prefix="quantprep-publish-") as stage:
-            # Signing writes into the variant: each is staged as hard links (the sources are only read).
-            ready = [(_stage_variant(d, m, Path(stage) / name, sign_key, identity, link=True) if sign_key else d, m, name, entry)
-                     for (d, m, name), entry in zip(variants, index["variants"], strict=True)]
-            for d, _, _, entry in ready:
-                _record_signature(d, entry)
-            if oci:
-                registry.push(ready, to, plain_http)
-            else:
-                plan["release"] = hub.push(ready, (INDEX, _index_bytes(index)), to, release, tag_given=tag is not None)
-        return plan
-    with staging(dest, is_published, "published quantprep reference", force) as tmp:
-        for (d, m, name), entry in zip(variants, index["variants"], strict=True):
-            _record_signature(_stage_variant(d, m, tmp / name, sign_key, identity, link=False), entry)
-        (tmp / INDEX).write_bytes(_index_bytes(index))
-    return plan
+    return plan | store.push(variants, index, signing, release=release, tag_given=tag is not None, force=force)
 
 
 def _index_bytes(index: dict) -> bytes:
@@ -135,15 +117,12 @@ def reference_identity(ref: str, release: str | None = None) -> dict:
     the Hub repository and revision (and the release tag a publish adds), a directory's name. A
     signature is for this identity; a pull asks for its own ref's: {"name", "version"}, and
     "versions" as published."""
-    if ref.startswith("oci://"):
-        _, repo, tag, _ = registry.parse_ref(ref)
-        return {"name": f"oci:{repo}", "version": tag, "versions": [tag]}
-    if ref.startswith("hf://"):
-        repo_id, revision = hub.parse_ref(ref)
-        pinned = re.fullmatch(r"[0-9a-f]{40}", revision)  # a commit: made after signing, so no version to compare
-        return {"name": f"hf:{repo_id}", "version": None if pinned else revision,
-                "versions": [revision] + ([release] if release else [])}
-    return {"name": f"dir:{destination(ref).absolute().name}", "version": None, "versions": []}
+    return store_for(ref).identity(release)
+
+
+def signed_identity(identity: dict) -> dict:
+    """What a signature names of a reference's identity: its name and every version it is published under."""
+    return {"name": identity["name"], "versions": identity["versions"]}
 
 
 def _record_signature(d: Path, entry: dict) -> None:
@@ -153,10 +132,18 @@ def _record_signature(d: Path, entry: dict) -> None:
             entry[f"{what}_sha256"] = hashlib.sha256((d / name).read_bytes()).hexdigest()
 
 
-def _stage_variant(src: Path, manifest: dict, dest: Path, sign_key, identity: dict, link: bool) -> Path:
+@dataclass(frozen=True)
+class _Signing:
+    """A publish's signing: the key (None: each variant keeps the signature it carries) and the identity it signs for."""
+
+    key: str | os.PathLike | None
+    identity: dict
+
+
+def _stage_variant(src: Path, manifest: dict, dest: Path, signing: _Signing, link: bool) -> Path:
     """Copy (or hard-link, where the source must only be read) an artifact's files, and its
-    signature and identity when it has them, to `dest`; with a key, sign the copy there, for `identity`."""
-    rels = [MANIFEST, *_files(manifest)] + ([s for s in SIGNED if (src / s).is_file()] if sign_key is None else [])
+    signature and identity when it has them, to `dest`; with a key, sign the copy there."""
+    rels = [MANIFEST, *_files(manifest)] + ([s for s in SIGNED if (src / s).is_file()] if signing.key is None else [])
     for rel in rels:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         if link:
@@ -166,8 +153,8 @@ def _stage_variant(src: Path, manifest: dict, dest: Path, sign_key, identity: di
             except OSError:  # a filesystem without hard links
                 pass
         shutil.copyfile(src / rel, dest / rel)
-    if sign_key is not None:
-        sign(dest, sign_key, {"name": identity["name"], "versions": identity["versions"]})
+    if signing.key is not None:
+        sign(dest, signing.key, signing.identity)
     return dest
 
 
@@ -262,31 +249,15 @@ def pull_checked(ref: str, out: str | os.PathLike | None = None, target: str | N
     QUANTPREP_VERIFY_KEY). force: replace an `out` that is not an artifact. Also returns whether
     the signature verified (what lets its kcache run, kcache.trust_reason)."""
     mode, key = signature_policy(ref, verify_key)
-    if ref.startswith("oci://"):
-        reg, variants = registry.read_index(ref, plain_http)
-        index, ref_id = {"variants": [v for v in variants if _valid_entry(v)]}, ref
-    elif ref.startswith("hf://"):
-        from huggingface_hub import constants
-
-        commit, index_dir = hub.download_index(ref, INDEX, MAX_INDEX_BYTES)
-        index, ref_id = read_index(index_dir, ref), f"{constants.ENDPOINT}/{ref}"
-    else:
-        src = destination(ref)
-        if not src.is_dir():
-            raise QuantprepError(f"{ref}: no such directory; pass a published reference (quantprep publish ... --to DIR)")
-        index, ref_id = read_index(src, ref), str(src.absolute())
+    store = store_for(ref, plain_http)
+    index, cache_id = store.read_index()
     variant = choose_variant(index, ref, target)
-    dest = Path(out).absolute() if out else cache_root() / hashlib.sha256(ref_id.encode()).hexdigest()[:16] / variant["name"]
-    asked = reference_identity(ref)
+    dest = Path(out).absolute() if out else cache_root() / hashlib.sha256(cache_id.encode()).hexdigest()[:16] / variant["name"]
+    asked = store.identity()
     if _is_copy_of(dest, variant):  # a finished pull of this very variant: nothing to fetch (offline)
         return dest, check_signature(dest, mode, key, ref, asked)
     with staging(dest, is_artifact, "quantprep artifact", force, mode=0o700) as tmp:
-        if ref.startswith("oci://"):
-            source = _OciSource(reg, variant, ref)
-        elif ref.startswith("hf://"):  # huggingface_hub's cache, copied out while hashed like a directory
-            source = _HubSource(ref, commit, variant["name"])
-        else:
-            source = _DirSource(src / variant["name"], ref)
+        source = store.variant(variant)
         source.copy(MANIFEST, tmp / MANIFEST, variant["manifest_sha256"], None)
         manifest = read_manifest(tmp)  # structure and self-digest; names every file with its sha256
         for rel, f in manifest["files"].items():
@@ -307,8 +278,61 @@ def _valid_entry(v: dict) -> bool:
             and isinstance(v.get("compat"), dict) and isinstance(v.get("manifest_sha256"), str) and isinstance(v.get("digest"), str))
 
 
-class _DirSource:
-    """A variant folder of a directory reference."""
+# Stores: where a reference's variants are, one class per scheme behind one protocol (Store);
+# store_for picks it. What a store hands over is untrusted until pull_checked has hashed it.
+
+
+class VariantSource(Protocol):
+    def copy(self, rel: str, dest: Path, sha256: str, size: int | None) -> None: ...  # hashed while copied, size-bounded
+    def kcache(self, tmp: Path, files: dict) -> None: ...
+
+
+class Store(Protocol):
+    where: str  # what the user is shown: the reference, or a directory's absolute path
+
+    def identity(self, release: str | None = None) -> dict: ...
+    def read_index(self) -> tuple[dict, str]: ...  # the index, checked, and the id the pull cache is keyed by
+    def variant(self, entry: dict) -> VariantSource: ...
+    def push(self, variants: list, index: dict, signing: _Signing, release: str | None, tag_given: bool, force: bool) -> dict: ...
+
+
+def store_for(ref: str, plain_http: bool = False) -> Store:
+    """The store a reference names; a malformed reference fails here, in one line."""
+    if ref.startswith("oci://"):
+        return OciStore(ref, plain_http)
+    if ref.startswith("hf://"):
+        return HubStore(ref)
+    return DirStore(ref)
+
+
+class DirStore:
+    """A directory or file:// URL: REF/index.json and one folder per variant."""
+
+    def __init__(self, ref: str):
+        self.ref, self.path = ref, destination(ref)
+        self.where = str(self.path.absolute())
+
+    def identity(self, release: str | None = None) -> dict:
+        return {"name": f"dir:{self.path.absolute().name}", "version": None, "versions": []}
+
+    def read_index(self) -> tuple[dict, str]:
+        if not self.path.is_dir():
+            raise QuantprepError(f"{self.ref}: no such directory; pass a published reference (quantprep publish ... --to DIR)")
+        return read_index(self.path, self.ref), str(self.path.absolute())
+
+    def variant(self, entry: dict) -> VariantSource:
+        return _FolderSource(self.path / entry["name"], self.ref)
+
+    def push(self, variants: list, index: dict, signing: _Signing, release: str | None, tag_given: bool, force: bool) -> dict:
+        with staging(self.path.absolute(), is_published, "published quantprep reference", force) as tmp:
+            for (d, m, name), entry in zip(variants, index["variants"], strict=True):
+                _record_signature(_stage_variant(d, m, tmp / name, signing, link=False), entry)
+            (tmp / INDEX).write_bytes(_index_bytes(index))
+        return {}
+
+
+class _FolderSource:
+    """A variant's folder on a filesystem."""
 
     def __init__(self, vdir: Path, ref: str):
         self.vdir, self.ref = vdir, ref
@@ -322,16 +346,39 @@ class _DirSource:
             self.copy(f"kcache/{rel}", tmp / "kcache" / rel, f["sha256"], f["size"])
 
 
-class _HubSource(_DirSource):
-    """A variant folder of a Hub reference: each file fetched (bounded) when it is copied."""
+@contextmanager
+def _signed_copies(variants: list, index: dict, signing: _Signing) -> Iterator[list]:
+    """The variants as a remote push sends them: with a key, signed copies (hard links of the files:
+    the sources are only read) in a temporary directory. Each index entry names its signature."""
+    with tempfile.TemporaryDirectory(prefix="quantprep-publish-") as stage:
+        ready = [(_stage_variant(d, m, Path(stage) / name, signing, link=True) if signing.key else d, m, name, entry)
+                 for (d, m, name), entry in zip(variants, index["variants"], strict=True)]
+        for d, _, _, entry in ready:
+            _record_signature(d, entry)
+        yield ready
 
-    def __init__(self, ref: str, commit: str, name: str):
-        self.ref, self.commit, self.name = ref, commit, name
 
-    def copy(self, rel: str, dest: Path, sha256: str, size: int | None) -> None:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        src = hub.download_file(self.ref, self.commit, f"{self.name}/{rel}", MAX_JSON_BYTES if size is None else size)
-        _copy_verified(src, dest, sha256, size, self.ref)
+class OciStore:
+    """oci://HOST[:PORT]/REPO:TAG: an image index whose entries are the variants (registry.py)."""
+
+    def __init__(self, ref: str, plain_http: bool = False):
+        self.ref, self.where, self.plain_http = ref, ref, plain_http
+        _, self.repo, self.tag, _ = registry.parse_ref(ref, plain_http)
+
+    def identity(self, release: str | None = None) -> dict:
+        return {"name": f"oci:{self.repo}", "version": self.tag, "versions": [self.tag]}
+
+    def read_index(self) -> tuple[dict, str]:
+        self.reg, variants = registry.read_index(self.ref, self.plain_http)
+        return {"variants": [v for v in variants if _valid_entry(v)]}, self.ref
+
+    def variant(self, entry: dict) -> VariantSource:
+        return _OciSource(self.reg, entry, self.ref)
+
+    def push(self, variants: list, index: dict, signing: _Signing, release: str | None, tag_given: bool, force: bool) -> dict:
+        with _signed_copies(variants, index, signing) as ready:
+            registry.push(ready, self.ref, self.plain_http)
+        return {}
 
 
 class _OciSource:
@@ -361,6 +408,45 @@ class _OciSource:
             raise ArtifactError(f"{self.ref}: {e}") from None
         finally:
             tar.unlink()
+
+
+class HubStore:
+    """hf://ORG/REPO[@REVISION]: the index and the variant folders, published in one commit and tagged (hub.py)."""
+
+    def __init__(self, ref: str):
+        self.ref, self.where = ref, ref
+        self.repo_id, self.revision = hub.parse_ref(ref)
+
+    def identity(self, release: str | None = None) -> dict:
+        pinned = re.fullmatch(r"[0-9a-f]{40}", self.revision)  # a commit: made after signing, so no version to compare
+        return {"name": f"hf:{self.repo_id}", "version": None if pinned else self.revision,
+                "versions": [self.revision] + ([release] if release else [])}
+
+    def read_index(self) -> tuple[dict, str]:
+        from huggingface_hub import constants
+
+        self.commit, index_dir = hub.download_index(self.ref, INDEX, MAX_INDEX_BYTES)
+        return read_index(index_dir, self.ref), f"{constants.ENDPOINT}/{self.ref}"
+
+    def variant(self, entry: dict) -> VariantSource:
+        return _HubSource(self.ref, self.commit, entry["name"])
+
+    def push(self, variants: list, index: dict, signing: _Signing, release: str | None, tag_given: bool, force: bool) -> dict:
+        with _signed_copies(variants, index, signing) as ready:
+            return {"release": hub.push(ready, (INDEX, _index_bytes(index)), self.ref, release, tag_given=tag_given)}
+
+
+class _HubSource(_FolderSource):
+    """A variant folder of a Hub reference: each file fetched (size-bounded) into huggingface_hub's
+    cache, then copied out while hashed."""
+
+    def __init__(self, ref: str, commit: str, name: str):
+        self.ref, self.commit, self.name = ref, commit, name
+
+    def copy(self, rel: str, dest: Path, sha256: str, size: int | None) -> None:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        src = hub.download_file(self.ref, self.commit, f"{self.name}/{rel}", MAX_JSON_BYTES if size is None else size)
+        _copy_verified(src, dest, sha256, size, self.ref)
 
 
 def _is_copy_of(dest: Path, variant: dict) -> bool:
