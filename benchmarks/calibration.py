@@ -18,29 +18,18 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
 import tempfile
-import time
-from datetime import UTC, datetime
 from pathlib import Path
 
-import torch
+from common import REPO, cpu_name, machine, save, timed
 
 SEQ_LEN = 256
 # (calibration, samples, desc_act, group_size): samples at act-order g128, then act-order off and g32 at each.
 CONFIGS = [(cal, n, act, g) for g in (128, 32) for act in (True, False) for cal, n in
            (("builtin", 17), ("pydoc", 17), ("pydoc", 64), ("pydoc", 256)) if (g, act) == (128, True) or cal == "pydoc"]
-
-
-def cpu_name() -> str:
-    """The CPU's model name as Linux reports it (platform.processor() is often just the architecture)."""
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
 
 
 def calibration_file(dest: Path) -> Path:
@@ -49,7 +38,7 @@ def calibration_file(dest: Path) -> Path:
     "compound" topic holds "if", "for", "def"...; 99 such paragraphs were left in at first)."""
     import pydoc_data.topics as t
 
-    held = (Path(__file__).resolve().parent.parent / "quantprep" / "heldout.txt").read_text()
+    held = (REPO / "quantprep" / "tools" / "heldout.txt").read_text()
     topics = [re.sub(r"\n{3,}", "\n\n", t.topics[k].strip()) for k in sorted(t.topics)]
     rest = [x for x in topics if x not in held]
     paragraphs = [p for x in rest for p in x.split("\n\n") if not (len(p) > 80 and p in held)]
@@ -69,11 +58,9 @@ def run_config(recipe, cal: str, samples: int, desc_act: bool, group: int, calib
              "calibration": "builtin" if cal == "builtin" else str(calib_txt), **({} if cal == "builtin" else {"seq_len": SEQ_LEN})}
     toml.write_text(f'name = "{name}"\n[source]\n{src}\n[quantize]\n' + "\n".join(f"{k} = {toml_value(v)}" for k, v in quant.items())
                     + '\n[build]\ntargets = ["cpu"]\n')
-    t0 = time.perf_counter()
     qp = [sys.executable, "-m", "quantprep"]
-    subprocess.run(qp + ["build", str(toml), "--out", str(work / name), "--no-warm", "--no-check"], check=True,
-                   stdout=subprocess.DEVNULL)
-    build_s = time.perf_counter() - t0
+    build_s = timed(lambda: subprocess.run(qp + ["build", str(toml), "--out", str(work / name), "--no-warm", "--no-check"], check=True,
+                                           stdout=subprocess.DEVNULL))
     out = subprocess.run(qp + ["eval", str(work / name / "cpu"), "--json", "--no-store", "--max-tokens", str(max_tokens)],
                          check=True, capture_output=True, text=True)
     r = json.loads(out.stdout)
@@ -130,7 +117,7 @@ def main() -> None:
         return plot(args.files, args.plot)
     import importlib.metadata
 
-    from quantprep.recipes import find_recipe
+    from quantprep.build.recipes import find_recipe
 
     recipe = find_recipe(args.recipe)
     configs = [c for i, c in enumerate(CONFIGS) if not args.only or str(i) in args.only.split(",")]
@@ -140,12 +127,11 @@ def main() -> None:
         work = Path(tmp)
         calib = calibration_file(work / "calibration-pydoc.txt")
         rows = [run_config(recipe, *c, calib, work, args.max_tokens) for c in configs]
-        result = {"date": datetime.now(UTC).isoformat(), "machine": f"{cpu_name()} ({os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()})",
-                  "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(), "model": recipe.name,
-                  "gptqmodel": importlib.metadata.version("gptqmodel"), "seq_len": SEQ_LEN, "eval_tokens": rows[0]["tokens"],
-                  "calibration_text_sha256": hashlib.sha256(calib.read_bytes()).hexdigest(), "rows": rows}
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        info = machine()  # machine: "CPU (N cores, ISA)", as the calibration table prints it
+        result = info | {"machine": f"{cpu_name()} ({info['cores']} cores, {info['cpu_capability']})", "model": recipe.name,
+                         "gptqmodel": importlib.metadata.version("gptqmodel"), "seq_len": SEQ_LEN, "eval_tokens": rows[0]["tokens"],
+                         "calibration_text_sha256": hashlib.sha256(calib.read_bytes()).hexdigest(), "rows": rows}
+    save(result, args.out)
 
 
 if __name__ == "__main__":

@@ -13,34 +13,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+from common import REPO, machine, median_time, save, timed
 
-from quantprep.prepack import prepare_layer
-from quantprep.source import QuantConfig, _validate_layer
-from quantprep.synthetic import random_gptq_tensors
+from quantprep.build.prepack import prepare_layer
+from quantprep.build.source import QuantConfig, _validate_layer
+from quantprep.build.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
 from quantprep.targets.common import Int8PerChannelLinear, dense_matmul
 from quantprep.targets.cpu import CpuInt4Linear
 
 SHAPES = {"qwen gate/up": (1536, 8960), "qwen down": (8960, 1536), "qwen q/o": (1536, 1536),
           "smollm2 gate/up": (576, 1536), "smollm2 down": (1536, 576)}
-ARTIFACT = Path(__file__).resolve().parent.parent / "artifacts" / "smollm2-135m" / "cpu"
+ARTIFACT = REPO / "artifacts" / "smollm2-135m" / "cpu"
 
 
-def median_ms(fn, reps=7):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+def median_ms(fn) -> float:
+    return median_time(fn) * 1e3
 
 
 def per_module() -> list[dict]:
@@ -94,9 +86,7 @@ def whole_model(rounds=3) -> dict:
         for _ in range(rounds):
             for name, threshold in (("switch_at_512", 512), ("kernel_only", 1 << 30)):
                 CpuInt4Linear.DEQUANT_MIN_M = threshold
-                t = time.perf_counter()
-                model(ids)
-                times[name].append((time.perf_counter() - t) * 1e3)
+                times[name].append(timed(lambda: model(ids)) * 1e3)
     CpuInt4Linear.DEQUANT_MIN_M = default
     return {k: {"median_ms": round(statistics.median(v), 1), "runs": [round(x, 1) for x in v]} for k, v in times.items()}
 
@@ -105,13 +95,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    res = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.platform(),
-           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": torch.get_num_threads(),
-           "modules": per_module(), "int8_modules": int8_per_module(),
-           "smollm2_prefill512": whole_model() if ARTIFACT.is_dir() else None}
+    res = machine() | {"cores": torch.get_num_threads(),  # the kernels' threads (tables.py prints them)
+                       "modules": per_module(), "int8_modules": int8_per_module(),
+                       "smollm2_prefill512": whole_model() if ARTIFACT.is_dir() else None}
     print(json.dumps(res["smollm2_prefill512"]))  # None without `make build`
-    if args.out:
-        args.out.write_text(json.dumps(res, indent=2) + "\n")
+    save(res, args.out)
 
 
 if __name__ == "__main__":

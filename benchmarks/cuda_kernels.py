@@ -19,27 +19,22 @@ import argparse
 import itertools
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import QWEN_1_5B, machine, median_and_runs, run_child, save, timed
 
-from quantprep.prepack import prepare_layer
-from quantprep.source import QuantConfig, _validate_layer
-from quantprep.synthetic import random_gptq_tensors
+from quantprep.build.prepack import prepare_layer
+from quantprep.build.source import QuantConfig, _validate_layer
+from quantprep.build.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
 from quantprep.targets.cuda import pack_tinygemm
 
 CUDA = get_target("cuda")
 QWEN = {"q_proj": (1536, 1536), "k_proj": (1536, 256), "v_proj": (1536, 256), "o_proj": (1536, 1536),
         "gate_proj": (1536, 8960), "up_proj": (1536, 8960), "down_proj": (8960, 1536)}  # (K, N)
-QWEN_CFG = {"model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-            "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
-            "tie_word_embeddings": True, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
 
 
 def module_for(K, N, bits, gs, sym, act, seed=0):
@@ -117,26 +112,23 @@ def whole_model(workdir: Path) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import quantprep
-    from quantprep.build import prepack
-    from quantprep.synthetic import write_random_checkpoint
+    from quantprep.build.pipeline import prepack
+    from quantprep.build.synthetic import write_random_checkpoint
 
-    t0 = time.perf_counter()
-    gptq = write_random_checkpoint(workdir / "gptq", QWEN_CFG, bits=4, group_size=128, desc_act=True, sym=True)
-    t1 = time.perf_counter()
-    built = prepack(gptq, "cuda", workdir / "cuda")
-    prepack(gptq, "cuda", workdir / "cuda-unfused", fuse=False)
-    res = {"write_random_checkpoint_s": t1 - t0, "build": built}
+    write_s = timed(lambda: write_random_checkpoint(workdir / "gptq", QWEN_1_5B, bits=4, group_size=128, desc_act=True, sym=True))
+    built = prepack(workdir / "gptq", "cuda", workdir / "cuda")
+    prepack(workdir / "gptq", "cuda", workdir / "cuda-unfused", fuse=False)
+    res = {"write_random_checkpoint_s": write_s, "build": built}
     starts = []
     for _ in range(3):
-        start = time.time()
-        out = subprocess.run([sys.executable, "-c", FIRST_TOKEN, str(workdir / "cuda")], capture_output=True, text=True, check=True)
-        starts.append(float(out.stdout.strip().splitlines()[-1]) - start)
-    res["load_to_first_token_s"] = {"median": statistics.median(starts), "runs": starts}
+        start, first = run_child(FIRST_TOKEN, [str(workdir / "cuda")], cwd=None)
+        starts.append(first - start)
+    res["load_to_first_token_s"] = median_and_runs(starts)
 
     q = quantprep.load(workdir / "cuda")
     q_unfused = quantprep.load(workdir / "cuda-unfused")
     with torch.device("cuda"):
-        dense = AutoModelForCausalLM.from_config(AutoConfig.for_model(**QWEN_CFG), dtype=torch.bfloat16).eval()
+        dense = AutoModelForCausalLM.from_config(AutoConfig.for_model(**QWEN_1_5B), dtype=torch.bfloat16).eval()
     ids = torch.randint(0, 150000, (1, 16), device="cuda")
     prompt = torch.randint(0, 150000, (1, 512), device="cuda")
     with torch.no_grad():
@@ -153,17 +145,9 @@ def whole_model(workdir: Path) -> dict:
         decode, prefill = {n: [] for n, _ in models}, {n: [] for n, _ in models}
         for _ in range(3):  # interleaved rounds, so drift on the machine hits every model alike
             for name, model in models:
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=128, min_new_tokens=128, do_sample=False)
-                torch.cuda.synchronize()
-                decode[name].append(128 / (time.perf_counter() - t))
-                for _ in range(5):
-                    torch.cuda.synchronize()
-                    t = time.perf_counter()
-                    model(input_ids=prompt)
-                    torch.cuda.synchronize()
-                    prefill[name].append((time.perf_counter() - t) * 1e3)
+                decode[name].append(128 / timed(lambda: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=128,
+                                                                       min_new_tokens=128, do_sample=False), cuda=True))
+                prefill[name] += [timed(lambda: model(input_ids=prompt), cuda=True) * 1e3 for _ in range(5)]
     for name, _ in models:
         res[f"{name}_decode_tok_s"] = statistics.median(decode[name])
         res[f"{name}_decode_tok_s_runs"] = decode[name]
@@ -209,16 +193,16 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="only sweep the prefill GEMM's tile configs")
     p.add_argument("--only-model", action="store_true", help="only the whole-model measurements")
     args = p.parse_args()
+    res = machine() | {"device": torch.cuda.get_device_name()}
     if args.only_model:
         with tempfile.TemporaryDirectory() as d:
-            res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": whole_model(Path(d))}
+            res["model"] = whole_model(Path(d))
         print(json.dumps(res["model"], indent=2), flush=True)
-        Path(args.out).write_text(json.dumps(res, indent=2))
+        save(res, args.out)
         return
     if args.sweep:
-        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "sweep": sweep()}, indent=2))
+        save(res | {"sweep": sweep()}, args.out)
         return
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     res["layout"] = layout_check()
     print("layout equal:", all(r["equal"] for r in res["layout"]), flush=True)
     res["parity"] = parity()
@@ -227,12 +211,12 @@ def main() -> None:
     for r in res["timings"]:
         print(f"{r['layer']:9s} M={r['M']:3d} tinygemm {r['tinygemm_ms']*1e3:7.1f}us dequant {r['dequant_ms']*1e3:7.1f}us triton {r['triton_ms']*1e3:7.1f}us "
               f"module {r['module_ms']*1e3:7.1f}us dense {r['dense_bf16_ms']*1e3:7.1f}us", flush=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
+    save(res, args.out)  # the kernel figures kept should the whole model fail
     if not args.skip_model:
         with tempfile.TemporaryDirectory() as d:
             res["model"] = whole_model(Path(d))
         print(json.dumps(res["model"], indent=2), flush=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
+    save(res, args.out)
 
 
 if __name__ == "__main__":

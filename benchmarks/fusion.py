@@ -4,7 +4,7 @@ separate modules, on the Qwen2.5-1.5B shapes, per target kernel, side by side in
     python benchmarks/fusion.py --target cpu [--out benchmarks/results/fusion-cpu.json]
     python benchmarks/fusion.py --target cpu --whole-model GPTQ_DIR   (fused vs unfused artifact of a real checkpoint)
     PYTHONPATH=. python3 benchmarks/fusion.py --target cuda   (on the GPU machine)
-Medians of --reps timed calls (after warm-up); CUDA times are events around the same calls.
+Medians of --reps timed calls (after warm-up); on CUDA each call is synchronized before and after.
 """
 
 from __future__ import annotations
@@ -13,15 +13,14 @@ import argparse
 import json
 import platform
 import statistics
-import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+from common import machine, median_time, save, timed
 
-from quantprep.prepack import prepare_layer, prepare_layers
-from quantprep.source import QuantConfig, _validate_layer
-from quantprep.synthetic import random_gptq_tensors
+from quantprep.build.prepack import prepare_layer, prepare_layers
+from quantprep.build.source import QuantConfig, _validate_layer
+from quantprep.build.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
 
 GROUPS = {"qkv": [("q_proj", 1536), ("k_proj", 256), ("v_proj", 256)],
@@ -47,28 +46,13 @@ def module(target, layer, device, dtype):
     return m.to(device)
 
 
-def timeit(fn, device, reps):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e6
-
-
 def whole_model(gptq: Path, target_name: str, rounds: int = 3) -> dict:
     """Decode (32 tokens) and prefill (128 tokens) of the fused and the unfused artifact of one
     checkpoint, interleaved rounds in one process, medians."""
     import tempfile
 
     import quantprep
-    from quantprep.build import prepack
+    from quantprep.build.pipeline import prepack
 
     res: dict = {"checkpoint": str(gptq)}
     with tempfile.TemporaryDirectory() as d:
@@ -86,12 +70,10 @@ def whole_model(gptq: Path, target_name: str, rounds: int = 3) -> dict:
                 model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, min_new_tokens=32, do_sample=False)
             for _ in range(rounds):
                 for name, model in models.items():
-                    t = time.perf_counter()
-                    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, min_new_tokens=32, do_sample=False)
-                    times[name]["decode_tok_s"].append(32 / (time.perf_counter() - t))
-                    t = time.perf_counter()
-                    model(input_ids=prompt)
-                    times[name]["prefill128_ms"].append((time.perf_counter() - t) * 1e3)
+                    decode = timed(lambda: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
+                                                          min_new_tokens=32, do_sample=False))
+                    times[name]["decode_tok_s"].append(32 / decode)
+                    times[name]["prefill128_ms"].append(timed(lambda: model(input_ids=prompt)) * 1e3)
     for name, t in times.items():
         res[name] = {k: round(statistics.median(v), 2) for k, v in t.items()} | {"runs": t}
     return res
@@ -107,9 +89,7 @@ def main() -> None:
     if args.whole_model:
         res = whole_model(args.whole_model, args.target)
         print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "runs"} if isinstance(v, dict) else v for k, v in res.items()}))
-        if args.out:
-            args.out.write_text(json.dumps(res | {"date": datetime.now(UTC).isoformat(timespec="seconds"),
-                                                  "machine": platform.platform()}, indent=2) + "\n")
+        save(res | machine(), args.out)
         return
     target = get_target(args.target)
     device, dtype = target.device, torch.bfloat16
@@ -125,17 +105,14 @@ def main() -> None:
                 ref = torch.cat([m(x) for m in separate], -1)
                 got = fused(x)
                 assert torch.equal(ref, got) or ((ref - got).float().norm() / ref.float().norm()).item() < 1e-2
-                t_sep = timeit(lambda: [m(x) for m in separate], device, args.reps)
-                t_fused = timeit(lambda: [o.contiguous() for o in fused(x).split(splits, -1)], device, args.reps)
+                t_sep = median_time(lambda: [m(x) for m in separate], args.reps, 3, device == "cuda") * 1e6
+                t_fused = median_time(lambda: [o.contiguous() for o in fused(x).split(splits, -1)], args.reps, 3, device == "cuda") * 1e6
             rows.append({"group": group, "M": M, "separate_us": round(t_sep, 1), "fused_us": round(t_fused, 1),
                          "speedup": round(t_sep / t_fused, 2)})
             print(rows[-1], flush=True)
-    result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.platform(),
-              "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-              "target": args.target, "torch": torch.__version__, "rows": rows}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    result = machine() | {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+                          "target": args.target, "rows": rows}
+    save(result, args.out)
 
 
 if __name__ == "__main__":

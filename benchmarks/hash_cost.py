@@ -1,4 +1,4 @@
-"""What hashing every file before an artifact's first load here costs (quantprep/verified.py).
+"""What hashing every file before an artifact's first load here costs (quantprep/format/verified.py).
 
 An artifact not built on this machine is hashed in full at its first load; later loads of the
 same, unchanged files find the user's mark and check sizes only. Fresh process per run, median of
@@ -13,28 +13,22 @@ once) and SmolLM2 when `make build` made it:
 """
 
 import argparse
-import json
+import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+from common import QWEN_1_5B, REPO, RESULTS, machine, run_child, save
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
 CHILD = ("import sys, time, quantprep; t = time.perf_counter(); "
          "quantprep.load(sys.argv[1], verify=None if sys.argv[2] == 'default' else False); print(time.perf_counter() - t)")
 
 
 def qwen_artifact(cache: Path) -> Path:
-    from load import QWEN_1_5B
-
-    from quantprep.build import prepack
-    from quantprep.synthetic import write_random_checkpoint
+    from quantprep.build.pipeline import prepack
+    from quantprep.build.synthetic import write_random_checkpoint
 
     art = cache / "qwen2.5-1.5b-shapes-artifact"
     if not (art / "manifest.json").is_file():
@@ -46,14 +40,12 @@ def qwen_artifact(cache: Path) -> Path:
 
 
 def load_s(art: Path, mode: str, marks: Path) -> float:
-    env = {**__import__("os").environ, "QUANTPREP_VERIFIED_DIR": str(marks)}
-    out = subprocess.run([sys.executable, "-c", CHILD, str(art), mode], capture_output=True, text=True, check=True, env=env)
-    return float(out.stdout.strip().splitlines()[-1])
+    return run_child(CHILD, [str(art), mode], dict(os.environ, QUANTPREP_VERIFIED_DIR=str(marks)))[1]
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "hash-cost-first-load-cpu-avx512.json"))
+    p.add_argument("--out", default=str(RESULTS / "hash-cost-first-load-cpu-avx512.json"))
     args = p.parse_args()
     cache = REPO / "artifacts" / ".cache" / "bench"
     arts = {"qwen2.5-1.5b-shapes": qwen_artifact(cache)}
@@ -72,12 +64,9 @@ def main() -> None:
         row = {"artifact": name, "mib": round(mib, 1), "modes": {k: {"median_s": statistics.median(v), "runs": v} for k, v in times.items()}}
         rows.append(row)
         print(name, {k: round(v["median_s"], 2) for k, v in row["modes"].items()})
-    from calibration import cpu_name
-
-    result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": cpu_name(),
-              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": torch.get_num_threads(),
-              "torch": torch.__version__, "rows": rows}
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    # machine: the CPU's name; cores: torch's threads, which hash and load here
+    info = machine()
+    save(info | {"machine": info["cpu"], "cores": torch.get_num_threads(), "rows": rows}, args.out)
 
 
 if __name__ == "__main__":

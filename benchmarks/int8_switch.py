@@ -9,18 +9,14 @@ cpu: medians of 7 calls; cuda: `triton.testing.do_bench` medians. Shapes of Qwen
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
-import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+from common import machine, median_time, save
 
-from quantprep.prepack import prepare_layer
-from quantprep.source import QuantConfig, _validate_layer
-from quantprep.synthetic import random_gptq_tensors
+from quantprep.build.prepack import prepare_layer
+from quantprep.build.source import QuantConfig, _validate_layer
+from quantprep.build.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
 from quantprep.targets.common import Int8PerChannelLinear, dense_matmul
 
@@ -34,13 +30,7 @@ def median_ms(fn, device: str) -> float:
         from triton.testing import do_bench
 
         return do_bench(fn, return_mode="median")
-    fn()
-    ts = []
-    for _ in range(7):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+    return median_time(fn) * 1e3
 
 
 def main() -> None:
@@ -64,12 +54,11 @@ def main() -> None:
             rows.append({"shape": name, "K": K, "N": N, "M": M, "kernel_ms": round(kernel, 4), "dequant_ms": round(dequant, 4),
                          "kernel_over_dequant": round(kernel / dequant, 2)})
             print(rows[-1], flush=True)
-    res = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.platform(), "torch": torch.__version__,
-           "cpu_capability": torch.cuda.get_device_name() if dev == "cuda" else torch.backends.cpu.get_cpu_capability(),
-           "cores": None if dev == "cuda" else torch.get_num_threads(), "device": dev,
-           "threshold": Int8PerChannelLinear.DEQUANT_MIN_M, "int8_modules": rows}
-    if args.out:
-        args.out.write_text(json.dumps(res, indent=2) + "\n")
+    # cpu_capability and cores name what ran the kernels (tables.py prints them): the GPU, or torch's CPU threads
+    res = machine() | {"cpu_capability": torch.cuda.get_device_name() if dev == "cuda" else torch.backends.cpu.get_cpu_capability(),
+                       "cores": None if dev == "cuda" else torch.get_num_threads(), "device": dev,
+                       "threshold": Int8PerChannelLinear.DEQUANT_MIN_M, "int8_modules": rows}
+    save(res, args.out)
 
 
 if __name__ == "__main__":

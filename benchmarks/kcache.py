@@ -25,14 +25,12 @@ import argparse
 import functools
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from datetime import UTC, datetime
 from pathlib import Path
+
+from common import machine, run_child, save
 
 CHILD = """
 import time
@@ -55,10 +53,10 @@ if os.environ.get("KCACHE_PROFILE"):  # --profile: where load and the first toke
     profile = cProfile.Profile()
     profile.enable()
 if mode == "kcache_megacache":  # the kcache without its AOTInductor packages: torch.compile + mega-cache
-    import quantprep.aot
-    quantprep.aot.install = lambda *args, **kwargs: 0
+    import quantprep.runtime.aot
+    quantprep.runtime.aot.install = lambda *args, **kwargs: 0
 if mode == "kcache_noprefetch":
-    sys.modules["quantprep.load"].prefetch_runtime = lambda entries: None
+    sys.modules["quantprep.runtime.load"].prefetch_runtime = lambda entries: None
 model = quantprep.load(path, compile=mode not in ("eager", "kcache_eager"), kcache=mode.startswith("kcache"))
 loaded = time.time()
 if os.path.exists(os.path.join(path, "tokenizer_config.json")):
@@ -112,11 +110,10 @@ def run_once(path: Path, mode: str, profile: Path | None = None, extra_env: dict
         # (a) and (c2) get an empty Triton dir of their own; (c) keeps the machine's ~/.triton, the best case for eager
         if mode in ("nocache", "kcache_eager"):
             env["TRITON_CACHE_DIR"] = f"{tmp}/triton"
-        t0 = time.time()
-        proc = subprocess.run([sys.executable, "-c", CHILD, str(path), mode], env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"{mode} failed: {proc.stderr.strip().splitlines()[-1:]}")
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+        try:
+            t0, r = run_child(CHILD, [str(path), mode], env, cwd=None)
+        except RuntimeError as e:
+            sys.exit(f"{mode} failed: {str(e).strip().splitlines()[-1:]}")
     # phases: interpreter start, imports (torch, transformers, quantprep), quantprep.load, first token
     r["phases_s"] = {"start": r["started"] - t0, "imports": r["imported"] - r["started"],
                      "load": r["loaded"] - r["imported"], "first_token": r["first"] - r["loaded"]}
@@ -169,8 +166,7 @@ def main() -> None:
     ttft = {name: v["ttft_s_median"] for name, v in summary.items()}
     b, c = ttft.get("b_compile_kcache", float("nan")), ttft.get("c_eager", float("nan"))
     a = ttft.get("a_compile_no_cache", float("nan"))
-    result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.platform(),
-              "cpus": os.cpu_count(), "artifact": str(args.artifact), "target": manifest["target"]["name"],
+    result = machine() | {"cpus": os.cpu_count(), "artifact": str(args.artifact), "target": manifest["target"]["name"],
               "bytecode_cache": not sys.dont_write_bytecode,  # inherited by the children; off: sources recompiled each run
               "kcache_key": manifest["kcache"]["key"], "runs": args.runs, "summary": summary,
               "b_over_c": b / c, "a_over_b": a / b, "b2_over_c": ttft.get("b2_compile_kcache_megacache_only", float("nan")) / c,
@@ -181,9 +177,7 @@ def main() -> None:
               "raw": runs,
               "same_text": len({str(r["text"]) for rs in runs.values() for r in rs}) == 1}
     print(json.dumps({k: v for k, v in result.items() if k != "raw"}, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    save(result, args.out)
 
 
 if __name__ == "__main__":

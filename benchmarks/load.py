@@ -30,17 +30,13 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from common import QWEN_1_5B, REPO, RESULTS, child_env, machine, median_and_runs, run_child, save
+
 BENCH_CACHE = REPO / "artifacts" / ".cache" / "bench"
-QWEN_1_5B = {"model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-             "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
-             "tie_word_embeddings": True, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
 
 CHILD_GPTQMODEL = """
 import time, sys, json, torch
@@ -101,17 +97,14 @@ print(json.dumps({"import": t1, "load": t2, "first": time.time()}))
 
 
 def fresh_process(code: str, args: list[str], cold_inductor: bool = False) -> dict:
-    env = dict(os.environ, GPTQMODEL_CPU_WORKERS=os.environ.get("GPTQMODEL_CPU_WORKERS", "2"),
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    env = child_env(GPTQMODEL_CPU_WORKERS=os.environ.get("GPTQMODEL_CPU_WORKERS", "2"))
     if cold_inductor:
         env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cold-")
-    start = time.time()
-    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=REPO)
-    if cold_inductor:
-        shutil.rmtree(env["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr[-3000:])
-    t = json.loads(proc.stdout.strip().splitlines()[-1])
+    try:
+        start, t = run_child(code, args, env)
+    finally:
+        if cold_inductor:
+            shutil.rmtree(env["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
     return {"import_s": t["import"] - start, "load_s": t["load"] - t["import"], "first_s": t["first"] - t["load"],
             "total_s": t["first"] - start}
 
@@ -130,7 +123,7 @@ def built_paths(recipe: str, make: str) -> tuple[Path, Path]:
     art = REPO / "artifacts" / recipe / "cpu"
     if not (art / "manifest.json").is_file():
         sys.exit(f"run `{make}` first: it builds artifacts/{recipe}/cpu")
-    from quantprep.build import cached_checkpoint
+    from quantprep.build.pipeline import cached_checkpoint
 
     gptq = cached_checkpoint(json.loads((art / "manifest.json").read_text())["source"]["sha256"])
     if gptq is None:
@@ -143,8 +136,8 @@ def smollm2_paths() -> tuple[Path, Path]:
 
 
 def qwen_paths() -> tuple[Path, Path, list[float]]:
-    from quantprep.build import prepack
-    from quantprep.synthetic import write_random_checkpoint
+    from quantprep.build.pipeline import prepack
+    from quantprep.build.synthetic import write_random_checkpoint
 
     gptq = BENCH_CACHE / "qwen2.5-1.5b-random-gptq"
     if not (gptq / "quantize_config.json").is_file():
@@ -167,7 +160,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--models", default="smollm2,qwen1.5b")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "load-cpu.json"))
+    p.add_argument("--out", default=str(RESULTS / "load-cpu.json"))
     p.add_argument("--variants", help="comma-separated subset of a_gptqmodel,a0_gptqmodel_cold_inductor,b_quantprep,c_floor,"
                                       "ct_floor_with_transformers (default: all)")
     p.add_argument("--plot", help="draw FILE.png from the result files given as arguments, then stop")
@@ -175,12 +168,7 @@ def main() -> None:
     args = p.parse_args()
     if args.plot:
         return plot([json.loads(Path(f).read_text()) for f in args.results], args.plot)
-    results = {"machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus", "date": time.strftime("%Y-%m-%d"),
-               "python": platform.python_version(), "models": {}}
-    import torch
-
-    results["torch"] = torch.__version__
-    results["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    results = machine() | {"python": platform.python_version(), "models": {}}
     for model in args.models.split(","):
         extra = {}
         if model == "smollm2":
@@ -189,7 +177,7 @@ def main() -> None:
             gptq, art = built_paths("qwen2.5-coder-1.5b", "make real")
         else:
             gptq, art, prepack = qwen_paths()
-            extra["prepack_s"] = {"median": statistics.median(prepack), "runs": prepack}
+            extra["prepack_s"] = median_and_runs(prepack)
         row = {"artifact_mib": sum(f.stat().st_size for f in art.iterdir()) / 2**20, **extra}
         variants = {"a_gptqmodel": (CHILD_GPTQMODEL, [str(gptq)], False),
                     "a0_gptqmodel_cold_inductor": (CHILD_GPTQMODEL, [str(gptq)], True),
@@ -208,7 +196,7 @@ def main() -> None:
                 row[ratio] = b / row[other]["total_s"]
         results["models"][model] = row
         print(json.dumps({model: row}, indent=2), flush=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    save(results, args.out)
 
 
 PHASES = [("import_s", "imports"), ("load_s", "load"), ("first_s", "first token")]

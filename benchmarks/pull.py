@@ -14,17 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
-from datetime import UTC, datetime
 from pathlib import Path
+
+from common import machine, run_child, save
 
 CHILD = """
 import sys, time, json, torch
@@ -56,9 +55,7 @@ def start_registry(root: Path) -> tuple[subprocess.Popen, str]:
 
 
 def run(source: str, env: dict) -> dict:
-    t0 = time.time()
-    out = subprocess.run([sys.executable, "-c", CHILD, source], capture_output=True, text=True, env=env, check=True).stdout
-    r = json.loads(out.strip().splitlines()[-1])
+    t0, r = run_child(CHILD, [source], env)
     return {"total_s": r["first"] - t0, "load_s": r["loaded"] - r["imported"], "imports_s": r["imported"] - t0}
 
 
@@ -68,7 +65,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    from quantprep.publish import publish
+    from quantprep.distribution.publish import publish
 
     nbytes = sum(p.stat().st_size for p in args.artifact.rglob("*") if p.is_file())
     with tempfile.TemporaryDirectory(prefix="quantprep-pull-bench-") as tmp:
@@ -82,7 +79,7 @@ def main() -> None:
             runs: dict[str, list[dict]] = {"local": [], "filled": [], "empty": []}
             run(ref, env)  # fill the cache once (and warm the OS page cache for every mode)
             for _ in range(args.runs):
-                runs["local"].append(run(str(args.artifact), env))
+                runs["local"].append(run(str(args.artifact.resolve()), env))
                 runs["filled"].append(run(ref, env))
                 shutil.rmtree(cache)
                 runs["empty"].append(run(ref, env))
@@ -91,13 +88,11 @@ def main() -> None:
             proc.wait(timeout=10)
     med = {k: statistics.median(r["total_s"] for r in v) for k, v in runs.items()}
     budget = med["local"] + nbytes / 500e6
-    res = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.platform(), "cores": os.cpu_count(),
-           "artifact": str(args.artifact), "bytes": nbytes, "runs": args.runs, "median_s": med,
+    res = machine() | {"artifact": str(args.artifact), "bytes": nbytes, "runs": args.runs, "median_s": med,
            "filled_over_local": med["filled"] / med["local"], "empty_budget_s": budget, "empty_within_budget": med["empty"] <= budget,
            "raw": runs}
     print(json.dumps({k: v for k, v in res.items() if k != "raw"}, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(res, indent=2) + "\n")
+    save(res, args.out)
 
 
 if __name__ == "__main__":

@@ -22,18 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from common import REPO, child_env, machine, save
+
 WORK = REPO / "artifacts" / ".cache" / "bench" / "scale"
 COMMON = {"model_type": "qwen2", "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
 SHAPES = {  # Qwen2.5 configs: hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings
@@ -71,8 +69,7 @@ def run_timed(argv: list[str]) -> dict:
     process that spawned it (this one, after writing a checkpoint: GBs) into the child's."""
     with tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO,
-                                env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"))
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO, env=child_env())
         peak_kib = 0
         while proc.poll() is None:
             peak_kib = max(peak_kib, vm_hwm_kib(proc.pid))
@@ -112,7 +109,7 @@ def copy_time(src: Path, dest: Path) -> float:
 # importing transformers' modeling code, which quantprep.load cannot skip while it returns a
 # transformers model.
 def load_children(art: Path) -> dict[str, tuple[str, list[str]]]:
-    from benchmarks.load import CHILD_FLOOR, CHILD_QUANTPREP
+    from load import CHILD_FLOOR, CHILD_QUANTPREP
 
     return {"floor": (CHILD_FLOOR, [str(art)]), "floor_with_transformers": (CHILD_FLOOR, [str(art), "transformers"]),
             "load_first_token": (CHILD_QUANTPREP, [str(art)])}
@@ -122,10 +119,10 @@ def load_runs(art: Path, runs: int) -> dict:
     """Warm: one pass of the floors and the load discarded, then `runs` rounds of them
     interleaved, so each sees the page cache the others see (run one after the other, the first
     load after verify and the copy read a 32B artifact from disk and the floors after it found it
-    in memory: the 1.83x of the 2026-11-23 32B rerun). Cold: where the page cache can be dropped
+    in memory). Cold: where the page cache can be dropped
     (root), the floor with transformers and the load twice each, alternating, each after
     dropping it: a first start after boot reads every byte from disk."""
-    from benchmarks.load import fresh_process, medians
+    from load import fresh_process, medians
 
     children = load_children(art)
     for code, argv in children.values():
@@ -163,7 +160,7 @@ def drop_page_cache() -> bool:
 def write_checkpoint(size: str, src: Path) -> None:
     """A random GPTQ checkpoint of this Qwen2.5 shape at `src`, written beside it and renamed into
     place: an interrupted write leaves no checkpoint that looks whole."""
-    from quantprep.synthetic import write_random_checkpoint_sharded
+    from quantprep.build.synthetic import write_random_checkpoint_sharded
 
     tmp = src.with_name(src.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -186,11 +183,7 @@ def main() -> None:
     args = p.parse_args()
     if args.plot and args.results:
         return plot(json.loads(Path(args.results[0]).read_text()), args.plot)
-    import torch
-
-    result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-              "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1), "sizes": {}, "skipped": {}}
+    result = machine() | {"memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1), "sizes": {}, "skipped": {}}
     WORK.mkdir(parents=True, exist_ok=True)
     for size in args.sizes.split(","):
         src, art = WORK / f"qwen2.5-{size}-gptq", WORK / f"qwen2.5-{size}-cpu"
@@ -226,10 +219,7 @@ def main() -> None:
             shutil.rmtree(art, ignore_errors=True)
             if size not in ("0.5b", "1.5b"):
                 shutil.rmtree(src, ignore_errors=True)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print(save(result, args.out))
     if args.plot:
         plot(result, args.plot)
 

@@ -20,15 +20,14 @@ import argparse
 import http.client
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from common import REPO, child_env, machine, run_child, save
+
 PROMPT = "Write a haiku about the sea."
 NEW_TOKENS = 8
 ARTIFACTS = {"smollm2": "smollm2-135m", "qwen-coder-0.5b": "qwen2.5-coder-0.5b", "qwen-coder-1.5b": "qwen2.5-coder-1.5b"}
@@ -62,7 +61,7 @@ def artifact_and_checkpoint(model: str, where: dict[str, str]) -> tuple[Path, Pa
     art = Path(where[model]) if model in where else REPO / "artifacts" / ARTIFACTS[model] / "cpu"
     if not (art / "manifest.json").is_file():
         sys.exit(f"no {art}: run `make build` (smollm2) or `make real` (Qwen) first")
-    from quantprep.build import cached_checkpoint
+    from quantprep.build.pipeline import cached_checkpoint
 
     source = json.loads((art / "manifest.json").read_text())["source"]
     # the checkpoint it was built from: in the build cache by content, or the directory prepack was given
@@ -123,11 +122,8 @@ def server_run(argv: list[str], model_id: str, port: int, env: dict) -> dict:
 
 
 def floor_run(art: Path, env: dict) -> dict:
-    start = time.time()
-    proc = subprocess.run([sys.executable, "-c", FLOOR, str(art), PROMPT, str(NEW_TOKENS)], capture_output=True, text=True, env=env, cwd=REPO)
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr[-2000:])
-    return {"first_token_s": json.loads(proc.stdout.strip().splitlines()[-1])["first"] - start}
+    start, out = run_child(FLOOR, [str(art), PROMPT, str(NEW_TOKENS)], env)
+    return {"first_token_s": out["first"] - start}
 
 
 def main() -> None:
@@ -141,13 +137,9 @@ def main() -> None:
     where = dict(a.split("=", 1) for a in args.artifact)
     models = list(where) if where else args.models.split(",")
     variants = set(args.variants.split(","))
-    import torch
-
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", GPTQMODEL_CPU_WORKERS=str(os.cpu_count()))
+    env = child_env(GPTQMODEL_CPU_WORKERS=str(os.cpu_count()))
     transformers_cli = str(Path(sys.executable).with_name("transformers"))
-    result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-              "transformers": __import__("transformers").__version__, "prompt": PROMPT, "new_tokens": NEW_TOKENS, "models": {}}
+    result = machine() | {"transformers": __import__("transformers").__version__, "prompt": PROMPT, "new_tokens": NEW_TOKENS, "models": {}}
     for model in models:
         art, gptq = artifact_and_checkpoint(model, where)
         names = {"a": "a_quantprep_serve", "b": "b_transformers_serve_gptqmodel", "c": "c_quantprep_load_generate"}
@@ -181,10 +173,7 @@ def main() -> None:
             row["a_over_c"] = t["a"] / t["c"]
         row.update(artifact=str(art), gptq_checkpoint=gptq.name, device=json.loads((art / "manifest.json").read_text())["target"]["name"])
         result["models"][model] = row
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print(save(result, args.out))
 
 
 if __name__ == "__main__":

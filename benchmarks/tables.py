@@ -30,8 +30,8 @@ def _machine(r: dict) -> str:
     return f"{r['date'][:10]}, {r['cpu_capability']}{cores}, {r['machine']}"
 
 
-def cpu_switch(r: dict, key: str, unit: str = "ms") -> str:
-    """kernel vs dequantize + dense bf16 per module across M (benchmarks/cpu_prefill.py)."""
+def cpu_switch(r: dict, key: str) -> str:
+    """kernel / (dequantize + dense matmul) time per module across M (benchmarks/cpu_prefill.py, int8_switch.py)."""
     rows = r[key]
     Ms = sorted({x["M"] for x in rows})
     shapes = list(dict.fromkeys(x["shape"] for x in rows))
@@ -41,8 +41,7 @@ def cpu_switch(r: dict, key: str, unit: str = "ms") -> str:
     for s in shapes:
         k, n = next((x["K"], x["N"]) for x in rows if x["shape"] == s)
         out.append(f"| {s} ({k} x {n}) | " + " | ".join(
-            f"{cell[s, m]['kernel_over_dequant']:.2f} ({cell[s, m]['kernel_' + unit]:g} / {cell[s, m]['dequant_' + unit]:g} {unit})"
-            if (s, m) in cell else "" for m in Ms) + " |")
+            f"{cell[s, m]['kernel_over_dequant']:.2f}" if (s, m) in cell else "" for m in Ms) + " |")
     if key == "modules" and r.get("smollm2_prefill512"):
         p = r["smollm2_prefill512"]
         out += ["", f"SmolLM2 prefill of 512 tokens, whole model: {p['switch_at_512']['median_ms']:g} ms with the switch, "
@@ -50,28 +49,14 @@ def cpu_switch(r: dict, key: str, unit: str = "ms") -> str:
     return "\n".join(out)
 
 
-def gemm_variants(r: dict) -> str:
-    """Two variants of the cuda prefill GEMM side by side (benchmarks/cuda_gemm_specialize.py)."""
-    first, second = r["rows"][0]["ratio"].split(" / ")
-    out = [f"{r['device']}, torch {r['torch']}, Triton {r['triton']}; median of `do_bench` over the rounds", "",
-           f"| linear (K x N) | M | {first} ms | {second} ms | ratio | same output |", "| --- | --- | --- | --- | --- | --- |"]
-    for x in r["rows"]:
-        out.append(f"| {x['linear']} ({x['K']} x {x['N']}) | {x['M']} | {x['ms'][first] * 1e3:.1f} us | {x['ms'][second] * 1e3:.1f} us "
-                   f"| {x['first_over_second']:.3f} | {'yes' if x['same_output'] else 'NO'} |")
-    out += ["", f"Ratio {first} / {second}: median {r['median_ratio']:.3f}, range {r['min_ratio']:.3f}-{r['max_ratio']:.3f}."]
-    return "\n".join(out)
-
-
 def load_to_first_token(r: dict) -> str:
     """Spawn to first token per variant, fresh processes (benchmarks/load.py)."""
     models = r["models"]
     names = list(models)
-    variants = [("a_gptqmodel", "(a) GPTQModel.load (TORCH backend) + 1 token, Inductor cache warm"),
-                ("a0_gptqmodel_cold_inductor", "(a0) same, empty Inductor cache"),
-                ("b_quantprep", "(b) quantprep.load + 1 token"),
-                ("c_floor", "(c) floor: python + torch + read the artifact's bytes + dense forward (bf16; float32 below AVX512 since 2026-11-23)"),
-                ("ct_floor_with_transformers", "(ct) floor + importing transformers' modeling code")]
-    out = [f"{r['machine']}, {r['date']}, Python {r['python']}; median of {len(models[names[0]]['b_quantprep']['runs'])} fresh "
+    variants = [("a_gptqmodel", "(a) GPTQModel, Inductor cache warm"), ("a0_gptqmodel_cold_inductor", "(a0) GPTQModel, empty Inductor cache"),
+                ("b_quantprep", "(b) quantprep.load"), ("c_floor", "(c) floor (its dense forward in float32 below AVX512)"),
+                ("ct_floor_with_transformers", "(ct) floor + transformers' modeling imports")]
+    out = [f"{r['machine']}, {r['date'][:10]}, Python {r['python']}; median of {len(models[names[0]]['b_quantprep']['runs'])} fresh "
            "processes, seconds (imports / load / first forward)", "",
            "| variant | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
     for key, label in [(k, v) for k, v in variants if all(k in models[n] for n in names)]:
@@ -92,14 +77,17 @@ def fusion_groups(r: dict) -> str:
 
 
 def cuda_linears(r: dict) -> str:
-    """Per linear: tinygemm, the Triton GEMM, the module and dense bf16 (benchmarks/cuda_kernels.py)."""
-    out = [f"{r['device']}, torch {r['torch']}, {r['date'][:10]}; `do_bench` medians in us", "",
-           "| layer (K->N) | M | tinygemm | triton | module | dense bf16 | module / dense | triton / dense |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for x in r["timings"]:
-        us = {k: x[f"{k}_ms"] * 1e3 for k in ("tinygemm", "triton", "module", "dense_bf16")}
-        out.append(f"| {x['layer']} ({x['K']}->{x['N']}) | {x['M']} | {us['tinygemm']:.1f} | {us['triton']:.1f} | {us['module']:.1f} "
-                   f"| {us['dense_bf16']:.1f} | {us['module'] / us['dense_bf16']:.2f} | {us['triton'] / us['dense_bf16']:.2f} |")
+    """Per linear and M: tinygemm, the Triton GEMM and the whole module, each over dense bf16 (benchmarks/cuda_kernels.py)."""
+    Ms = sorted({x["M"] for x in r["timings"]})
+    cell = {(x["layer"], x["M"]): x for x in r["timings"]}
+    out = [f"{r['device']}, torch {r['torch']}, {r['date'][:10]}; `do_bench` medians; each cell: tinygemm / triton / module, "
+           "as multiples of dense bf16's time (dense bf16 in us)", "",
+           "| layer (K->N) | " + " | ".join(f"M={m}" for m in Ms) + " |", "| --- |" + " --- |" * len(Ms)]
+    for layer, k, n in dict.fromkeys((x["layer"], x["K"], x["N"]) for x in r["timings"]):
+        row = [cell[layer, m] for m in Ms]
+        out.append(f"| {layer} ({k}->{n}) | " + " | ".join(
+            f"{x['tinygemm_ms'] / x['dense_bf16_ms']:.2f} / {x['triton_ms'] / x['dense_bf16_ms']:.2f} / "
+            f"{x['module_ms'] / x['dense_bf16_ms']:.2f} ({x['dense_bf16_ms'] * 1e3:.1f})" for x in row) + " |")
     worst = max(p["rel_err"] for p in r["parity"])
     out += ["", f"Parity of the cuda modules vs the dense float32 reference in the same run: {len(r['parity'])} cases, "
                 f"max relative error {worst:.1e}; `pack_tinygemm` equal to `_convert_weight_to_int4pack` in "
@@ -110,7 +98,6 @@ def cuda_linears(r: dict) -> str:
 KCACHE_MODES = {
     "a_compile_no_cache": "(a) compile, no cache",
     "b_compile_kcache": "(b) compile + kcache",
-    "b_pre": "(b, pre-import)",
     "b2_compile_kcache_megacache_only": "(b2) torch.compile + mega-cache",
     "b3_compile_kcache_reused": "(b3) kept copy",
     "b4_compile_kcache_no_prefetch": "(b4) no thread",
@@ -160,19 +147,6 @@ def kcache_runs(*runs: dict) -> str:
     return "\n".join(out)
 
 
-def cpu_kernel_dtypes(r: dict) -> str:
-    """int4 cpu kernel by activation dtype against dense bf16 (benchmarks/cpu_kernel_dtypes.py)."""
-    def t(us: float) -> str:
-        return f"{us:.0f} us" if us < 1000 else f"{us / 1e3:.1f} ms"
-    out = [f"{_machine(r)}, torch {r['torch']}; median of {r['calls']} calls, group {r['group_size']}", "",
-           "| K x N, M | float32 | bfloat16 | float16 | dense bf16 matmul | dense fp32 matmul | bf16 int4 / fastest dense |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
-    out += [f"| {x['K']} x {x['N']}, M={x['M']} | {t(x['us']['float32'])} | {t(x['us']['bfloat16'])} | {t(x['us']['float16'])} "
-            f"| {t(x['us']['dense_bfloat16'])} | {t(x['us']['dense_float32'])} "
-            f"| {x['us']['bfloat16'] / min(x['us']['dense_bfloat16'], x['us']['dense_float32']):.2f} |" for x in r["rows"]]
-    return "\n".join(out)
-
-
 def cuda_model(*runs: dict) -> str:
     """Whole model, quantprep cuda int4 against dense bf16 (benchmarks/cuda_kernels.py --only-model)."""
     out = ["| run | decode 128 tokens, quantprep / dense bf16 | prefill 512 tokens, quantprep / dense bf16 "
@@ -198,23 +172,6 @@ def fusion_cpu_model(r: dict) -> str:
                       f"| prefill 128 tokens | {f['prefill128_ms']:.0f} ms | {u['prefill128_ms']:.0f} ms |"])
 
 
-def bucketing(r: dict) -> str:
-    """Prefill padded to its bucket against unpadded, per prompt length (benchmarks/bucketing.py)."""
-    sets = list(r["bucket_sets"])
-    cell = {(x["length"], x["buckets"]): x for x in r["rows"]}
-    lengths = sorted({x["length"] for x in r["rows"]})
-    out = [f"{_machine(r)}, torch {r['torch']}, {r['artifact']} ({r['act_dtype']}); median of {r['rounds']} interleaved rounds", "",
-           "| prompt | unpadded | " + " | ".join(sets) + " |", "| --- | --- |" + " --- |" * len(sets)]
-    for n in lengths:
-        out.append(f"| {n} | {cell[n, sets[0]]['unpadded_ms']:.0f} ms | " + " | ".join(
-            f"-> {cell[n, b]['padded_to']}: {cell[n, b]['overhead'] * 100:+.1f}%" for b in sets) + " |")
-    med = r["median_prompt"]
-    out.append("| median over lengths | | " + " | ".join(
-        f"{statistics.median(cell[n, b]['overhead'] for n in lengths) * 100:+.1f}%" for b in sets) + " |")
-    out += ["", f"The median prompt of these lengths is {med:g} tokens."]
-    return "\n".join(out)
-
-
 def pull_times(r: dict) -> str:
     """quantprep.load(REF) to the first token: local dir, filled pull cache, empty cache (benchmarks/pull.py)."""
     m = r["median_s"]
@@ -234,14 +191,14 @@ def calibration(*runs: dict) -> str:
     out = []
     for r in runs:
         out.append(f"- {r['model']}: {r['date'][:10]}, {r['machine']}, gptqmodel {r['gptqmodel']} on the CPU")
-    out += ["", "int4, sym; quantprep eval of the cpu artifact against the float model, ctx 512, the first scored tokens of "
-            "the held-out text", "",
+    windows = "/".join(sorted({str(r["seq_len"]) for r in runs}))
+    out += ["", f"int4, sym; a sample of the Python reference: a window of {windows} tokens; quantprep eval of the cpu artifact "
+            "against the float model, ctx 512, the first scored tokens of the held-out text", "",
             "| model | calibration | samples | act-order | group | ppl (float) | ppl ratio | KLD mean | KLD p99 | top-1 | scored tokens | build |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in runs:
         for x in r["rows"]:
-            cal = ("builtin texts" if x["calibration"] == "builtin"
-                   else f"Python reference {r['calibration_text_sha256'][:8]}, {x['seq_len']}-token windows")
+            cal = "builtin texts" if x["calibration"] == "builtin" else f"Python reference {r['calibration_text_sha256'][:8]}"
             out.append(f"| {r['model']} | {cal} | {x['samples']} | {'on' if x['desc_act'] else 'off'} | {x['group_size']} | "
                        f"{x['ppl']:.3f} ({x['ref_ppl']:.3f}) | {x['ppl_ratio']:.4f} | {x['kld_mean']:.4f} | {x['kld_p99']:.3f} | "
                        f"{100 * x['top1_agree']:.1f}% | {x['tokens']} | {x['build_s']:.0f} s |")
@@ -266,6 +223,7 @@ def serve_cold_start(*runs: dict) -> str:
               "c_quantprep_load_generate": "(c) floor: quantprep.load + streamed generate"}
     out = ["| machine, date | model (target) | variant | ready | first token | goal |", "| --- | --- | --- | --- | --- | --- |"]
     for r in runs:
+        head = f"{r['machine']} ({r['cpu_capability']}), torch {r['torch']}, transformers {r['transformers']}, {r['date'][:10]}"
         for name, row in r["models"].items():
             for key, label in labels.items():
                 if key not in row:
@@ -277,8 +235,8 @@ def serve_cold_start(*runs: dict) -> str:
                 if key == "a_quantprep_serve" and "a_over_c" in row:
                     goal += f"(a) / (c) = {row['a_over_c']:.2f} (<= 1.2: {'met' if row['a_over_c'] <= 1.2 else 'NOT met'})"
                 ready = f"{x['ready_s']:.2f} s" if "ready_s" in x else ""
-                out.append(f"| {r['machine']} ({r['cpu_capability']}), torch {r['torch']}, transformers {r['transformers']}, {r['date'][:10]} "
-                           f"| {name} ({row['device']}) | {label} | {ready} | {x['first_token_s']:.2f} s | {goal} |")
+                out.append(f"| {head} | {name} ({row['device']}) | {label} | {ready} | {x['first_token_s']:.2f} s | {goal} |")
+                head = ""  # the machine once per results file
             for key, error in row.get("errors", {}).items():
                 reason = error.split('"error": "')[-1].split('"')[0] if '"error"' in error else error[-160:]
                 out.append(f"| | {name} ({row['device']}) | {labels[key]} | | failed | {reason} |")
@@ -344,69 +302,6 @@ def scale(r: dict) -> str:
     return "\n".join(out)
 
 
-def prepack_env(r: dict) -> str:
-    """Prepack with an environment variable one way and the other, alternating, fresh processes
-    (benchmarks/prepack_env.py; the THP file predates "var"/"values" and named its ratio off_over_on)."""
-    var, (a, b) = r.get("var", "THP_MEM_ALLOC_ENABLE"), r.get("values", ["0", "1"])
-    out = [f"{r['machine']} ({r['cpu_capability']}), torch {r['torch']}, THP mode `{r['thp_mode']}`, {r['date'][:10]}; "
-           "`quantprep prepack --target cpu`, page cache dropped before each run", "",
-           f"| size | source | {var}={a}: median (runs) | {var}={b}: median (runs) | {a} / {b} | peak RSS {a} / {b} (max) |",
-           "| --- | --- | --- | --- | --- | --- |"]
-    for size, x in r["sizes"].items():
-        ra, rb = x["runs"][a], x["runs"][b]
-        a_runs, b_runs = (", ".join(f"{v['s']:.1f}" for v in rows) for rows in (ra, rb))
-        out.append(f"| {size} | {x['source_bytes'] / 2**30:.2f} GiB | {x['median_s'][a]:.1f} s ({a_runs}) "
-                   f"| {x['median_s'][b]:.1f} s ({b_runs}) | {x.get('ratio', x.get('off_over_on')):.2f} "
-                   f"| {max(v['peak_rss_gib'] for v in ra):.2f} / {max(v['peak_rss_gib'] for v in rb):.2f} GiB |")
-    return "\n".join(out)
-
-
-def cpu_pack(r: dict) -> str:
-    """The cpu target's int4 packing, tensor ops against the compiled packer, per layer (benchmarks/cpu_pack.py)."""
-    out = [f"{_machine(r)}, torch {r['torch']} ({r['torch_threads']} threads; the compiled packer: 1); "
-           "act-order, medians", "", "| size | layer (K x N) | GPTQ qweight | tensor ops | compiled packer | ratio |",
-           "| --- | --- | --- | --- | --- | --- |"]
-    for x in r["rows"]:
-        out.append(f"| {x['size']} | {x['layer']} ({x['K']} x {x['N']}) | {x['qweight_mb']:.1f} MB | {x['tensor_ops_ms']:.1f} ms "
-                   f"| {x['native_ms']:.1f} ms | {x['tensor_ops_over_native']:.2f}x |")
-    return "\n".join(out)
-
-
-GEMM_SHAPES = ("q_proj", "qkv_fused", "gate_up_fused", "down_proj")
-
-
-def gemm_designs(*runs: dict) -> str:
-    """Best Triton design per shape at M=512 against dense bf16, over sweeps (benchmarks/cuda_gemm_variants.py)."""
-    out = [f"{runs[0]['device']}, torch {runs[0]['torch']}, Triton {runs[0]['triton']}, {runs[0]['date']}; M=512; "
-           "each ratio against the same run's dense bf16 (`do_bench`; in a CUDA graph: against dense in a graph)", "",
-           "| shape (K->N) | dense | best Triton (run, design, config) | best in a CUDA graph | dequantize + cuBLAS |",
-           "| --- | --- | --- | --- | --- |"]
-    for shape in GEMM_SHAPES:
-        best = graph = deq = None
-        dense = []
-        for i, r in enumerate(runs, 1):
-            rows = [x for x in r["rows"] if x["shape"] == shape and x["M"] == 512]
-            d = {x["variant"]: x["ms"] for x in rows if x["variant"] in ("dense", "dense_graph")}
-            dense.append(d["dense"])
-            for x in rows:
-                if x["variant"].startswith("v"):
-                    cand = (x["ms"] / d["dense"], i, x["variant"], x["config"])
-                    best = min(best or cand, cand)
-                    if "graph_ms" in x:
-                        g = (x["graph_ms"] / d["dense_graph"], i, x["variant"], x["config"])
-                        graph = min(graph or g, g)
-                elif x["variant"] == "deq":
-                    dq = (x["ms"] / d["dense"], i)
-                    deq = min(deq or dq, dq)
-        k, n = next((x["K"], x["N"]) for x in runs[0]["rows"] if x["shape"] == shape)
-
-        def cell(c):
-            return "-" if c is None else f"{c[0]:.2f}x (run {c[1]}" + (f", {c[2]}, {'x'.join(map(str, c[3]))})" if len(c) > 2 else ")")
-        out.append(f"| {shape} {k}->{n} | {' / '.join(f'{x * 1e3:.1f}' for x in dense)} us | {cell(best)} | {cell(graph)} | {cell(deq)} |")
-    out += ["", "Config: BLOCK_M x BLOCK_N x BLOCK_K x warps x stages x split-K."]
-    return "\n".join(out)
-
-
 def first_load_hash(r: dict) -> str:
     """An artifact's first load here (every file hashed) against later, marked loads and the
     sizes-only opt-out, fresh processes (benchmarks/hash_cost.py)."""
@@ -420,19 +315,212 @@ def first_load_hash(r: dict) -> str:
     return "\n".join(out)
 
 
+def _where(r: dict) -> str:
+    """The machine a results file was measured on, in a few words, from what the file records."""
+    gpu = next((v for v in (r.get("device"), r.get("cpu_capability"), r.get("kcache_key", {}).get("name")) if str(v).startswith("NVIDIA")), None)
+    if gpu:
+        return gpu.removeprefix("NVIDIA ").split()[0]
+    if str(r.get("device", "")).startswith("cuda") or any(m.get("device") == "cuda" for m in r.get("models", {}).values()):
+        return "cuda (the GPU: not in the JSON)"
+    machine = r.get("machine", "")
+    if "(" in machine:  # already "CPU (N cores, ISA)"
+        return machine
+    cores = r.get("cores") or r.get("cpus") or next(iter(re.findall(r"(\d+) cpus", machine)), None)
+    name = r.get("cpu") or (machine if machine and not machine.startswith(("Linux-", "vm ")) else "")
+    parts = [name, f"{cores} cores" if cores else "", r.get("cpu_capability") or r.get("kcache_key", {}).get("cpu_capability", "")]
+    return ", ".join(x for x in parts if x) or (f"cpu ({machine.split('-x86_64')[0]})" if machine else "not in the JSON")
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's link target for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def _span(values, fmt: str = "{:.2f}") -> str:
+    lo, hi = min(values), max(values)
+    return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}"
+
+
+def _load_vs_gptqmodel(r: dict) -> str:
+    m = next(iter(r["models"].values()))
+    b, a, a0 = (m[k]["total_s"] for k in ("b_quantprep", "a_gptqmodel", "a0_gptqmodel_cold_inductor"))
+    return f"{b:.2f} s against {a:.2f} s warm, {a0:.2f} s cold: {b / a:.2f}x, {b / a0:.2f}x"
+
+
+def _scale_load(r: dict) -> str:
+    warm = [x["load_over_floor_with_transformers"] for x in r["sizes"].values()]
+    cold = [x["cold"]["load_over_floor_with_transformers"] for x in r["sizes"].values() if isinstance(x.get("cold"), dict)]
+    return f"{_span(warm)}x warm" + (f", {_span(cold)}x cold" if cold else "")
+
+
+def _scale_prepack(r: dict) -> str:
+    return ", ".join(f"{x['prepack_over_copy']:.2f}x ({size})" for size, x in r["sizes"].items())
+
+
+def _first_load(r: dict) -> str:
+    m = [v["median_s"] for v in r["rows"][0]["modes"].values()]
+    return f"{m[1]:.2f} s against {m[0]:.2f} s: {m[1] / m[0]:.2f}x"
+
+
+def _pull(r: dict) -> str:
+    return (f"filled cache {r['filled_over_local']:.2f}x local; empty cache {r['median_s']['empty']:.2f} s against a "
+            f"{r['empty_budget_s']:.2f} s budget ({'met' if r['empty_within_budget'] else 'NOT met'})")
+
+
+def _serve(r: dict) -> str:
+    return ", ".join(f"{x['a_over_c']:.2f} ({name})" for name, x in r["models"].items() if "a_over_c" in x)
+
+
+def _quality(r: dict) -> str:
+    e = r["eval"]
+    return f"ppl ratio {e['ppl_ratio']:.4f}, KLD mean {e['kld']['mean']:.4f}, top-1 {100 * e['top1_agree']:.1f}%"
+
+
+def _vs_cpu(cpu: dict, *others: dict) -> str:
+    base = cpu.get("eval", cpu)["ppl"]
+    return ", ".join(f"{o.get('eval', o)['target']} {100 * (o.get('eval', o)['ppl'] / base - 1):+.3f}%" for o in others)
+
+
+def _calibration(default: dict, builtin: dict) -> str:
+    def kld(r, cal, samples):
+        return next(x["kld_mean"] for x in r["rows"] if (x["calibration"], x["samples"], x["desc_act"], x["group_size"]) == (cal, samples, True, 128))
+    return f"KLD mean {kld(default, 'pydoc', 64):.4f} against {kld(builtin, 'builtin', 17):.4f} ({default['model']})"
+
+
+def _switch_prefill(r: dict) -> str:
+    p = r["smollm2_prefill512"]
+    return f"{p['switch_at_512']['median_ms'] / p['kernel_only']['median_ms']:.2f}x"
+
+
+def _int8_cpu(r: dict) -> str:
+    rows = r["int8_modules"]
+    wins = max(m for m in {x["M"] for x in rows} if all(x["kernel_over_dequant"] < 1 for x in rows if x["M"] <= m))
+    at = [x["kernel_over_dequant"] for x in rows if x["M"] == r["threshold"]]
+    return f"the kernel faster through M={wins} on every shape; {_span(at)} at M={r['threshold']}, where the module switches"
+
+
+def _int8_cuda(r: dict) -> str:
+    rows = r["int8_modules"]
+    above = min(m for m in {x["M"] for x in rows} if all(x["kernel_over_dequant"] > 1 for x in rows if x["M"] >= m))
+    return (f"{_span([x['kernel_over_dequant'] for x in rows], '{:.1f}')}x at M=1-512, above 1 on every shape from M={above}: "
+            "cuda always dequantizes")
+
+
+def _triton_512(r: dict) -> str:
+    return f"{_span([x['triton_ms'] / x['dense_bf16_ms'] for x in r['timings'] if x['M'] == 512], '{:.1f}')}x (goal <= 1.2x: not met)"
+
+
+def _cuda_model(r: dict) -> str:
+    m = r["model"]
+    return (f"decode {m['quantprep_int4_decode_tok_s'] / m['dense_bf16_decode_tok_s']:.2f}x the speed, "
+            f"512-token prefill {m['quantprep_int4_prefill512_ms'] / m['dense_bf16_prefill512_ms']:.2f}x the time")
+
+
+def _fusion(groups: dict, model: dict) -> str:
+    spans = ", ".join(f"{g} {_span([x['speedup'] for x in groups['rows'] if x['group'] == g])}x"
+                      for g in dict.fromkeys(x["group"] for x in groups["rows"]))
+    m = model.get("model", model)
+    fused, unfused = ((m["quantprep_int4_decode_tok_s"], m["quantprep_int4_unfused_decode_tok_s"]) if "quantprep_int4_decode_tok_s" in m
+                      else (m["fused"]["decode_tok_s"], m["unfused"]["decode_tok_s"]))
+    return f"separate / fused time per call: {spans}; whole-model decode {fused / unfused:.2f}x the unfused speed"
+
+
+def _each(fn):
+    """One figure on several machines in one row: fn of each results file, in order; the row's
+    machine and date cells list each file's too."""
+    def row(*runs: dict) -> str:
+        return "; ".join(fn(r) for r in runs)
+    row.each = True
+    return row
+
+
+def _kcache(*runs: dict) -> str:
+    common = [c for c in (_common_imports_ratio(r) for r in runs) if c]
+    return ", ".join(f"{r['b_over_c']:.2f}" for r in runs) + (f" ({', '.join(common)} with imports equalized)" if common else "")
+
+
+# (section heading, the link's text in the summary)
+LOAD, SCALE, HASH, PULL, SERVE = (("Load to first token", "load"), ("Every model size on one machine", "scale"),
+                                  ("Hashing before the first load", "hashing"), ("Pulling a published artifact", "pull"),
+                                  ("Serving cold start", "serve"))
+QUALITY, VS, TARGETS, CALIBRATION = (("Quality on real weights", "quality"), ("GPTQModel's own runtime on the same checkpoint", "vs GPTQModel"),
+                                     ("Every target's perplexity on the same checkpoint", "targets"), ("Calibration", "calibration"))
+CPU, CUDA, FUSION, KCACHE = (("CPU int4 and int8 at large M", "CPU large M"), ("CUDA target", "CUDA"), ("Fusion of q/k/v and gate/up", "fusion"),
+                             ("Kernel cache: time to first token with compile=True", "kcache"))
+# (figure, goal it serves, section, result files: the first gives machine and date, result(*files))
+SUMMARY = [
+    ("spawn to first token, `quantprep.load` / GPTQModel (Inductor cache warm, cold), real Qwen2.5-Coder-1.5B", "load in seconds",
+     LOAD, ["load-cpu-avx2-qwen-coder-1.5b.json"], _load_vs_gptqmodel),
+    ("the same, SmolLM2-135M", "load in seconds", LOAD, ["load-cpu.json"], _load_vs_gptqmodel),
+    ("load to first token / its floor with transformers' imports, 0.5B-32B shapes", "load in seconds (<= 1.25x)", SCALE,
+     ["scale-cpu-avx512.json"], _scale_load),
+    ("prepack peak RSS, 0.5B-32B shapes", "every size on a small machine (<= 1.90 GiB)", SCALE, ["scale-cpu-avx512.json"],
+     lambda r: f"{_span([x['prepack']['peak_rss_gib'] for x in r['sizes'].values()])} GiB"),
+    ("prepack time / copying the source", "prepack at disk speed (<= 2x)", SCALE, ["scale-cpu-avx512.json"], _scale_prepack),
+    ("first load of an artifact not built here (every file hashed) / sizes only", "checked bytes at little cost", HASH,
+     ["hash-cost-first-load-cpu-avx512.json"], _first_load),
+    ("`quantprep.load(oci://...)` to first token", "publish/pull cost (<= 1.1x local)", PULL, ["pull-cpu-avx512.json"], _pull),
+    ("`quantprep serve`, spawn to first streamed token / its floor", "serving cold start (<= 1.2x)", SERVE,
+     ["serve-cpu-avx2.json", "serve-smollm2-cuda-h100.json"], _each(_serve)),
+    ("`transformers serve` with GPTQModel / `quantprep serve`", "serving cold start vs GPTQModel (>= 5x)", SERVE, ["serve-cpu-avx2.json"],
+     lambda r: ", ".join(f"{x['b_over_a']:.2f}x ({name})" for name, x in r["models"].items() if "b_over_a" in x)),
+    ("Qwen2.5-Coder-1.5B int4 g128, recipe calibration, against the float model", "quality near the float model (<= 1.05, <= 0.05)",
+     QUALITY, ["eval-qwen2.5-coder-1.5b-cpu-avx512.json"], _quality),
+    ("perplexity of the other targets' artifacts / the cpu artifact's, Qwen2.5-Coder-1.5B", "same quality on every target (<= 0.5%)",
+     TARGETS, ["eval-qwen2.5-coder-1.5b-xpu-emulated-avx512.json", "eval-qwen2.5-coder-1.5b-cpu-avx512.json"], lambda x, c: _vs_cpu(c, x)),
+    ("the same, SmolLM2-135M", "same quality on every target (<= 0.5%)", TARGETS,
+     ["eval-smollm2-cuda-h100.json", "eval-smollm2-cpu-avx2.json", "eval-smollm2-xpu-emulated-avx2.json"], lambda g, c, x: _vs_cpu(c, g, x)),
+    ("quantprep / GPTQModel on one checkpoint: decode speed, 512-token prefill time, perplexity", "CPU decode vs GPTQModel", VS,
+     ["vs-gptqmodel-qwen2.5-coder-1.5b-cpu-avx512.json"],
+     lambda r: f"{r['decode_tok_s']['quantprep_over_gptqmodel']:.2f}x, {r['prefill_512_s']['quantprep_over_gptqmodel']:.2f}x, "
+               f"{r['quality']['ppl']['quantprep'] / r['quality']['ppl']['gptqmodel']:.4f}"),
+    ("recipe calibration (64 x 256 tokens of Python's reference) / the 17 built-in texts", "quality near the float model", CALIBRATION,
+     ["calibration-qwen2.5-coder-0.5b-cpu-avx512.json", "calibration-qwen2.5-coder-0.5b-overlapping-text-cpu-avx512.json"], _calibration),
+    ("SmolLM2 512-token prefill time, int4 switch to dequantize + dense at 384 rows / the kernel only", "CPU prefill speed", CPU,
+     ["cpu-prefill.json", "cpu-prefill-avx2.json", "cpu-prefill-avx512-epyc.json"], _each(_switch_prefill)),
+    ("int8 kernel / dequantize + dense, per module", "CPU int8 speed", CPU, ["int8-switch-cpu-avx512-xeon16.json"], _int8_cpu),
+    ("the same on cuda", "GPU int8 speed", CPU, ["int8-switch-cuda-h100.json"], _int8_cuda),
+    ("Triton prefill GEMM / dense bf16, per linear at M=512", "GPU prefill near dense", CUDA, ["cuda-h200.json"], _triton_512),
+    ("whole model, quantprep int4 / dense bf16, Qwen2.5-1.5B shapes", "GPU speed near dense", CUDA, ["cuda-h200-model-fused.json"], _cuda_model),
+    ("fused q/k/v and gate/up against separate matmuls", "GPU speed near dense", FUSION, ["fusion-cuda-h200.json", "cuda-h200-model-fused.json"], _fusion),
+    ("the same on the CPU", "CPU decode speed", FUSION, ["fusion-cpu.json", "fusion-cpu-smollm2.json"], _fusion),
+    ("spawn to first token, compile=True with the kcache / eager (the second: after the trust change)",
+     "compile without a start-up cost (<= 1.2x)", KCACHE, ["kcache-cpu-smollm2-aot.json", "kcache-cpu-smollm2-trust.json"], _each(_kcache)),
+    ("the same on cuda, three runs", "compile without a start-up cost (<= 1.2x)", KCACHE,
+     ["kcache-cuda-h100-prefetch.json", "kcache-cuda-h100-prefetch-run2.json", "kcache-cuda-h100-prefetch-run3.json"], _kcache),
+]
+
+
+def _cells(values: list[str]) -> str:
+    """One value per results file, in the row's order; once where they are all the same."""
+    return values[0] if len(set(values)) == 1 else "; ".join(values)
+
+
+def summary(*runs: dict) -> str:
+    """Every headline figure in one table: what, the result, the goal it serves, machine, date, and its section."""
+    by_file = {r["_file"]: r for r in runs}
+    missing = sorted({f for *_, files, _ in SUMMARY for f in files} - set(by_file))
+    if missing:
+        raise SystemExit(f"BENCHMARKS.md: the summary table's block must name {', '.join('results/' + f for f in missing)}")
+    out = ["| figure | result | goal | machine | date | section |", "| --- | --- | --- | --- | --- | --- |"]
+    for figure, goal, section, files, result in SUMMARY:
+        data = [by_file[f] for f in files]
+        where = data if getattr(result, "each", False) else data[:1]
+        machines, dates = ([f(r) for r in where] for f in (_where, lambda r: r.get("date", "")[:10] or "not in the JSON"))
+        out.append(f"| {figure} | {result(*data)} | {goal} | {_cells(machines)} | {_cells(dates)} | [{section[1]}](#{_anchor(section[0])}) |")
+    return "\n".join(out)
+
+
 RENDERERS = {
+    "summary": summary,
     "cuda-linears": cuda_linears,
     "load-to-first-token": load_to_first_token,
     "fusion-groups": fusion_groups,
     "cpu-int4-switch": lambda r: cpu_switch(r, "modules"),
     "cpu-int8-switch": lambda r: cpu_switch(r, "int8_modules"),
-    "gemm-variants": gemm_variants,
-    "gemm-designs": gemm_designs,
     "kcache-runs": kcache_runs,
-    "cpu-kernel-dtypes": cpu_kernel_dtypes,
     "cuda-model": cuda_model,
     "fusion-cpu-model": fusion_cpu_model,
-    "bucketing": bucketing,
     "pull": pull_times,
     "calibration": calibration,
     "eval": eval_results,
@@ -440,8 +528,6 @@ RENDERERS = {
     "vs-gptqmodel": vs_gptqmodel,
     "target-ppl": target_ppl,
     "scale": scale,
-    "prepack-env": prepack_env,
-    "cpu-pack": cpu_pack,
     "first-load-hash": first_load_hash,
 }
 

@@ -14,10 +14,8 @@ a fast bf16 GEMM, AVX2, GPTQModel's 512-token prefill takes minutes, so a full-l
 left out and its first timed prefill may include some compile). The artifact is the cpu build of
 the same checkpoint, which is found in the build cache by content.
 
-On the 2-core AVX2 VM (2026-11-23) GPTQModel's warm-up and first 512-token prefill of the 1.5B did
-not finish in 15 minutes (torch._dynamo at its recompile limit, bf16 matmuls without a fast path):
-run it where the CPU has AVX512-BF16/AMX, or with --ctx 128. On a 2-core AVX512 VM with AVX512-BF16
-the whole run (--windows 8) took about 4 minutes.
+Run it where the CPU has AVX512-BF16 or AMX, or with --ctx 128: without a fast bf16 GEMM (AVX2),
+GPTQModel's warm-up and first 512-token prefill of the 1.5B did not finish in 15 minutes.
 
     python benchmarks/vs_gptqmodel.py artifacts/qwen2.5-coder-1.5b/cpu [--windows 4] [--runs 3] [--new 32]
         [--out benchmarks/results/vs-gptqmodel-qwen2.5-coder-1.5b-cpu-avx512.json]
@@ -28,19 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
-
-
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+from common import machine, median_and_runs, save, timed
 
 
 def main() -> None:
@@ -58,8 +48,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     import quantprep
-    from quantprep.build import cached_checkpoint
-    from quantprep.eval import _ppl, compare_window, read_text, token_windows
+    from quantprep.build.pipeline import cached_checkpoint
+    from quantprep.tools.eval import _ppl, compare_window, read_text, token_windows
 
     art = Path(args.artifact)
     manifest = json.loads((art / "manifest.json").read_text())
@@ -101,19 +91,15 @@ def main() -> None:
         quality_s = time.perf_counter() - t0
     stats = {k: torch.cat([x[k] for x in parts]) for k in parts[0]}
     stored = next((v for v in manifest.get("eval", {}).values() if v["ctx"] == args.ctx), None)
-    result = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "torch": torch.__version__,
+    result = machine() | {
         "gptqmodel": __import__("gptqmodel").__version__,
         "model": manifest["source"].get("model", gptq.name),
         "artifact": str(art),
         "gptq_checkpoint": gptq.name,
         "dtypes": dtypes,
         "load_in_process_s": {"gptqmodel": load_theirs, "quantprep": load_ours},
-        "prefill_512_s": {k: {"median": statistics.median(v), "runs": v} for k, v in prefill.items()},
-        "decode_tok_s": {k: {"median": statistics.median(v), "runs": v} for k, v in decode.items()},
+        "prefill_512_s": {k: median_and_runs(v) for k, v in prefill.items()},
+        "decode_tok_s": {k: median_and_runs(v) for k, v in decode.items()},
         "decode_new_tokens": args.new,
         # greedy tokens both produce before the first difference (after it, the contexts differ)
         "same_greedy_prefix": next((i for i, (a, b) in enumerate(zip(outputs["gptqmodel"], outputs["quantprep"], strict=True)) if a != b), args.new),
@@ -127,10 +113,7 @@ def main() -> None:
     for k in ("prefill_512_s", "decode_tok_s"):
         r = result[k]
         r["quantprep_over_gptqmodel"] = r["quantprep"]["median"] / r["gptqmodel"]["median"]
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print(save(result, args.out))
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def _quantize(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: st
 
 
 def _quantize_cached(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: str, device: str, verbose: bool) -> Path:
-    from quantprep.build.quantize import calibration_texts, gptqmodel_output, quantize_device, quantize_gptq
+    from quantprep.build.quantize import calibration_texts, captured_output, quantize_device, quantize_gptq
 
     texts = calibration_texts(recipe.calibration, recipe.samples, recipe.seq_len, float_dir)
     out = cache_dir() / "gptq" / f"{recipe.name}-{quant_key(recipe, source_sha256, texts)}"
@@ -108,7 +108,7 @@ def _quantize_cached(recipe: Recipe, float_dir: Path, source_id: str, source_sha
     print(f"quantize {source_id} -> {out} (gptqmodel on {device}, {recipe.bits}-bit, group {recipe.group_size}, "
           f"desc_act={recipe.desc_act}, sym={recipe.sym}, {recipe.samples} samples of {Path(recipe.calibration).name}"
           f"{f' x {recipe.seq_len} tokens' if recipe.seq_len else ''}, seed {recipe.seed})", file=sys.stderr, flush=True)
-    with gptqmodel_output(out.with_name(out.name + ".log"), verbose):
+    with captured_output(out.with_name(out.name + ".log"), verbose):
         return quantize_gptq(float_dir, out, recipe.bits, recipe.group_size, recipe.desc_act, recipe.sym, texts, recipe.seed,
                              device=device)
 
@@ -137,7 +137,7 @@ def resolve_source(recipe: Recipe, source: str | None, quantize_device: str = "a
     if "hub" in src:
         return _from_dir(recipe, resolve_hub_model(src["hub"], src.get("revision")),
                          {"id": src["hub"], "revision": src.get("revision")}, dev, verbose)
-    from quantprep.build.quantize import assemble_gguf, export_gguf, find_gguf
+    from quantprep.build.quantize import assemble_gguf, captured_output, export_gguf, find_gguf
 
     if "gguf_parts" in src:
         parts = src["gguf_parts"]
@@ -146,8 +146,11 @@ def resolve_source(recipe: Recipe, source: str | None, quantize_device: str = "a
     else:
         gguf = find_gguf(src["gguf_package"], src.get("gguf_file"))
         source_id, gguf_sha256 = f"{src['gguf_package']}:{gguf.name}", sha256_of(gguf)
-    with contextlib.redirect_stdout(sys.stderr):
-        float_dir = export_gguf(gguf, cache_dir() / "float" / f"gguf-{gguf_sha256[:16]}")  # one per GGUF, whatever the recipe
+    float_dir = cache_dir() / "float" / f"gguf-{gguf_sha256[:16]}"  # one per GGUF, whatever the recipe
+    if not (float_dir / "config.json").is_file():
+        print(f"export {source_id} -> {float_dir} (transformers' GGUF reader, dequantized)", file=sys.stderr, flush=True)
+        with captured_output(float_dir.with_name(float_dir.name + ".log"), verbose, "transformers"):
+            export_gguf(gguf, float_dir)
     gptq, how = _quantize(recipe, float_dir, source_id, gguf_sha256, dev, verbose)
     return gptq, {"id": source_id, "gguf_sha256": gguf_sha256, **how}
 
@@ -185,9 +188,9 @@ def build_manifest(ckpt: GPTQCheckpoint, target, act_dtype: torch.dtype, modules
 @contextlib.contextmanager
 def one_torch_thread():
     """torch on one thread for a build, unless OMP_NUM_THREADS says otherwise. Its OpenMP workers
-    spin between ops (libgomp's default wait policy): in a 14B prepack that spinning was 22% of
-    the CPU time (perf) on a 2-core machine, taken from the threads that import, read, hash and
-    write, while prepack's own torch ops are small (benchmarks/prepack_env.py, BENCHMARKS.md)."""
+    spin between ops (libgomp's default wait policy), taking CPU time from the threads that import,
+    read, hash and write, while prepack's own torch ops are small
+    (benchmarks/results/threads-prepack-cpu-avx512.json)."""
     if "OMP_NUM_THREADS" in os.environ:
         yield
         return

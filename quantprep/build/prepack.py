@@ -69,10 +69,9 @@ def make_probe(layer: PrepackLayer, seed: int = 0) -> dict[str, torch.Tensor]:
     return {f"{layer.name}.x": x, f"{layer.name}.y": y}
 
 
-# Layers that read the same input, fused into one prepacked matmul when exact (`can_fuse`):
-# measured on Qwen2.5-1.5B shapes at M = 1-512, one call instead of several takes 1.47-2.31x less
-# time for q/k/v and 0.95-1.61x for gate/up on an H200, 0.99-1.24x and 0.99-1.04x on the CPU
-# (BENCHMARKS.md; fusion-cuda-h200.json, fusion-cpu.json).
+# Layers that read the same input, fused into one prepacked matmul when exact (`can_fuse`): one
+# call instead of several is faster for q/k/v and gate/up on the GPU and no slower on the CPU
+# (BENCHMARKS.md, "Fusion of q/k/v and gate/up").
 FUSIONS = {("q_proj", "k_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_proj"): "gate_up_proj"}
 
 

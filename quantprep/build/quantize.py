@@ -13,7 +13,9 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import sys
+import threading
 from pathlib import Path
 
 from quantprep._io.staging import stage_reached, staging
@@ -146,27 +148,35 @@ def quantize_device(requested: str = "auto") -> str:
     return requested
 
 
+LAYER_LINE = re.compile(rb"in layer \[(\d+) of (\d+)\]")  # gptqmodel's "Quantizing self_attn.q_proj in layer [3 of 29]"
+
+
 @contextlib.contextmanager
-def gptqmodel_output(log: Path, verbose: bool = False):
-    """gptqmodel's banners, logs and progress bars (thousands of lines for a small model) go to `log`,
-    beside the checkpoint in the build cache, unless `verbose`: redirected at the file-descriptor
-    level, so its worker threads' and extensions' output too. On failure the last lines are shown.
-    stdout stays quantprep's own (--json) either way."""
+def captured_output(log: Path, verbose: bool = False, what: str = "gptqmodel"):
+    """The output of `what` (gptqmodel's banners, logs and progress bars: thousands of lines for a
+    small model; transformers' GGUF export bars) goes to `log`, beside its result in the build
+    cache, unless `verbose`: redirected at the file-descriptor level, so worker threads' and
+    extensions' output too. quantprep shows one bar of its own, the layers gptqmodel has done, read
+    from that log. On failure the last lines are shown. stdout stays quantprep's own (--json)."""
     if verbose:
         with contextlib.redirect_stdout(sys.stderr):
             yield
         return
     log.parent.mkdir(parents=True, exist_ok=True)
-    print(f"  gptqmodel's output: {log}", file=sys.stderr, flush=True)
+    print(f"  {what}'s output: {log}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     saved = os.dup(1), os.dup(2)
     failed = False
+    done, ok = threading.Event(), threading.Event()
+    bar = threading.Thread(target=_layer_bar, args=(log, os.dup(saved[1]), done, ok), daemon=True)
     try:
         with open(log, "wb") as f:
             os.dup2(f.fileno(), 1)
             os.dup2(f.fileno(), 2)
+            bar.start()
             try:
                 yield
+                ok.set()
             except BaseException:
                 failed = True
                 raise
@@ -174,13 +184,38 @@ def gptqmodel_output(log: Path, verbose: bool = False):
                 sys.stdout.flush()
                 sys.stderr.flush()
     finally:
+        done.set()
+        if bar.is_alive():
+            bar.join()
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
         for fd in saved:
             os.close(fd)
         if failed:
             tail = log.read_bytes()[-4000:].decode(errors="replace").splitlines()[-20:]
-            print("\n".join(f"  gptqmodel: {line}" for line in tail), file=sys.stderr)
+            print("\n".join(f"  {what}: {line}" for line in tail), file=sys.stderr)
+
+
+def _layer_bar(log: Path, fd: int, done: threading.Event, ok: threading.Event) -> None:
+    """One bar, "quantize layers", on the terminal's stderr (`fd`), advanced from the layer numbers
+    gptqmodel writes to its log. A gptqmodel that words its lines differently only leaves it still."""
+    from tqdm import tqdm
+
+    with os.fdopen(fd, "w") as out, open(log, "rb") as f:
+        bar, tail = None, b""
+        while True:
+            stop = done.wait(0.5)
+            tail = (tail + f.read())[-4096:]
+            if m := [*LAYER_LINE.finditer(tail)]:
+                layer, total = int(m[-1][1]), int(m[-1][2]) + 1
+                bar = bar or tqdm(total=total, desc="  quantize layers", unit="layer", file=out)
+                bar.update(max(0, layer - bar.n))  # layer k is being quantized: k are done
+            if stop:
+                if bar is not None:
+                    if ok.is_set():
+                        bar.update(bar.total - bar.n)
+                    bar.close()
+                return
 
 
 def _cache_dir(out: Path):

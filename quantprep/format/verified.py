@@ -7,7 +7,7 @@ a mark saying these very files were hashed: the mark is named by the files' iden
 stamps (device, inode, size, mtime_ns, ctime_ns) and the manifest's digest. Any write to a file
 changes its ctime, which no one can set back, so an unchanged stamp means unchanged bytes.
 quantprep marks what it wrote or hashed itself (a build, a pull, verify, a first load). The
-first-load cost is measured in BENCHMARKS.md (benchmarks/first_load.py).
+first-load cost is measured in BENCHMARKS.md (benchmarks/hash_cost.py).
 
 Opting out is explicit: `load(..., verify=False)` checks sizes only.
 """

@@ -180,11 +180,9 @@ class DequantInt8Linear(PackedLinear):
 class Int8PerChannelLinear(PackedLinear):
     """int8 weight [N, K] times a per-output-channel scale (cpu and cuda). On the CPU below
     DEQUANT_MIN_M rows `aten._weight_int8pack_mm`, from there dequantizing once per call and a dense
-    matmul; on cuda always the latter. kernel / dequantize time across M (benchmarks/int8_switch.py,
-    benchmarks/cpu_prefill.py; BENCHMARKS.md): 2-core AVX2 (cpu-prefill-avx2.json) 0.29-0.66 at
-    M=32, 0.50-1.02 at 64, 0.81-1.27 at 128; 16-core AVX512 Xeon (int8-switch-cpu-avx512-xeon16.json)
-    0.32-0.76 at 32, 0.40-1.41 at 64, 0.88-2.04 at 128; H100 (int8-switch-cuda-h100.json) 1.1-3.6
-    at M=1 on the Qwen2.5-1.5B shapes and 5-150x from M=16: torch's cuda int8 kernel is the slow one."""
+    matmul; on cuda always the latter, since torch's cuda int8 kernel is the slower one at every M.
+    The switch points come from the kernel / dequantize ratios across M in BENCHMARKS.md, "CPU int4
+    and int8 at large M" (benchmarks/int8_switch.py, benchmarks/cpu_prefill.py)."""
 
     DEQUANT_MIN_M = 128  # cpu
     DEQUANT_MIN_M_BY_DEVICE = {"cuda": 1}

@@ -80,10 +80,9 @@ def pack_int4(codes: torch.Tensor, capability: str, step: int = 1 << 24) -> torc
 
 
 # The same layout straight from GPTQ's packed int32 codes, act-order gather included: one pass
-# where the tensor ops take six over unpacked bytes (unpack, gather, shift, or, permute copy).
-# On Qwen2.5 7B-32B layer shapes it packs 5.3-8.6x faster than unpack_codes + pack_int4 on two
-# threads, and prepack of the 32B checkpoint took 52.8 s instead of 80.5 s (benchmarks/cpu_pack.py,
-# benchmarks/prepack_env.py; BENCHMARKS.md). Compiled once per process with the system's C
+# where the tensor ops take six over unpacked bytes (unpack, gather, shift, or, permute copy): it
+# packs several times faster at the 7B-32B shapes (benchmarks/results/cpu-pack-avx512.json,
+# pack-prepack-cpu-avx512.json). Compiled once per process with the system's C
 # compiler (the build side only; an artifact never carries it); without one, the tensor ops.
 NATIVE_PACK_SOURCE = r"""
 #include <stdint.h>
@@ -169,11 +168,8 @@ def unpack_int4(packed: torch.Tensor, K: int, N: int, block: int) -> torch.Tenso
 
 class CpuInt4Linear(PackedLinear):
     """Below DEQUANT_MIN_M rows the int4 kernel; from there dequantizing the packed weight and a
-    dense matmul, since the kernel's time grows linearly with M. kernel / dequantize time on the
-    Qwen2.5-1.5B and SmolLM2 shapes (benchmarks/cpu_prefill.py; BENCHMARKS.md): 2-core AVX2 machine
-    0.50-0.96 at M=128, 0.85-1.24 at 256, 1.09-1.67 at 384, 1.52-1.73 at 512 (cpu-prefill-avx2.json);
-    2-core AVX512 machine 0.51-0.76 at 128, 1.00-1.52 at 256, 1.89-2.56 at 512 (cpu-prefill.json).
-    So from 384 rows the dense path wins on both."""
+    dense matmul, since the kernel's time grows linearly with M. 384 is where the dense path won on
+    both machines measured (BENCHMARKS.md, "CPU int4 and int8 at large M"; benchmarks/cpu_prefill.py)."""
 
     DEQUANT_MIN_M = 384
 

@@ -1,8 +1,8 @@
 """cuda target on a GPU: the real kernels (tinygemm up to 16 rows, the Triton GEMM above, int8's
 dequantize paths) against the dense float32 reference at every row
 count around the switches; `pack_tinygemm` against the upstream `_convert_weight_to_int4pack`; and
-selftest. Skipped without a CUDA device (CI has none); run on the GPU machine, results in
-BENCHMARKS.md. Tolerance: bf16 activations, rel < 2e-2 (as verify's REL_TOL).
+selftest. Skipped without a CUDA device (CI has none); run on the GPU machine (the device tool).
+Tolerance: bf16 activations, rel < 2e-2 (as verify's REL_TOL).
 """
 
 import itertools
