@@ -74,7 +74,8 @@ def test_calibration_sources(tiny_float, tmp_path):
 
 def test_a_build_is_quiet_and_keeps_gptqmodel_output_in_a_log(tiny_float, tmp_path):
     """`quantprep build` from a float model prints its own lines; gptqmodel's banners, logs and bars
-    go to a log beside the quantized checkpoint in the build cache. --verbose shows them."""
+    go to a log beside the quantized checkpoint in the build cache, and one bar of quantprep's own
+    counts the layers (2 in the tiny model) from it. --verbose shows gptqmodel's output."""
     import os
     import subprocess
     import sys
@@ -91,5 +92,7 @@ def test_a_build_is_quiet_and_keeps_gptqmodel_output_in_a_log(tiny_float, tmp_pa
     assert "gptqmodel" in log.read_text(errors="replace").lower()
     lines = (quiet.stdout + quiet.stderr).splitlines()
     assert len(lines) <= 15 and not any("gptqmodel" in x.lower() and "output" not in x and "quantize" not in x for x in lines), lines
+    bar = [x for x in quiet.stderr.replace("\r", "\n").splitlines() if "quantize layers" in x]
+    assert bar and "2/2" in bar[-1], quiet.stderr[-2000:]
     loud = build(tmp_path / "loud", "--verbose")
     assert loud.returncode == 0 and len((loud.stdout + loud.stderr).splitlines()) > 2 * len(lines), loud.stderr[-3000:]

@@ -291,3 +291,14 @@ def test_a_reader_racing_a_writer_sees_the_new_artifact_not_an_error(tmp_path):
     with pytest.raises(ArtifactError, match="size"):
         check_files(art, stale, full_hash=False)
     assert read_checked(art, manifest=stale)["target"]["act_dtype"] == "float32"
+
+
+def test_warm_shows_one_bar_counting_the_shapes_its_child_ran(random_artifact):
+    """Issue 30: a bar per build stage. The shapes run in warm's fresh process; each one it finishes
+    advances the parent's bar (the child's STEP_DONE lines never reach the user)."""
+    proc = subprocess.run([sys.executable, "-m", "quantprep", "warm", str(random_artifact), "--no-compile", "--shapes", "1,4,8"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    states = [x for x in proc.stderr.replace("\r", "\n").splitlines() if x.strip().startswith("warm:")]
+    assert states and "3/3" in states[-1] and any("1/3" in x or "2/3" in x for x in states), proc.stderr[-2000:]
+    assert "step done" not in proc.stderr

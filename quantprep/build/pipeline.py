@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from quantprep import settings
+from quantprep._io.jsonfile import read_json_object
 from quantprep._io.staging import check_replaceable
 from quantprep.build.prepack import prepack_stream
 from quantprep.build.recipes import Recipe
@@ -108,7 +109,8 @@ def _quantize_cached(recipe: Recipe, float_dir: Path, source_id: str, source_sha
     print(f"quantize {source_id} -> {out} (gptqmodel on {device}, {recipe.bits}-bit, group {recipe.group_size}, "
           f"desc_act={recipe.desc_act}, sym={recipe.sym}, {recipe.samples} samples of {Path(recipe.calibration).name}"
           f"{f' x {recipe.seq_len} tokens' if recipe.seq_len else ''}, seed {recipe.seed})", file=sys.stderr, flush=True)
-    with captured_output(out.with_name(out.name + ".log"), verbose):
+    layers = read_json_object(float_dir / "config.json", SourceError, "pass a float model directory").get("num_hidden_layers")
+    with captured_output(out.with_name(out.name + ".log"), verbose, layers=layers if isinstance(layers, int) and layers > 0 else None):
         return quantize_gptq(float_dir, out, recipe.bits, recipe.group_size, recipe.desc_act, recipe.sym, texts, recipe.seed,
                              device=device)
 

@@ -148,16 +148,19 @@ def quantize_device(requested: str = "auto") -> str:
     return requested
 
 
-LAYER_LINE = re.compile(rb"in layer \[(\d+) of (\d+)\]")  # gptqmodel's "Quantizing self_attn.q_proj in layer [3 of 29]"
+# gptqmodel's log names the layer it works on: "Quantizing self_attn.q_proj in layer [3 of 29]" on
+# its progress bar, and "'layer': 3" in each module's stats row
+LAYER_LINE = re.compile(rb"(?:in layer \[|'layer': )(\d+)")
 
 
 @contextlib.contextmanager
-def captured_output(log: Path, verbose: bool = False, what: str = "gptqmodel"):
+def captured_output(log: Path, verbose: bool = False, what: str = "gptqmodel", layers: int | None = None):
     """The output of `what` (gptqmodel's banners, logs and progress bars: thousands of lines for a
     small model; transformers' GGUF export bars) goes to `log`, beside its result in the build
     cache, unless `verbose`: redirected at the file-descriptor level, so worker threads' and
-    extensions' output too. quantprep shows one bar of its own, the layers gptqmodel has done, read
-    from that log. On failure the last lines are shown. stdout stays quantprep's own (--json)."""
+    extensions' output too. With `layers` (the model's decoder layers), quantprep shows one bar of
+    its own, the layers gptqmodel has done, read from that log. On failure the last lines are
+    shown. stdout stays quantprep's own (--json)."""
     if verbose:
         with contextlib.redirect_stdout(sys.stderr):
             yield
@@ -168,12 +171,13 @@ def captured_output(log: Path, verbose: bool = False, what: str = "gptqmodel"):
     saved = os.dup(1), os.dup(2)
     failed = False
     done, ok = threading.Event(), threading.Event()
-    bar = threading.Thread(target=_layer_bar, args=(log, os.dup(saved[1]), done, ok), daemon=True)
+    bar = threading.Thread(target=_layer_bar, args=(log, os.dup(saved[1]), layers, done, ok), daemon=True) if layers else None
     try:
         with open(log, "wb") as f:
             os.dup2(f.fileno(), 1)
             os.dup2(f.fileno(), 2)
-            bar.start()
+            if bar:
+                bar.start()
             try:
                 yield
                 ok.set()
@@ -185,7 +189,7 @@ def captured_output(log: Path, verbose: bool = False, what: str = "gptqmodel"):
                 sys.stderr.flush()
     finally:
         done.set()
-        if bar.is_alive():
+        if bar and bar.is_alive():
             bar.join()
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
@@ -196,25 +200,23 @@ def captured_output(log: Path, verbose: bool = False, what: str = "gptqmodel"):
             print("\n".join(f"  {what}: {line}" for line in tail), file=sys.stderr)
 
 
-def _layer_bar(log: Path, fd: int, done: threading.Event, ok: threading.Event) -> None:
+def _layer_bar(log: Path, fd: int, layers: int, done: threading.Event, ok: threading.Event) -> None:
     """One bar, "quantize layers", on the terminal's stderr (`fd`), advanced from the layer numbers
     gptqmodel writes to its log. A gptqmodel that words its lines differently only leaves it still."""
     from tqdm import tqdm
 
-    with os.fdopen(fd, "w") as out, open(log, "rb") as f:
-        bar, tail = None, b""
+    with os.fdopen(fd, "w") as out, open(log, "rb") as f, tqdm(total=layers, desc="  quantize layers", unit="layer", file=out) as bar:
+        tail = b""
         while True:
             stop = done.wait(0.5)
-            tail = (tail + f.read())[-4096:]
-            if m := [*LAYER_LINE.finditer(tail)]:
-                layer, total = int(m[-1][1]), int(m[-1][2]) + 1
-                bar = bar or tqdm(total=total, desc="  quantize layers", unit="layer", file=out)
-                bar.update(max(0, layer - bar.n))  # layer k is being quantized: k are done
+            chunk = tail + f.read()
+            tail = chunk[-64:]  # a line cut by the read is matched whole next time
+            seen = [int(m[1]) for m in LAYER_LINE.finditer(chunk)]
+            if seen and min(max(seen), layers) > bar.n:
+                bar.update(min(max(seen), layers) - bar.n)  # gptqmodel is at layer k: k are done
             if stop:
-                if bar is not None:
-                    if ok.is_set():
-                        bar.update(bar.total - bar.n)
-                    bar.close()
+                if ok.is_set():
+                    bar.update(layers - bar.n)
                 return
 
 

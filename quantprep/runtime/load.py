@@ -107,9 +107,9 @@ def usable_shapes(model, shapes: list[int]) -> list[int]:
     return [s for s in shapes if s + DECODE_STEPS <= limit]
 
 
-def run_shapes(model, shapes: list[int]) -> list[dict]:
+def run_shapes(model, shapes: list[int], each=None) -> list[dict]:
     """Prefill each length with batch 1, then DECODE_STEPS decode steps (M=1). Token ids are
-    random: only the shapes matter for kernels."""
+    random: only the shapes matter for kernels. each(length): called after each one (warm's bar)."""
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(0)
     timings = []
@@ -122,6 +122,8 @@ def run_shapes(model, shapes: list[int]) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.synchronize()
         timings.append({"prefill": length, "decode_steps": DECODE_STEPS, "s": round(time.perf_counter() - t0, 3)})
+        if each:
+            each(length)
     return timings
 
 

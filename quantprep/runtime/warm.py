@@ -17,10 +17,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from quantprep.errors import QuantprepError
 from quantprep.format.artifact import DEFAULT_SHAPES, read_checked, republish, sha256_file
@@ -29,6 +31,7 @@ from quantprep.runtime.kcache import KCACHE, MEGACACHE, cache_env, cache_key, re
 from quantprep.runtime.load import DECODE_STEPS, run_shapes, usable_shapes
 from quantprep.targets.intel_runtime import cache_warning
 
+STEP_DONE = "quantprep-warm: step done"  # the child's line on stderr for each shape it ran (warm's bar)
 AOT_TIMEOUT_S = 1800  # per phase of warm that builds or checks compiled MLP packages
 # Inductor's FX-graph and AOT entries come back from the mega-cache; locks are per process.
 NOT_SHIPPED = {"inductor/fxgraph", "inductor/aotautograd", "inductor/locks"}
@@ -63,7 +66,7 @@ def _child_main() -> None:
         return
     regions = compile_regions(model) if args["compile"] else 0
     shapes = usable_shapes(model, args["shapes"])
-    timings = run_shapes(model, shapes)
+    timings = run_shapes(model, shapes, each=lambda _: print(STEP_DONE, file=sys.stderr, flush=True))
     report = {"shapes": shapes, "timings": timings, "compiled_regions": regions, "s": round(time.perf_counter() - t0, 3)}
     if args["compile"]:
         saved = torch.compiler.save_cache_artifacts()
@@ -114,10 +117,15 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
             print(f"warm {path} on {device}: prefill {shapes} + {DECODE_STEPS} decode steps"
                   f"{', torch.compile' if compile else ''}{' + compiled MLP packages' if compile and aot else ''} (fresh processes)",
                   file=sys.stderr, flush=True)
-        aot_report = {"aot": [], "s": 0.0}
-        if compile and aot:
-            aot_report = _aot_phases(path, device, env, scratch, shapes=shapes, compile=compile)
-        report = _run_child(path, device, "compile", env, shapes=shapes, compile=compile, scratch=str(scratch))
+        # one bar: each compiled-package build and check, then each shape
+        with tqdm(total=(2 if compile and aot else 0) + len(shapes), desc="  warm", unit="step", disable=not progress,
+                  file=sys.stderr) as bar:
+            aot_report = {"aot": [], "s": 0.0}
+            if compile and aot:
+                aot_report = _aot_phases(path, device, env, scratch, bar, shapes=shapes, compile=compile)
+            report = _run_child(path, device, "compile", env, step=lambda: bar.update(1), shapes=shapes, compile=compile,
+                                scratch=str(scratch))
+            bar.update(bar.total - bar.n)  # shapes too long for the model were skipped
         report.update(aot=aot_report["aot"], s=report["s"] + aot_report["s"])
         key = cache_key(device)  # this process may touch the device: the child had its own caches
         files = _collect(scratch)
@@ -130,7 +138,7 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
     return dict(report, path=str(path), files=len(files), bytes=sum(f["size"] for f in files.values()), key=key)
 
 
-def _aot_phases(path: Path, device: str, env: dict, scratch: Path, **args) -> dict:
+def _aot_phases(path: Path, device: str, env: dict, scratch: Path, bar, **args) -> dict:
     """Build the compiled MLPs in each of aot.FORMATS in turn, loading and checking them in
     another fresh process, until one format passes whole: a package that fails to load (AOTInductor
     crashed on every package under the GPU machine's torch 2.11) or disagrees with eager is not
@@ -140,12 +148,17 @@ def _aot_phases(path: Path, device: str, env: dict, scratch: Path, **args) -> di
 
     t0 = time.perf_counter()
     entries: list[dict] = []
-    for fmt in FORMATS:
+    for i, fmt in enumerate(FORMATS):
         shutil.rmtree(scratch / "aot", ignore_errors=True)
+        if i:
+            bar.total += 2
+            bar.refresh()
         try:
             # Timeouts: a package load hung on the H200; generous for building on 2 cores.
             entries = _run_child(path, device, "aot", env, timeout=AOT_TIMEOUT_S, scratch=str(scratch), format=fmt, **args)["aot"]
+            bar.update(1)
             bad = _run_child(path, device, "aot_check", env, timeout=AOT_TIMEOUT_S, scratch=str(scratch), entries=entries, **args)["bad"]
+            bar.update(1)
         except QuantprepError as e:
             entries, bad = [], {"*": str(e)}
         for file, problem in bad.items():
@@ -160,16 +173,36 @@ def _aot_phases(path: Path, device: str, env: dict, scratch: Path, **args) -> di
     return {"aot": entries, "s": round(time.perf_counter() - t0, 3)}
 
 
-def _run_child(path: Path, device: str, phase: str, env: dict, timeout: float | None = None, **args) -> dict:
+def _run_child(path: Path, device: str, phase: str, env: dict, timeout: float | None = None, step=None, **args) -> dict:
+    """Run one phase in a fresh process; its last stdout line is the JSON report. step(): called
+    for each STEP_DONE line the child writes to stderr."""
     arg = json.dumps(dict(args, path=str(path), device=device, phase=phase))
+    proc = subprocess.Popen([sys.executable, "-c", "from quantprep.runtime.warm import _child_main; _child_main()", arg],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = [], []
+
+    def read_stderr():
+        for line in proc.stderr:
+            if line.rstrip("\n") != STEP_DONE:
+                err.append(line)
+            elif step:
+                step()
+
+    readers = [threading.Thread(target=lambda: out.append(proc.stdout.read())), threading.Thread(target=read_stderr)]
+    for r in readers:
+        r.start()
     try:
-        proc = subprocess.run([sys.executable, "-c", "from quantprep.runtime.warm import _child_main; _child_main()", arg],
-                              env=env, capture_output=True, text=True, timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
         raise QuantprepError(f"{path}: warm-up run ({phase}) on {device} did not finish in {timeout:.0f} s") from None
+    finally:
+        for r in readers:
+            r.join()
     if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        tail = ("".join(err).strip().splitlines() or ["no output"])[-1]
         raise QuantprepError(f"{path}: warm-up run ({phase}) failed on {device}: {tail}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads("".join(out).strip().splitlines()[-1])
 
 
