@@ -181,6 +181,14 @@ def copy_of(tmp_path):
     return make
 
 
+def fresh_process(code: str, *args, env: dict | None = None, timeout: float = 900) -> tuple[dict, str]:
+    """Run `code` in a new Python process (nothing cached from this one): the JSON of its last stdout
+    line, and its stderr. A failing child fails the test, showing its stderr."""
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
 def free_port() -> int:
     import socket
 

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from conftest import fresh_process
 from test_warm import _build
 
 import quantprep
@@ -44,10 +45,7 @@ print(json.dumps({"kcache": model.quantprep_kcache, "graphs": counters["stats"][
 
 def _fresh(art, tmp_path, dtype="bfloat16", seed=0, **env) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), QUANTPREP_KCACHE_DIR=str(tmp_path / "kcache"), **env)
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(art), dtype, str(seed)], env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+    return fresh_process(CHILD, art, dtype, seed, env=env)
 
 
 def test_warm_ships_packages_covering_every_token_count(warmed_aot):

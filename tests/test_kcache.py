@@ -14,7 +14,7 @@ import sys
 import zipfile
 
 import pytest
-from conftest import edit_manifest
+from conftest import edit_manifest, fresh_process
 
 from quantprep.errors import ArtifactError
 from quantprep.format.artifact import read_manifest, sha256_file
@@ -82,10 +82,8 @@ def _load_in_fresh_process(art, tmp_path, compile: bool, trust: bool, **env) -> 
     env = dict(os.environ, QUANTPREP_TEST_MARKER=str(marker), QUANTPREP_TRUST_DIR=str(tmp_path / "empty-trust-store"),
                QUANTPREP_KCACHE_DIR=str(tmp_path / f"runtime-{compile}-{trust}"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
                **env)
-    proc = subprocess.run([sys.executable, "-c", LOAD_CHILD, str(art), str(int(compile)), str(int(trust))], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), marker.exists(), proc.stderr
+    status, stderr = fresh_process(LOAD_CHILD, art, int(compile), int(trust), env=env)
+    return status, marker.exists(), stderr
 
 
 @pytest.mark.parametrize("compile", [True, False])

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import cli_paused_at, edit_manifest
+from conftest import cli_paused_at, edit_manifest, fresh_process
 
 import quantprep
 from quantprep.format.artifact import MANIFEST, read_manifest, sha256_file
@@ -61,10 +61,7 @@ print(json.dumps({"kcache": model.quantprep_kcache, "hit": counters["inductor"][
 def _fresh_load(art, tmp_path, use_kcache: bool) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor-{use_kcache}"),
                QUANTPREP_KCACHE_DIR=str(tmp_path / f"kcache-{use_kcache}"))
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(art), "1" if use_kcache else "0"], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return fresh_process(CHILD, art, int(use_kcache), env=env, timeout=600)[0]
 
 
 def test_warm_writes_a_verifiable_kcache(warmed):
@@ -102,16 +99,8 @@ def test_eager_and_compiled_agree(warmed):
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         eager = quantprep.load(art)(ids).logits.float()
-    env_before = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-    try:
-        with torch.inference_mode():
-            compiled = quantprep.load(art, compile=True)(ids).logits.float()
-    finally:
-        for k, v in env_before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with torch.inference_mode():
+        compiled = quantprep.load(art, compile=True)(ids).logits.float()  # the kcache's directories: during load only
     rel = ((compiled - eager).norm() / eager.norm()).item()
     # bf16 activations; Inductor fuses silu*mul in float32 where eager rounds to bf16 in between.
     assert rel < 2e-2, rel

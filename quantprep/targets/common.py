@@ -4,16 +4,12 @@ exact int8 path (no upstream kernel on any device takes int8 with groups and zer
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from quantprep.errors import SourceError
-
-if TYPE_CHECKING:  # the load path never imports the build side
-    from quantprep.format.gptq import PrepackLayer
+from quantprep.format.gptq import PrepackLayer
 
 
 class Target:

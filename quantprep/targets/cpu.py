@@ -22,13 +22,13 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from quantprep import settings
+from quantprep.format.gptq import PrepackLayer
 from quantprep.targets.common import (
     PackedLinear,
     Target,
@@ -45,9 +45,6 @@ from quantprep.targets.common import (
 
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 N_ALIGN = 16
-
-if TYPE_CHECKING:  # the load path never imports the build side
-    from quantprep.format.gptq import PrepackLayer
 
 
 # Block sizes of aten._convert_weight_to_int4pack_for_cpu's layout per ISA (pytorch

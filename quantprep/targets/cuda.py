@@ -21,13 +21,11 @@ int8: dequantize + a dense matmul (`common.pack_int8`): torch's cuda `_weight_in
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantprep.format.gptq import pack_rows, unpack_rows
+from quantprep.format.gptq import PrepackLayer, pack_rows, unpack_rows
 from quantprep.targets.common import (
     PackedLinear,
     Target,
@@ -45,9 +43,6 @@ KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 N_ALIGN = 8
 DECODE_MAX_M = 16  # tinygemm up to here: measured crossover on an H200 (BENCHMARKS.md)
 PREFILL_CONFIG = (64, 64, 128, 4, 3)  # Triton tiles, picked by benchmarks/cuda_kernels.py --sweep
-
-if TYPE_CHECKING:  # the load path never imports the build side
-    from quantprep.format.gptq import PrepackLayer
 
 
 def inner_k_tiles(padded_in: int) -> int:

@@ -11,11 +11,10 @@ int8: the exact dequantize + matmul path shared with the other targets.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
+from quantprep.format.gptq import PrepackLayer
 from quantprep.targets import xpu_emulator
 from quantprep.targets.common import (
     PackedLinear,
@@ -32,9 +31,6 @@ from quantprep.targets.intel_runtime import arch_warning
 KERNEL = "aten._weight_int4pack_mm_with_scales_and_zeros"
 # Any multiple of 32 is accepted (Blas.cpp); these are the ones GPTQ group sizes divide into.
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
-
-if TYPE_CHECKING:  # the load path never imports the build side
-    from quantprep.format.gptq import PrepackLayer
 
 
 def pack_int4_nk(codes: torch.Tensor, block: int = 1 << 24) -> torch.Tensor:
