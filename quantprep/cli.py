@@ -47,7 +47,7 @@ def cmd_build(args) -> int:
     for t in targets:
         get_target(t)  # unknown names and output dirs that must not be replaced fail before quantizing
         check_replaceable(out_root / t, is_artifact, "quantprep artifact", args.force, user_source)
-    gptq_dir, identity = resolve_source(recipe, args.source, args.quantize_device, args.verbose)
+    gptq_dir, identity = resolve_source(recipe, args.source, args.quantize_device, args.verbose, progress=not args.json)
     if on := identity.get("quantized_on"):
         print(f"GPTQ checkpoint {gptq_dir} (quantized by gptqmodel on {on})", file=sys.stderr)
     serving = {"shapes": recipe.warm_shapes, "compile": recipe.warm_compile, "aot": recipe.warm_aot}

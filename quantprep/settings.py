@@ -13,9 +13,8 @@ Trust:
     QUANTPREP_SIGNATURES     enforce | warn | off for every reference (policy.py)
 Build:
     QUANTPREP_RECIPES        more recipe directories, searched first (recipes.py)
-    QUANTPREP_CACHE          the build cache (default artifacts/.cache; build.py)
+    QUANTPREP_CACHE          the build cache (default artifacts/.cache; build/pipeline.py)
     QUANTPREP_PACK           `torch`: the cpu target packs with tensor ops, not its compiled packer
-Tests only:
 """
 
 TRUST_DIR = "QUANTPREP_TRUST_DIR"

@@ -77,6 +77,20 @@ def random_gptq(tmp_path) -> Path:
     return write_random_checkpoint(tmp_path / "gptq", TINY_LLAMA, bits=4, group_size=64, desc_act=True, sym=False)
 
 
+def random_cpu_artifact(root: Path, config: dict, name: str = "art", act_dtype: str | None = None, fuse: bool = True,
+                        **checkpoint) -> Path:
+    """A cpu artifact at root/name, prepacked from a random GPTQ checkpoint of `config`
+    (write_random_checkpoint's options in `checkpoint`; the checkpoint is shared per option set)."""
+    from quantprep.build.pipeline import prepack
+    from quantprep.build.synthetic import write_random_checkpoint
+
+    gptq = root / ("gptq-" + "-".join(f"{k}={v}" for k, v in sorted(checkpoint.items())))
+    if not gptq.exists():
+        write_random_checkpoint(gptq, config, **checkpoint)
+    prepack(gptq, "cpu", root / name, act_dtype, fuse=fuse)
+    return root / name
+
+
 @pytest.fixture
 def random_artifact(random_gptq, tmp_path) -> Path:
     from quantprep.build.pipeline import prepack

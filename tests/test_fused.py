@@ -5,11 +5,10 @@ import json
 
 import pytest
 import torch
+from conftest import random_cpu_artifact
 
 import quantprep
-from quantprep.build.pipeline import prepack
 from quantprep.build.prepack import fusion_plan
-from quantprep.build.synthetic import write_random_checkpoint
 from quantprep.runtime.fused import FusedGroup, FusedMember
 
 CFG = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 160,
@@ -30,12 +29,8 @@ def test_plan_groups_members_in_any_order():
 
 
 def _artifact(tmp_path, name, act_dtype, shared=True, fuse=True, bits=4, sym=True):
-    gptq = tmp_path / f"gptq-{shared}-{bits}-{sym}"
-    if not gptq.exists():
-        write_random_checkpoint(gptq, CFG, bits=bits, group_size=32, desc_act=True, sym=sym, shared_g_idx=shared)
-    out = tmp_path / name
-    prepack(gptq, "cpu", out, act_dtype, fuse=fuse)
-    return out
+    return random_cpu_artifact(tmp_path, CFG, name, act_dtype, fuse, bits=bits, group_size=32, desc_act=True, sym=sym,
+                               shared_g_idx=shared)
 
 
 def _modules(art):

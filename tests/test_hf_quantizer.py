@@ -9,12 +9,11 @@ import sys
 
 import pytest
 import torch
-from conftest import edit_manifest
+from conftest import edit_manifest, random_cpu_artifact
 from transformers import AutoModelForCausalLM, pipeline
 
 import quantprep
 from quantprep.build.pipeline import prepack
-from quantprep.build.synthetic import write_random_checkpoint
 from quantprep.errors import ArtifactError, ArtifactMismatch
 from quantprep.format.artifact import MANIFEST, WEIGHTS_INDEX
 
@@ -23,10 +22,8 @@ QWEN2 = {"model_type": "qwen2", "vocab_size": 512, "hidden_size": 128, "intermed
 
 
 def _artifact(tmp_path, lm_head=False, fuse=False, act_dtype=None):
-    gptq = write_random_checkpoint(tmp_path / "gptq", QWEN2, bits=4, group_size=32, desc_act=True, sym=False, lm_head=lm_head)
-    out = tmp_path / "art"
-    prepack(gptq, "cpu", out, act_dtype, fuse=fuse)
-    return out
+    return random_cpu_artifact(tmp_path, QWEN2, act_dtype=act_dtype, fuse=fuse, bits=4, group_size=32, desc_act=True, sym=False,
+                               lm_head=lm_head)
 
 
 def _logits(model, ids):

@@ -246,26 +246,31 @@ def test_every_process_sees_existing_dirs_for_the_cache_variables_it_gets(tmp_pa
     assert left == [], left  # issue 30: they point at the copy during load only (Inductor may set its default after)
 
 
-def test_a_used_kcache_serves_its_shapes_and_leaves_the_environment_as_it_was(warmed_aot, tmp_path, monkeypatch):
-    """Issue 30: load points Triton and Inductor at the kcache copy only while it runs the warmed
-    shapes. Afterwards the variables are what they were before, so a second model or a child
-    process never writes into this artifact's copy."""
+def test_a_used_kcache_is_in_effect_while_its_model_runs_and_not_after(warmed_aot, tmp_path, monkeypatch):
+    """Issue 30: load points Triton and Inductor at the kcache copy while this model compiles and
+    runs (its forward), not for the process: before and after a forward the variables are the
+    user's, so a second model or a child process never writes into this artifact's copy. load
+    runs nothing it was not asked to (warmup=False)."""
+    import torch
+
     import quantprep
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("QUANTPREP_KCACHE_DIR", str(tmp_path / "rt"))
-    seen = []
-    import quantprep.runtime.load as load_mod
-
-    run = load_mod.run_shapes
-    monkeypatch.setattr(load_mod, "run_shapes", lambda m, s: seen.append(os.environ.get("TORCHINDUCTOR_CACHE_DIR")) or run(m, s))
-    first = quantprep.load(warmed_aot[0], compile=True)
-    assert first.quantprep_kcache["status"] == "used", first.quantprep_kcache
-    assert seen == [first.quantprep_kcache["env"]["TORCHINDUCTOR_CACHE_DIR"]]  # the shapes ran inside the scope
+    model = quantprep.load(warmed_aot[0], compile=True)
+    env = model.quantprep_kcache.get("env", {})
+    assert model.quantprep_kcache["status"] == "used" and not hasattr(model, "quantprep_warmup"), model.quantprep_kcache
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
-    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != first.quantprep_kcache["env"]["TORCHINDUCTOR_CACHE_DIR"]
-    assert first.quantprep_warmup and [r["prefill"] for r in first.quantprep_warmup] == first.quantprep_buckets
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != env["TORCHINDUCTOR_CACHE_DIR"]
+    seen = []
+    model.model.layers[0].register_forward_hook(
+        lambda *_: seen.append((os.environ.get("TRITON_CACHE_DIR"), os.environ.get("TORCHINDUCTOR_CACHE_DIR"))))
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2, 3]]))
+    assert seen == [(env["TRITON_CACHE_DIR"], env["TORCHINDUCTOR_CACHE_DIR"])]
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != env["TORCHINDUCTOR_CACHE_DIR"]
 
 
 def test_xpu_warm_asks_triton_for_native_code_only_with_ocloc(tmp_path):

@@ -23,17 +23,13 @@ import quantprep
 from quantprep.build.pipeline import prepack
 
 
-def _build(gptq_dir, out, act_dtype=None):
-    return prepack(gptq_dir, "cpu", out, act_dtype)
-
-
 @pytest.fixture(scope="module", params=["tiny_gptq4", "tiny_gptq8"])
 def case(request, tmp_path_factory):
     """(gptq dir, default bf16 artifact, float32 artifact)."""
     gptq_dir = request.getfixturevalue(request.param)
     root = tmp_path_factory.mktemp("art")
-    _build(gptq_dir, root / "cpu")
-    _build(gptq_dir, root / "cpu-fp32", "float32")
+    prepack(gptq_dir, "cpu", root / "cpu")
+    prepack(gptq_dir, "cpu", root / "cpu-fp32", "float32")
     return gptq_dir, root / "cpu", root / "cpu-fp32"
 
 
@@ -92,7 +88,7 @@ def test_random_qwen2_with_quantized_lm_head(tmp_path, lm_head):
     cfg = {"model_type": "qwen2", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}
     gptq = write_random_checkpoint(tmp_path / "gptq", cfg, bits=4, group_size=32, desc_act=True, sym=False, lm_head=lm_head)
-    _build(gptq, tmp_path / "art", "float32")
+    prepack(gptq, "cpu", tmp_path / "art", "float32")
     model = quantprep.load(tmp_path / "art")
     assert (type(model.lm_head).__name__ == "CpuInt4Linear") == lm_head
     ids = torch.randint(0, 512, (2, 16))
@@ -178,7 +174,7 @@ def test_gptqmodel_parity(name, tiny_float, tmp_path):
     qc = json.loads((gptq_dir / "quantize_config.json").read_text())
     assert qc.get("checkpoint_format", qc.get("format", "gptq")) == PARITY[name].get("checkpoint_format", "gptq"), qc
     art32 = tmp_path / "art32"
-    _build(gptq_dir, art32, "float32")
+    prepack(gptq_dir, "cpu", art32, "float32")
     ids = torch.randint(2, 400, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         q32 = quantprep.load(art32)(input_ids=ids).logits

@@ -85,9 +85,9 @@ def quant_key(recipe: Recipe, source_sha256: str, texts: list[str]) -> str:
 
 
 def _quantize(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: str, device: str = "auto",
-              verbose: bool = False) -> tuple[Path, dict]:
+              verbose: bool = False, progress: bool = True) -> tuple[Path, dict]:
     """(GPTQ checkpoint, identity fields: quantized_by, and quantized_on = the device gptqmodel ran on)."""
-    out = _quantize_cached(recipe, float_dir, source_id, source_sha256, device, verbose)
+    out = _quantize_cached(recipe, float_dir, source_id, source_sha256, device, verbose, progress)
     from quantprep.build.quantize import QUANTIZED_ON
 
     try:
@@ -97,7 +97,8 @@ def _quantize(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: st
     return out, {"quantized_by": "gptqmodel", **({"quantized_on": on} if on else {})}
 
 
-def _quantize_cached(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: str, device: str, verbose: bool) -> Path:
+def _quantize_cached(recipe: Recipe, float_dir: Path, source_id: str, source_sha256: str, device: str, verbose: bool,
+                     progress: bool) -> Path:
     from quantprep.build.quantize import calibration_texts, captured_output, quantize_device, quantize_gptq
 
     texts = calibration_texts(recipe.calibration, recipe.samples, recipe.seq_len, float_dir)
@@ -110,35 +111,36 @@ def _quantize_cached(recipe: Recipe, float_dir: Path, source_id: str, source_sha
           f"desc_act={recipe.desc_act}, sym={recipe.sym}, {recipe.samples} samples of {Path(recipe.calibration).name}"
           f"{f' x {recipe.seq_len} tokens' if recipe.seq_len else ''}, seed {recipe.seed})", file=sys.stderr, flush=True)
     layers = read_json_object(float_dir / "config.json", SourceError, "pass a float model directory").get("num_hidden_layers")
-    with captured_output(out.with_name(out.name + ".log"), verbose, layers=layers if isinstance(layers, int) and layers > 0 else None):
+    with captured_output(out.with_name(out.name + ".log"), verbose, layers=layers if progress and isinstance(layers, int) and layers > 0 else None):
         return quantize_gptq(float_dir, out, recipe.bits, recipe.group_size, recipe.desc_act, recipe.sym, texts, recipe.seed,
                              device=device)
 
 
-def resolve_source(recipe: Recipe, source: str | None, quantize_device: str = "auto", verbose: bool = False) -> tuple[Path, dict]:
+def resolve_source(recipe: Recipe, source: str | None, quantize_device: str = "auto", verbose: bool = False,
+                   progress: bool = True) -> tuple[Path, dict]:
     """Returns (GPTQ checkpoint dir, source identity for the manifest). Quantizes when needed, with
     gptqmodel on `quantize_device` (auto: the fastest present)."""
     dev = quantize_device
     if source is not None:
         p = Path(source)
         if p.exists():
-            return _from_dir(recipe, p, {"path": str(p.absolute())}, dev, verbose)
+            return _from_dir(recipe, p, {"path": str(p.absolute())}, dev, verbose, progress)
         if source.count("/") == 1 and not source.startswith((".", "/")):
             try:
                 snapshot = resolve_hub_model(source)
             except SourceError as e:
                 raise SourceError(f"{source}: no such directory ({p.absolute()}), and as a hub id: {e}") from None
-            return _from_dir(recipe, snapshot, {"id": source}, dev, verbose)
+            return _from_dir(recipe, snapshot, {"id": source}, dev, verbose, progress)
         raise SourceError(f"{source}: no such directory (and not a hub id like org/name)")
     src = recipe.source
     if "path" in src:
         p = Path(src["path"]).expanduser()
         if not p.exists():
             raise SourceError(f"{recipe.path}: source.path {p} does not exist")
-        return _from_dir(recipe, p, {"path": str(p.absolute())}, dev, verbose)
+        return _from_dir(recipe, p, {"path": str(p.absolute())}, dev, verbose, progress)
     if "hub" in src:
         return _from_dir(recipe, resolve_hub_model(src["hub"], src.get("revision")),
-                         {"id": src["hub"], "revision": src.get("revision")}, dev, verbose)
+                         {"id": src["hub"], "revision": src.get("revision")}, dev, verbose, progress)
     from quantprep.build.quantize import assemble_gguf, captured_output, export_gguf, find_gguf
 
     if "gguf_parts" in src:
@@ -153,11 +155,11 @@ def resolve_source(recipe: Recipe, source: str | None, quantize_device: str = "a
         print(f"export {source_id} -> {float_dir} (transformers' GGUF reader, dequantized)", file=sys.stderr, flush=True)
         with captured_output(float_dir.with_name(float_dir.name + ".log"), verbose, "transformers"):
             export_gguf(gguf, float_dir)
-    gptq, how = _quantize(recipe, float_dir, source_id, gguf_sha256, dev, verbose)
+    gptq, how = _quantize(recipe, float_dir, source_id, gguf_sha256, dev, verbose, progress)
     return gptq, {"id": source_id, "gguf_sha256": gguf_sha256, **how}
 
 
-def _from_dir(recipe: Recipe, path: Path, identity: dict, device: str, verbose: bool = False) -> tuple[Path, dict]:
+def _from_dir(recipe: Recipe, path: Path, identity: dict, device: str, verbose: bool = False, progress: bool = True) -> tuple[Path, dict]:
     if not path.is_dir():
         raise SourceError(f"{path}: not a directory; pass a GPTQ checkpoint or float model directory")
     if is_gptq_dir(path):
@@ -165,7 +167,7 @@ def _from_dir(recipe: Recipe, path: Path, identity: dict, device: str, verbose: 
     if not (path / "config.json").is_file():
         raise SourceError(f"{path}: no config.json; not a Hugging Face model directory")
     source_id = identity.get("id") or identity["path"]
-    gptq, how = _quantize(recipe, path, source_id, sha256_of(path), device, verbose)
+    gptq, how = _quantize(recipe, path, source_id, sha256_of(path), device, verbose, progress)
     return gptq, dict(identity, **how)
 
 

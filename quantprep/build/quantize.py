@@ -171,12 +171,13 @@ def captured_output(log: Path, verbose: bool = False, what: str = "gptqmodel", l
     saved = os.dup(1), os.dup(2)
     failed = False
     done, ok = threading.Event(), threading.Event()
-    bar = threading.Thread(target=_layer_bar, args=(log, os.dup(saved[1]), layers, done, ok), daemon=True) if layers else None
+    bar = None
     try:
         with open(log, "wb") as f:
             os.dup2(f.fileno(), 1)
             os.dup2(f.fileno(), 2)
-            if bar:
+            if layers:  # the thread owns (and closes) its copy of the terminal's stderr
+                bar = threading.Thread(target=_layer_bar, args=(log, os.dup(saved[1]), layers, done, ok), daemon=True)
                 bar.start()
             try:
                 yield

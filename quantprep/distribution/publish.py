@@ -81,9 +81,9 @@ def publish(dirs: list[str | os.PathLike], to: str, dry_run: bool = False, sign_
     each published variant (signing.py; the source directories are not modified); a variant
     signed before (quantprep sign) carries its signature. tag: the Hub's release tag (hf:// only).
     force: replace a destination directory that is not a published reference."""
-    store = store_for(to, plain_http)  # a malformed reference fails before any work
-    if tag is not None and not isinstance(store, HubStore):
+    if tag is not None and not to.startswith("hf://"):
         raise QuantprepError(f"{to}: --tag is for hf:// references; an OCI reference carries its tag (oci://HOST/REPO:TAG)")
+    store = store_for(to, plain_http)  # a malformed reference fails before any work
     variants, names = [], set()
     for d in map(Path, dirs):
         manifest = read_checked(d, full_hash=True)

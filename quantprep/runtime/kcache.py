@@ -347,9 +347,12 @@ def activate(path: Path, manifest: dict, device_type: str, compile: bool, trust:
 
 @contextmanager
 def scoped_env(env: dict[str, str]) -> Iterator[None]:
-    """`env` in os.environ for the block only; what was there before is put back."""
+    """`env` in os.environ for the block only; what was there before is put back. Inductor memoizes
+    paths under its cache directory: they are cleared on the way in and out, as torch's own
+    temporary_cache_dir does."""
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    _clear_inductor_paths(env)
     try:
         yield
     finally:
@@ -358,6 +361,12 @@ def scoped_env(env: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        _clear_inductor_paths(env)
+
+
+def _clear_inductor_paths(env: dict[str, str]) -> None:
+    if "TORCHINDUCTOR_CACHE_DIR" in env and "torch._inductor.utils" in sys.modules:
+        sys.modules["torch._inductor.utils"].clear_caches()
 
 
 def _ignored(msg: str) -> dict:

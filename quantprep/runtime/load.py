@@ -9,6 +9,7 @@ This module never imports gptqmodel.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 import warnings
@@ -251,6 +252,11 @@ def tied_names(model) -> set[str]:
     return shared | set(getattr(model, "all_tied_weights_keys", None) or {})
 
 
+def _in_env(env: dict, forward, args, kwargs):
+    with scoped_env(env):
+        return forward(*args, **kwargs)
+
+
 def finish(model, path: Path, art: OpenedArtifact, kcache_status: dict, compile: bool, warmup: bool, prefetch=None):
     """After the weights are in: generation config, compile, the warmed buckets, warm-up, status."""
     from transformers import GenerationConfig
@@ -261,16 +267,20 @@ def finish(model, path: Path, art: OpenedArtifact, kcache_status: dict, compile:
     manifest = art.manifest
     # the prefill lengths warm ran: quantprep.tools.serving pads prompts to them
     model.quantprep_buckets = usable_shapes(model, manifest.get("kcache", manifest.get("serving", {})).get("shapes", DEFAULT_SHAPES))
-    # A used kcache's directories are set for this block only, and its shapes always run in it: what
-    # it holds is then in memory, and a shape met later compiles into the user's own caches, so a
-    # second model or a child process never writes into this artifact's copy.
-    with scoped_env(kcache_status.get("env", {})):
+    # A used kcache's cache directories are set while this model compiles and runs (its forward,
+    # wrapped), not for the process: another model or a child process never writes into this
+    # artifact's copy, and a compile the first request triggers still finds what warm shipped.
+    env = kcache_status.get("env", {})
+    if env:
+        forward = model.forward
+        model.forward = functools.wraps(forward)(lambda *a, **k: _in_env(env, forward, a, k))
+    with scoped_env(env):
         if compile:
             if prefetch:
                 prefetch.join()
             compile_model(model, manifest, kcache_status, art.dtype)
-        if warmup or kcache_status.get("env"):  # in the thread that will serve: PyTorch's oneDNN primitive cache on xpu is per thread
-            model.quantprep_warmup = run_shapes(model, model.quantprep_buckets)
+    if warmup:  # in the thread that will serve: PyTorch's oneDNN primitive cache on xpu is per thread
+        model.quantprep_warmup = run_shapes(model, model.quantprep_buckets)
     model.quantprep_kcache = kcache_status
     model.quantprep_path = path  # the directory that was checked: read its tokenizer from here (not a reference's name)
     return model
@@ -297,9 +307,9 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     kcache: use the artifact's kernel cache when it is trusted and matches this machine (kcache.py:
     warmed here by this user, or `trust_kcache=True` / QUANTPREP_TRUST_KCACHE=1; an untrusted,
     foreign or corrupt one is ignored with a warning); using it sets TRITON_CACHE_DIR and
-    TORCHINDUCTOR_CACHE_DIR (with compile) during this call only, and runs the warmed shapes in
-    it; on xpu NEO_/SYCL_CACHE_* stay set, since the driver reads them when the device starts (cpu
-    without compile: nothing to use). `model.quantprep_kcache` says what happened.
+    TORCHINDUCTOR_CACHE_DIR (with compile) while this model compiles and runs, not for the
+    process; on xpu NEO_/SYCL_CACHE_* stay set, since the driver reads them when the device starts
+    (cpu without compile: nothing to use). `model.quantprep_kcache` says what happened.
     verify_key: a PEM public key (default: QUANTPREP_VERIFY_KEY): the artifact must carry a
     signature (`quantprep sign`) that verifies with it, and its kcache is then trusted.
     Raises ArtifactMismatch for an artifact built for another machine, ArtifactError if corrupt.

@@ -178,28 +178,33 @@ def _run_child(path: Path, device: str, phase: str, env: dict, timeout: float | 
     for each STEP_DONE line the child writes to stderr."""
     arg = json.dumps(dict(args, path=str(path), device=device, phase=phase))
     proc = subprocess.Popen([sys.executable, "-c", "from quantprep.runtime.warm import _child_main; _child_main()", arg],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
     out, err = [], []
 
-    def read_stderr():
+    def read_stderr(step=step):  # drains to the end whatever step() does: a full pipe would block the child
         for line in proc.stderr:
             if line.rstrip("\n") != STEP_DONE:
                 err.append(line)
             elif step:
-                step()
+                try:
+                    step()
+                except Exception:  # the bar (a closed terminal): the warm goes on without it
+                    step = None
 
-    readers = [threading.Thread(target=lambda: out.append(proc.stdout.read())), threading.Thread(target=read_stderr)]
+    readers = [threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True),
+               threading.Thread(target=read_stderr, daemon=True)]
     for r in readers:
         r.start()
     try:
         proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except BaseException as e:  # a timeout, or an interrupt: the child goes too
         proc.kill()
         proc.wait()
-        raise QuantprepError(f"{path}: warm-up run ({phase}) on {device} did not finish in {timeout:.0f} s") from None
-    finally:
-        for r in readers:
-            r.join()
+        if isinstance(e, subprocess.TimeoutExpired):
+            raise QuantprepError(f"{path}: warm-up run ({phase}) on {device} did not finish in {timeout:.0f} s") from None
+        raise
+    for r in readers:
+        r.join()
     if proc.returncode != 0:
         tail = ("".join(err).strip().splitlines() or ["no output"])[-1]
         raise QuantprepError(f"{path}: warm-up run ({phase}) failed on {device}: {tail}")
