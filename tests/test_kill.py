@@ -82,7 +82,8 @@ def test_sigkill_during_quantize(tiny_float, tmp_path):
     recipe.write_text(f'[source]\npath = "{tiny_float}"\n[quantize]\nbits = 4\ngroup_size = 128\nsamples = 4\n')
     cache, out = tmp_path / "cache", tmp_path / "out"
     env = dict(os.environ, QUANTPREP_CACHE=str(cache))
-    cmd = cli_paused_at("quantize", "build", str(recipe), "--out", str(out), "--no-check")
+    args = ["build", str(recipe), "--out", str(out), "--no-check"]
+    cmd = cli_paused_at("quantize", *args)
     err = tmp_path / "stderr.txt"
     with open(err, "w") as err_file:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True,
@@ -101,7 +102,7 @@ def test_sigkill_during_quantize(tiny_float, tmp_path):
     assert not out.exists()
     assert [p for p in (cache / "gptq").iterdir() if not p.name.startswith(".") and p.suffix != ".log"] == []  # no half checkpoint is cached
 
-    rerun = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    rerun = subprocess.run([sys.executable, "-m", "quantprep", *args], capture_output=True, text=True, env=env, timeout=600)
     assert rerun.returncode == 0 and "quantized by gptqmodel on cpu" in rerun.stderr  # the device it ran on, said
     assert not list(cache.glob("gptq/.*partial*"))
     assert verify_artifact(out / "cpu") and read_manifest(out / "cpu")["source"]["quantized_on"] == "cpu"  # and recorded
