@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
+from quantprep._io.staging import stage_reached
 from quantprep.build.source import GPTQCheckpoint, GPTQLayer
 from quantprep.format.gptq import PrepackLayer, unpack_cols
 
@@ -99,8 +100,6 @@ def prepack_stream(ckpt: GPTQCheckpoint, packers: list[tuple[object, torch.dtype
     each layer is read (ckpt.layers reads it from disk), its codes unpacked at most once (when a
     target or the verify probe asks), packed per target and handed to `emit(i, tensors)` for
     packer i, then dropped, so memory holds one layer, not the model. Returns (per-module manifest metadata per packer, verify probes)."""
-    from quantprep.format.artifact import stage_reached
-
     modules: list[dict[str, dict]] = [{} for _ in packers]
     probes: dict[str, torch.Tensor] = {}
     plan = fusion_plan(list(ckpt.layers), fuse)

@@ -1,4 +1,4 @@
-"""Named recipes: `<name>.toml` in pipelines/ (installed as quantprep.pipelines) (package data: they ship with the wheel), or in
+"""Named recipes: `<name>.toml` in pipelines/ (shipped in the wheel as quantprep.pipelines), or in
 the user's own directories (`--recipes DIR`, `QUANTPREP_RECIPES=DIR[:DIR...]`), which are searched
 first. Unknown keys are rejected, never ignored.
 

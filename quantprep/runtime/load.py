@@ -252,11 +252,6 @@ def tied_names(model) -> set[str]:
     return shared | set(getattr(model, "all_tied_weights_keys", None) or {})
 
 
-def _in_env(env: dict, forward, args, kwargs):
-    with scoped_env(env):
-        return forward(*args, **kwargs)
-
-
 def finish(model, path: Path, art: OpenedArtifact, kcache_status: dict, compile: bool, warmup: bool, prefetch=None):
     """After the weights are in: generation config, compile, the warmed buckets, warm-up, status."""
     from transformers import GenerationConfig
@@ -273,7 +268,13 @@ def finish(model, path: Path, art: OpenedArtifact, kcache_status: dict, compile:
     env = kcache_status.get("env", {})
     if env:
         forward = model.forward
-        model.forward = functools.wraps(forward)(lambda *a, **k: _in_env(env, forward, a, k))
+
+        @functools.wraps(forward)
+        def forward_in_kcache_env(*args, **kwargs):
+            with scoped_env(env):
+                return forward(*args, **kwargs)
+
+        model.forward = forward_in_kcache_env
     with scoped_env(env):
         if compile:
             if prefetch:
