@@ -206,6 +206,15 @@ def one_torch_thread():
         torch.set_num_threads(threads)
 
 
+def writer(target: str, ckpt: GPTQCheckpoint, out: Path, force: bool, shard_bytes: int) -> ArtifactWriter:
+    """Shards for the torch targets; an IR for openvino (build/openvino_ir.py)."""
+    if target == "openvino":
+        from quantprep.build.openvino_ir import OpenVINOWriter
+
+        return OpenVINOWriter(out, ckpt, force)
+    return ArtifactWriter(out, ckpt.path, ckpt.side_files, ckpt.nbytes, force, shard_bytes)
+
+
 @one_torch_thread()
 def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for, act_dtype: str | None = None,
                     progress: bool = True, serving: dict | None = None, warm_here: bool = False,
@@ -231,11 +240,16 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
         ckpt = read_checkpoint(gptq_dir)
         imports.result()
     check_against_model(ckpt)
+    if "openvino" in targets:
+        from quantprep.build.openvino_ir import check_supported, read_config
+
+        if problem := get_target("openvino").runtime_problem():
+            raise RecipeError(f"target openvino: {problem}")
+        check_supported(read_config(ckpt.path), ckpt.path / "config.json")
     dtypes = [getattr(torch, act_dtype) if act_dtype else t.default_act_dtype for t in resolved]
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:  # every target in one pass over the source, each written as it streams
-        writers = [stack.enter_context(ArtifactWriter(out_for(t.name), ckpt.path, ckpt.side_files, ckpt.nbytes, force, shard_bytes))
-                   for t in resolved]
+        writers = [stack.enter_context(writer(t.name, ckpt, out_for(t.name), force, shard_bytes)) for t in resolved]
         modules, probes = prepack_stream(ckpt, list(zip(resolved, dtypes, strict=True)), lambda i, t: writers[i].add(t),
                                          progress=progress, fuse=fuse)
         t1 = time.perf_counter()

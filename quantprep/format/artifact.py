@@ -44,6 +44,11 @@ WEIGHTS_INDEX = "quantprep.safetensors.index.json"
 # the shards, the shard index and the probes that a manifest may list (read_manifest).
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+# The openvino target's files (build/openvino_ir.py): its IR in place of the shards, and
+# openvino-tokenizers' IR of the tokenizer, where openvino.genai and OpenVINO Model Server look for them.
+OPENVINO_MODEL = "openvino_model.xml"
+OPENVINO_TOKENIZERS = ("openvino_tokenizer.xml", "openvino_tokenizer.bin", "openvino_detokenizer.xml", "openvino_detokenizer.bin")
+OPENVINO_FILES = (OPENVINO_MODEL, "openvino_model.bin", *OPENVINO_TOKENIZERS)
 SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 CODE_CONFIGS = ("config.json", "tokenizer_config.json")  # where transformers reads `auto_map` (code to import)
 DEFAULT_SHAPES = [1, 16, 128, 512]  # prefill lengths warm runs (and warmup replays) unless the recipe says otherwise
@@ -228,15 +233,16 @@ class ArtifactWriter:
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
         self.shards.add(tensors)
 
-    def finish(self, manifest: dict, probes: dict[str, torch.Tensor] | None = None) -> Path:
-        """`manifest` lacks shards/files/created."""
+    def finish(self, manifest: dict, probes: dict[str, torch.Tensor] | None = None, weights_index: bool = True) -> Path:
+        """`manifest` lacks shards/files/created. weights_index: the shard index from_pretrained reads."""
         tmp = self.tmp
         names, digests, weight_map = self.shards.finish()
         if probes:
             save_file(probes, str(tmp / PROBES_FILE), metadata={"format": "pt"})
         for name in self.side_files:
             shutil.copyfile(self.side_files_from / name, tmp / name)
-        write_json_durably(tmp / WEIGHTS_INDEX, {"metadata": {"total_size": self.shards.total}, "weight_map": dict(sorted(weight_map.items()))})
+        if weights_index:
+            write_json_durably(tmp / WEIGHTS_INDEX, {"metadata": {"total_size": self.shards.total}, "weight_map": dict(sorted(weight_map.items()))})
         if (tmp / "config.json").is_file():
             write_json_durably(tmp / "config.json", transformers_config(json.loads((tmp / "config.json").read_text()), manifest))
         files = {}
@@ -355,7 +361,7 @@ def read_manifest(path: Path) -> dict:
         if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and entry["size"] >= 0
                 and isinstance(entry.get("sha256"), str)):
             raise ArtifactError(f"{mpath}: bad entry for file {name!r}; the artifact is corrupt: rebuild it")
-        if not (SHARD_NAME.fullmatch(name) or name in SIDE_FILES or name in (WEIGHTS_INDEX, PROBES_FILE)):
+        if not (SHARD_NAME.fullmatch(name) or name in SIDE_FILES or name in (WEIGHTS_INDEX, PROBES_FILE, *OPENVINO_FILES)):
             raise ArtifactError(f"{mpath}: lists file {name!r}, which is not a shard (model-NNNNN-of-NNNNN.safetensors) nor a "
                                 "file quantprep writes (docs/artifact-format.md); refusing the artifact")
     t = m["target"]

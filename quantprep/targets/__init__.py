@@ -13,7 +13,7 @@ import importlib
 from quantprep.errors import RecipeError
 from quantprep.targets.common import Target
 
-TARGET_NAMES = ("cpu", "xpu", "cuda")
+TARGET_NAMES = ("cpu", "xpu", "cuda", "openvino")
 
 
 def get_target(name: str) -> Target:

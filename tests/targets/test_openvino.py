@@ -43,10 +43,11 @@ def dense_reference(raw: dict, bits: int, v1: bool) -> np.ndarray:
 def run(layer, x: np.ndarray) -> tuple[np.ndarray, object]:
     import openvino.opset13 as ops
 
-    from quantprep.targets.openvino_ir import linear
+    from quantprep.targets.openvino import TARGET, constants, linear
 
+    tensors, meta = TARGET.pack(layer, torch.float32)
     param = ops.parameter([-1, layer.in_features], ov.Type.f32, name="x")
-    model = ov.Model([linear(param, layer)], [param])
+    model = ov.Model([linear(param, constants(tensors, meta, "m"), meta)], [param])
     compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"})
     return compiled(x)[0], compiled
 

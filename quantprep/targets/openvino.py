@@ -1,0 +1,168 @@
+"""openvino target: GPTQ layers as OpenVINO compressed weights, the integers as they are, act-order right.
+
+OpenVINO's plugins keep a weight compressed when it reaches the MatMul through
+Convert -> Subtract(zero point) -> Multiply(scale) -> Reshape -> Convert(f32); a Convert to f32
+before the Reshape gets the weight folded to f32 (docs/openvino.md). A GPTQ layer maps onto that
+pattern without requantizing:
+
+- the codes [K, N] in act-order (a PrepackLayer's: row k belongs to group k // group_size) become
+  the weight [N, G, gs]: u4 (two codes a byte, low nibble first) or u8;
+- zeros and scales [G, N] become [N, G, 1], one per group. Never per element ([N, K], a gather by
+  g_idx inside the weight): the CPU plugin computes those wrong, or crashes;
+- a symmetric layer (every zero 2^(bits-1)) becomes i4/i8 holding code - zero, with no Subtract: a
+  relabelling of the same integers;
+- the activation takes a Gather with the act-order permutation, x @ W = x[:, perm] @ W_perm
+  (optimum-intel's export and OpenVINO's PyTorch frontend read groups as contiguous and skip this);
+- a partial last group: K padded with zero codes up to G * gs, the activation with zeros.
+
+`pack` gives these as plain tensors (no openvino needed); `linear` makes the graph nodes, from
+those tensors at build time, or from the constants of a written IR (verify). The IR names each
+constant `<module>.<part>`, so a module can be found in it again.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import numpy as np
+import torch
+
+from quantprep.format.gptq import PrepackLayer
+from quantprep.targets.common import Target, base_meta
+
+IR_VERSION = 11  # what ov.save_model writes (openvino 2026.4)
+PARTS = ("weight", "zeros", "scales", "perm", "bias")
+
+
+def openvino_version() -> str | None:
+    """major.minor of the installed openvino: IR written by one is read the same by the other patches."""
+    try:
+        return ".".join(importlib.metadata.version("openvino").split(".")[:2])
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """Integers in [-8, 16) -> bytes, two a byte, the even element in the low nibble (OpenVINO's u4/i4)."""
+    nibbles = (values.reshape(-1).astype(np.int16) & 0xF).astype(np.uint8)
+    return nibbles[0::2] | (nibbles[1::2] << 4)
+
+
+def float_storage(t: torch.Tensor) -> torch.Tensor:
+    """The narrowest of float16 / bfloat16 / float32 that holds `t` exactly: GPTQ checkpoints keep
+    their float tensors in f16 or bf16, so the IR needs no float32 copy of the embeddings."""
+    t = t.detach()
+    for dtype in (torch.float16, torch.bfloat16):
+        narrow = t.to(dtype)
+        if t.dtype == dtype or torch.equal(narrow.to(t.dtype), t):
+            return narrow
+    return t.float()
+
+
+class OpenVINOTarget(Target):
+    name = "openvino"
+    device = "openvino"  # OpenVINO picks the device (CPU, GPU) at load; torch runs nothing
+    default_act_dtype = torch.float32  # the IR's activations; the plugin's inference precision is a load option
+    act_dtypes = (torch.float32,)
+    layout_version = 1
+
+    def compat_key(self) -> dict:
+        return {"openvino": openvino_version(), "openvino_ir": IR_VERSION}
+
+    def runtime_problem(self) -> str | None:
+        if openvino_version() is None:
+            return "openvino is not installed: pip install 'quantprep[openvino]'"
+        return None
+
+    def kernel(self, bits: int) -> str:
+        return f"openvino-compressed-int{bits}"
+
+    def pack(self, layer: PrepackLayer, act_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
+        """weight uint8 [N, G * gs / 2] (4-bit, packed) or [N, G * gs] (8-bit; int8 when symmetric),
+        zeros uint8 [N, G] (asymmetric only), scales [N, G] (f16 where exact), perm int64 [K]
+        (act-order), bias (as stored)."""
+        K, N, gs = layer.in_features, layer.out_features, layer.group_size
+        G = layer.zeros.shape[0]
+        if G * gs < K or (G * gs) % 2:
+            raise ValueError(f"{layer.name}: {G} groups of {gs} do not cover K={K} in whole bytes")
+        codes = np.zeros((N, G * gs), dtype=np.int16)
+        codes[:, :K] = layer.codes.numpy().T  # padded columns: code 0, read against zero activations
+        zeros = layer.zeros.numpy().T  # [N, G]
+        half = 1 << (layer.bits - 1)
+        sym = bool((zeros == half).all())
+        if sym:
+            codes -= half
+        if layer.bits == 4:
+            weight = torch.from_numpy(pack_nibbles(codes).reshape(N, G * gs // 2))
+        else:
+            weight = torch.from_numpy(codes.astype(np.int8 if sym else np.uint8))
+        tensors = {"weight": weight, "scales": float_storage(layer.scales.T.contiguous())}
+        if not sym:
+            tensors["zeros"] = torch.from_numpy(np.ascontiguousarray(zeros.astype(np.uint8)))
+        if layer.perm is not None:
+            tensors["perm"] = layer.perm.to(torch.int64)
+        if layer.bias is not None:
+            tensors["bias"] = float_storage(layer.bias)
+        return tensors, dict(base_meta(layer), sym=sym, groups=G, padded_in=G * gs)
+
+    def make_module(self, meta: dict, act_dtype: torch.dtype):
+        raise ValueError("an openvino artifact runs in OpenVINO (quantprep.load returns its pipeline), not as torch modules")
+
+
+TARGET = OpenVINOTarget()
+
+
+def constants(tensors: dict[str, torch.Tensor], meta: dict, name: str) -> dict:
+    """A module's tensors from `pack` -> OpenVINO Constants named `<name>.<part>`."""
+    import openvino as ov
+
+    N, G, gs = meta["out_features"], meta["groups"], meta["padded_in"] // meta["groups"]
+    out = {}
+    for part, t in tensors.items():
+        if part == "weight" and meta["bits"] == 4:
+            data = ov.Tensor(np.ascontiguousarray(t.numpy()), ov.Shape([N, G, gs]), ov.Type.i4 if meta["sym"] else ov.Type.u4)
+        elif part == "zeros" and meta["bits"] == 4:
+            data = ov.Tensor(np.ascontiguousarray(pack_nibbles(t.numpy())), ov.Shape([N, G, 1]), ov.Type.u4)
+        else:
+            shape = {"weight": [N, G, gs], "zeros": [N, G, 1], "scales": [N, G, 1]}.get(part, list(t.shape))
+            if t.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits, relabelled
+                data = ov.Tensor(np.ascontiguousarray(t.view(torch.int16).numpy().reshape(shape)), ov.Shape(shape), ov.Type.bf16)
+            else:
+                data = ov.Tensor(np.ascontiguousarray(t.numpy().reshape(shape)))
+        # shared_memory=False: a Constant sharing a temporary buffer would read freed memory
+        out[part] = ov.op.Constant(data, shared_memory=False)
+        out[part].set_friendly_name(f"{name}.{part}")
+    return out
+
+
+def ir_constants(model, name: str) -> dict:
+    """A module's constants found again in a read IR (verify), by the names `constants` gave them."""
+    wanted = {f"{name}.{part}": part for part in PARTS}
+    return {wanted[op.get_friendly_name()]: op for op in model.get_ops()
+            if op.get_type_name() == "Constant" and op.get_friendly_name() in wanted}
+
+
+def linear(x, consts: dict, meta: dict):
+    """x [..., K] f32 @ the module's weight (+ bias): the activation gathered into act-order and
+    padded to whole groups, the weight decompressed in the pattern the plugins keep compressed."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    N, padded = meta["out_features"], meta["padded_in"]
+    scale = consts["scales"]
+    half = scale.get_output_element_type(0)
+    w = ops.convert(consts["weight"], half)
+    if "zeros" in consts:
+        w = ops.subtract(w, ops.convert(consts["zeros"], half))
+    w = ops.reshape(ops.multiply(w, scale), ops.constant(np.array([N, padded], dtype=np.int64)), False)
+    w = ops.convert(w, ov.Type.f32)
+    if "perm" in consts:
+        x = ops.gather(x, consts["perm"], ops.constant(np.int64(-1)))
+    if padded != meta["in_features"]:
+        rank = x.get_output_partial_shape(0).rank.get_length() if hasattr(x, "get_output_partial_shape") else x.get_partial_shape().rank.get_length()
+        x = ops.pad(x, ops.constant(np.zeros(rank, dtype=np.int64)),
+                    ops.constant(np.array([0] * (rank - 1) + [padded - meta["in_features"]], dtype=np.int64)), "constant")
+    y = ops.matmul(x, w, False, True)
+    if "bias" in consts:
+        y = ops.add(y, ops.convert(consts["bias"], ov.Type.f32))
+    return y
