@@ -289,6 +289,13 @@ def cmd_generate(args) -> int:
 
     model = load(args.dir, trust_kcache=args.trust_kcache)
     t1 = time.perf_counter()
+    if hasattr(model, "pipeline"):  # an openvino artifact: openvino.genai generates (runtime/openvino.py)
+        first = model.generate(args.prompt, max_new_tokens=1)
+        t2 = time.perf_counter()
+        completion = model.generate(args.prompt, max_new_tokens=args.max_new_tokens) if args.max_new_tokens > 1 else first
+        result = {"load_s": t1 - t0, "first_token_s": t2 - t0, "completion": completion}
+        _print_json_or(args, result, f"load {result['load_s']:.2f} s, first token {result['first_token_s']:.2f} s\n{completion}")
+        return 0
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model.quantprep_path, trust_remote_code=False)  # the directory load checked
@@ -443,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     pl = sub.add_parser("pull", help="copy and verify the variant of a published reference that fits this machine")
     pl.add_argument("ref")
     pl.add_argument("--out", help="default: the local cache (~/.cache/quantprep/pulled, or QUANTPREP_PULL_CACHE)")
-    pl.add_argument("--target", choices=["cpu", "xpu", "cuda"], help="take this target's variant whatever this machine has")
+    pl.add_argument("--target", help="take this target's variant (cpu, xpu, cuda, openvino) whatever this machine has")
     pl.add_argument("--plain-http", action="store_true", help="speak plain HTTP to an OCI registry (loopback ones always do)")
     pl.add_argument("--verify-key", metavar="PUB", help="refuse unless signed and verified with this PEM public key, or "
                                                         "sigstore:IDENTITY (keyless; issuer QUANTPREP_VERIFY_ISSUER, default GitHub "

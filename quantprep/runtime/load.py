@@ -158,11 +158,10 @@ class OpenedArtifact:
     emulate: bool  # running another device's artifact through that target's CPU path
 
 
-def open_artifact(path: Path, device: str | torch.device | None, dtype: torch.dtype | None, verify: bool | None, key) -> OpenedArtifact:
-    """Every check before a byte of weights is read: the manifest and every file's sha256
-    (verified.py: once per file as it is; `verify` True: every time, False: sizes only),
-    the signature (`key`), the target, this machine's compatibility key, the device and dtype.
-    Returns what the later steps need (OpenedArtifact), read and checked once."""
+def checked_artifact(path: Path, verify: bool | None, key) -> tuple[dict, Target]:
+    """The checks every artifact gets, whatever its target: the manifest and every file's sha256
+    (verified.py: once per file as it is; `verify` True: every time, False: sizes only), no code
+    named by its configs, the signature (`key`) and a target this quantprep has."""
     manifest = read_checked(path)
     if verify is None:
         check_hashed(path, manifest)
@@ -175,6 +174,18 @@ def open_artifact(path: Path, device: str | torch.device | None, dtype: torch.dt
         target = get_target(manifest["target"]["name"])
     except Exception:
         raise ArtifactMismatch(f"{path}: target {manifest['target'].get('name')!r} is not supported by this quantprep") from None
+    return manifest, target
+
+
+def open_artifact(path: Path, device: str | torch.device | None, dtype: torch.dtype | None, verify: bool | None, key,
+                  checked: tuple[dict, Target] | None = None) -> OpenedArtifact:
+    """Every check before a byte of weights is read (checked_artifact, unless `checked` is its
+    result), then this machine's compatibility key, the device and dtype. Returns what the later
+    steps need (OpenedArtifact), read and checked once."""
+    manifest, target = checked or checked_artifact(path, verify, key)
+    if target.name == "openvino":
+        raise ArtifactMismatch(f"{path}: an openvino artifact runs in OpenVINO: load it with quantprep.load, "
+                               "`quantprep generate` or `quantprep serve`")
     emulate = device is not None and torch.device(device).type == "cpu" and target.device != "cpu"
     check_compat(path, manifest, target, emulate)
     device = torch.device(device or target.device)
@@ -313,6 +324,10 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     (cpu without compile: nothing to use). `model.quantprep_kcache` says what happened.
     verify_key: a PEM public key (default: QUANTPREP_VERIFY_KEY): the artifact must carry a
     signature (`quantprep sign`) that verifies with it, and its kcache is then trusted.
+    An openvino artifact comes back as runtime.openvino.OpenVINOModel (openvino.genai's pipeline and
+    the IR's logits), device "CPU" (default) or "GPU"; dtype=torch.float32 runs the plugin exactly
+    (f32, no dynamic quantization, f32 KV cache), None keeps the plugin's defaults; its kcache is
+    OpenVINO's model cache.
     Raises ArtifactMismatch for an artifact built for another machine, ArtifactError if corrupt.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -330,7 +345,14 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     else:
         signed = key is not None
     path = Path(path)
-    art = open_artifact(path, device, dtype, verify, None if pulled else key)
+    manifest, target = checked_artifact(path, verify, None if pulled else key)
+    if target.name == "openvino":  # OpenVINO runs it (runtime/openvino.py); nothing of torch's model here
+        from quantprep.runtime import openvino
+
+        check_compat(path, manifest, target)
+        return openvino.load(path, manifest, None if device is None else str(device), exact=dtype == torch.float32,
+                             kcache=kcache, trust=trust_kcache, signed=signed)
+    art = open_artifact(path, device, dtype, verify, None, checked=(manifest, target))
     manifest, device, dtype = art.manifest, art.device, art.dtype
     kcache_status = activate_kcache(path, art, kcache, compile, trust_kcache, signed=signed)
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)

@@ -98,6 +98,8 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
     Defaults come from the manifest's `serving` entry (written from the recipe at build)."""
     path = Path(path).absolute()
     manifest = read_checked(path)
+    if manifest["target"]["name"] == "openvino":
+        return warm_openvino(path, manifest, device, progress)
     serving = manifest.get("serving", {})
     device = device or manifest["target"]["device"]
     shapes = list(shapes or serving.get("shapes", DEFAULT_SHAPES))
@@ -136,6 +138,23 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
         republish(path, scratch, KCACHE, [*files], {"kcache": entry})
         record_trust(entry)
     return dict(report, path=str(path), files=len(files), bytes=sum(f["size"] for f in files.values()), key=key)
+
+
+def warm_openvino(path: Path, manifest: dict, device: str | None, progress: bool) -> dict:
+    """An openvino artifact: openvino.genai compiles it once on `device` (CPU, GPU) with OpenVINO's
+    model cache in a scratch directory, which ships as kcache/openvino/ (runtime/openvino.py)."""
+    from quantprep.runtime import openvino
+
+    if progress:
+        print(f"warm {path} on OpenVINO {openvino.device_name(device)}: compile and generate one token", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="quantprep-warm-") as tmp:
+        scratch = Path(tmp)
+        report = openvino.warm(path, manifest, device, scratch)
+        files = _collect(scratch)
+        entry = {"key": report["key"], "shapes": report["shapes"], "compile": False, "files": files}
+        republish(path, scratch, KCACHE, [*files], {"kcache": entry})
+        record_trust(entry)
+    return dict(report, path=str(path), files=len(files), bytes=sum(f["size"] for f in files.values()))
 
 
 def _aot_phases(path: Path, device: str, env: dict, scratch: Path, bar, **args) -> dict:

@@ -64,6 +64,43 @@ def run_probes(path: Path, manifest: dict, target, device: str | None = None) ->
     return rows
 
 
+def run_openvino_probes(path: Path, manifest: dict) -> list[dict]:
+    """The openvino target's probes: each probed module rebuilt from the IR's own constants (the
+    codes, zero points, scales, permutation and bias as written, found by name) and run in the CPU
+    plugin computing exactly (f32, no dynamic quantization: runtime.openvino.EXACT)."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from quantprep.format.artifact import OPENVINO_MODEL
+    from quantprep.runtime.openvino import EXACT
+    from quantprep.targets.openvino import ir_constants, linear
+
+    core = ov.Core()
+    model = core.read_model(str(path / OPENVINO_MODEL))
+    tol, rows = REL_TOL["float32"], []
+    with safe_open(path / PROBES_FILE, framework="pt") as probes:
+        for name in sorted({k.rsplit(".", 1)[0] for k in probes.keys()}):
+            meta = manifest["modules"].get(name)
+            consts = ir_constants(model, name)
+            if meta is None or not {"weight", "scales"} <= consts.keys():
+                raise ArtifactError(f"{path / OPENVINO_MODEL}: module {name} (probed) is missing from the IR or manifest.json; rebuild the artifact")
+            x = ops.parameter([-1, meta["in_features"]], ov.Type.f32)
+            try:
+                compiled = core.compile_model(ov.Model([linear(x, consts, meta)], [x]), "CPU",
+                                              {k: v for k, v in EXACT.items() if k != "KV_CACHE_PRECISION"})
+            except (KeyError, RuntimeError) as e:
+                raise ArtifactError(f"{path / OPENVINO_MODEL}: module {name} does not match its metadata ({type(e).__name__}: "
+                                    f"{str(e)[:200]}); rebuild the artifact") from None
+            x_ref, y_ref = probes.get_tensor(f"{name}.x"), probes.get_tensor(f"{name}.y")
+            for size in PROBE_SIZES:
+                reps = -(-size // x_ref.shape[0])
+                xs, ys = x_ref.repeat(reps, 1)[:size], y_ref.repeat(reps, 1)[:size]
+                y = torch.from_numpy(compiled(xs.numpy())[0])
+                rel = ((y - ys).norm() / ys.norm()).item()
+                rows.append({"layer": name, "rows": size, "rel_err": rel, "tol": tol, "ok": bool(rel <= tol)})
+    return rows
+
+
 def verify_artifact(path: Path, strict: bool = True) -> dict:
     """Full check: manifest, every file's size and sha256, then the numeric probes, on the target's
     device or, where it is missing here, through the target's CPU path (emulated). `numeric` is
@@ -93,7 +130,10 @@ def verify_artifact(path: Path, strict: bool = True) -> dict:
     except ArtifactMismatch as e:
         report["skipped"] = f"numeric check skipped: {e}"
         return report
-    report["probes"] = run_probes(path, manifest, target, "cpu" if emulate else None)
+    if target.name == "openvino":
+        report["probes"] = run_openvino_probes(path, manifest)
+    else:
+        report["probes"] = run_probes(path, manifest, target, "cpu" if emulate else None)
     report["emulated"] = emulate
     bad = [r for r in report["probes"] if not r["ok"]]
     report["numeric"] = "failed" if bad else "passed"

@@ -1,0 +1,158 @@
+"""Stage 5 for the openvino target: an artifact's IR run by OpenVINO, through openvino.genai.
+
+`quantprep.load` hands an openvino artifact here after the checks every artifact gets (manifest,
+hashes, signature, compatibility key). What comes back is `OpenVINOModel`, a thin wrapper: its
+`pipeline` is openvino_genai.LLMPipeline on the artifact directory (generate, chat, streaming);
+`logits` runs the IR itself, token ids in, logits out (eval, tests). openvino is imported here
+only, and only when an openvino artifact is loaded.
+
+The model cache: `quantprep warm DIR --device CPU|GPU` runs the pipeline once with OpenVINO's
+CACHE_DIR in a scratch directory and ships it in kcache/openvino/, keyed by the OpenVINO version
+and the device (name, architecture, driver). Compiled blobs are code for the device, so the cache
+is trusted and copied like every kcache (kcache.py); a cache for another device or version is
+ignored with a warning, since OpenVINO would otherwise recompile silently.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from quantprep.errors import ArtifactMismatch, QuantprepError
+from quantprep.format.artifact import OPENVINO_MODEL
+from quantprep.runtime.kcache import KCACHE, kcache_problem, key_mismatch, materialize, trust_reason, untrusted_message
+
+CACHE_SUBDIR = "openvino"  # kcache/openvino/: OpenVINO's CACHE_DIR
+# The plugin computes what the IR says: f32 arithmetic, no dynamic int8 quantization of the
+# activations, an f32 KV cache (its default u8 cache alone moved decode logits by 1e-3 relative).
+# verify, eval and the tests use it; serving takes the plugin's defaults unless asked.
+EXACT = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0", "KV_CACHE_PRECISION": "f32"}
+DEVICES = ("CPU", "GPU")
+
+
+def device_name(device: str | None) -> str:
+    """OpenVINO's device name: CPU (default), GPU, GPU.1, ..."""
+    name = (device or "CPU").upper()
+    if name.split(".")[0] not in DEVICES:
+        raise ArtifactMismatch(f"device {device!r}: an openvino artifact runs on OpenVINO's CPU or GPU (GPU.N) device")
+    return name
+
+
+def cache_key(device: str) -> dict:
+    """What OpenVINO's compiled blobs depend on (the GPU plugin keys them by driver and architecture too)."""
+    import openvino as ov
+
+    core = ov.Core()
+    key = {"device": f"openvino:{device.split('.')[0]}", "openvino": ov.get_version()}
+    for field, prop in (("name", "FULL_DEVICE_NAME"), ("architecture", "DEVICE_ARCHITECTURE"), ("driver", "GPU_DRIVER_VERSION")):
+        try:
+            key[field] = str(core.get_property(device, prop))
+        except RuntimeError:  # a property this device does not report (the CPU has no driver)
+            pass
+    return key
+
+
+def cache_status(path: Path, manifest: dict, device: str, trust: bool, signed: bool) -> dict:
+    """The kcache's OpenVINO cache for this device, when intact, trusted and built for it; never
+    raises for a bad cache (it warns, and OpenVINO compiles as if there were none)."""
+    if "kcache" not in manifest:
+        return {"status": "absent"}
+    if problem := kcache_problem(path, manifest):
+        return _ignored(f"{problem}; ignoring it (re-run `quantprep warm {path}`)")
+    entry = manifest["kcache"]
+    if not any(rel.startswith(f"{CACHE_SUBDIR}/") for rel in entry["files"]):
+        return _ignored(f"{path}: kcache/ holds no OpenVINO cache; ignoring it (re-run `quantprep warm {path}`)")
+    reason = trust_reason(path, manifest, trust, signed)
+    if reason is None:
+        warnings.warn(untrusted_message(path), stacklevel=3)
+        return {"status": "untrusted"}
+    if mismatch := key_mismatch(entry["key"], cache_key(device)):
+        return _ignored(f"{path}: {mismatch}; ignoring it (re-run `quantprep warm {path} --device {device}` on this machine)")
+    try:
+        root = materialize(path, manifest)
+    except (QuantprepError, OSError) as e:
+        return _ignored(f"kernel cache not usable: {e}")
+    return {"status": "used", "dir": str(root / CACHE_SUBDIR), "trusted": reason}
+
+
+def _ignored(msg: str) -> dict:
+    warnings.warn(msg, stacklevel=3)
+    return {"status": "ignored", "reason": msg}
+
+
+class OpenVINOModel:
+    """An openvino artifact, loaded: `pipeline` (openvino_genai.LLMPipeline, created at first use),
+    `generate(prompt)`, and `logits(input_ids)`. `config` holds the OpenVINO properties both use
+    (EXACT, or the plugin's defaults); `quantprep_kcache` says whether the model cache was used."""
+
+    def __init__(self, path: Path, manifest: dict, device: str, config: dict, kcache: dict):
+        self.quantprep_path, self.manifest, self.device, self.config = path, manifest, device, dict(config)
+        self.quantprep_kcache = kcache
+        if kcache.get("status") == "used":
+            self.config["CACHE_DIR"] = kcache["dir"]
+
+    @cached_property
+    def pipeline(self):
+        import openvino_genai
+
+        if not (self.quantprep_path / "openvino_tokenizer.xml").is_file():
+            raise QuantprepError(f"{self.quantprep_path}: no openvino_tokenizer.xml (the source had no tokenizer); "
+                                 "run token ids through .logits() instead")
+        return openvino_genai.LLMPipeline(str(self.quantprep_path), self.device, **self.config)
+
+    def generate(self, prompt: str, max_new_tokens: int = 64, chat: bool = True, streamer=None) -> str:
+        """Greedy completion of `prompt`, through the model's chat template where it has one."""
+        import openvino_genai
+
+        config = openvino_genai.GenerationConfig()
+        config.max_new_tokens, config.do_sample = max_new_tokens, False
+        config.apply_chat_template = chat
+        return str(self.pipeline.generate(prompt, config, streamer))
+
+    @cached_property
+    def compiled(self):
+        import openvino as ov
+
+        core = ov.Core()
+        return core.compile_model(core.read_model(str(self.quantprep_path / OPENVINO_MODEL)), self.device, self.config)
+
+    def logits(self, input_ids, start: np.ndarray | None = None) -> np.ndarray:
+        """Logits [tokens, vocab] (float32) of one sequence of token ids, from an empty KV cache."""
+        ids = np.asarray(input_ids, dtype=np.int64).reshape(1, -1)
+        request = self.compiled.create_infer_request()
+        request.reset_state()
+        out = request.infer({"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(ids.shape[1])[None],
+                             "beam_idx": np.zeros(1, dtype=np.int32)})
+        return np.array(out["logits"][0], dtype=np.float32)
+
+
+def load(path: Path, manifest: dict, device: str | None, exact: bool, kcache: bool, trust: bool, signed: bool) -> OpenVINOModel:
+    """An openvino artifact that passed load's checks -> OpenVINOModel (nothing compiled yet)."""
+    device = device_name(device)
+    status = cache_status(path, manifest, device, trust, signed) if kcache else {"status": "off"}
+    return OpenVINOModel(path, manifest, device, EXACT if exact else {}, status)
+
+
+def first_token_s(model: OpenVINOModel, prompt: str = "Hello") -> float:
+    """Seconds from nothing compiled to the first generated token (the pipeline's compile included)."""
+    t0 = time.perf_counter()
+    model.generate(prompt, max_new_tokens=1)
+    return time.perf_counter() - t0
+
+
+def warm(path: Path, manifest: dict, device: str | None, scratch: Path) -> dict:
+    """Compile the pipeline with OpenVINO's cache in scratch/openvino and generate one token: what
+    `quantprep warm` ships for an openvino artifact. Returns the report's fields."""
+    device = device_name(device)
+    (scratch / CACHE_SUBDIR).mkdir(parents=True, exist_ok=True)
+    model = OpenVINOModel(path, manifest, device, {}, {"status": "used", "dir": str(scratch / CACHE_SUBDIR)})
+    seconds = first_token_s(model)
+    return {"key": cache_key(device), "s": round(seconds, 3), "shapes": [1], "compiled_regions": 0, "aot": []}
+
+
+def kcache_dir(root: Path) -> Path:
+    return root / KCACHE / CACHE_SUBDIR
