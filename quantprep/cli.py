@@ -289,7 +289,7 @@ def cmd_generate(args) -> int:
 
     model = load(args.dir, trust_kcache=args.trust_kcache)
     t1 = time.perf_counter()
-    if hasattr(model, "pipeline"):  # an openvino artifact: openvino.genai generates (runtime/openvino.py)
+    if hasattr(model, "pipeline"):  # an openvino artifact: openvino.genai generates (runtime/genai.py)
         first = model.generate(args.prompt, max_new_tokens=1)
         t2 = time.perf_counter()
         completion = model.generate(args.prompt, max_new_tokens=args.max_new_tokens) if args.max_new_tokens > 1 else first

@@ -68,6 +68,22 @@ TINY_LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "inte
               "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "tie_word_embeddings": False}
 
 
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def add_chat_tokenizer(gptq: Path, vocab_size: int) -> None:
+    """A word-level tokenizer ("a".."z", "aa".., decoded joined by spaces) with a chat template, saved
+    beside a random checkpoint (no network)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(97 + i % 26) * (1 + i // 26): i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece(prefix="##")  # decodes joined by spaces
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="a", pad_token="a", eos_token="zzzzzzzzzz",
+                            chat_template=CHAT_TEMPLATE).save_pretrained(gptq)
+
+
 @pytest.fixture
 def random_gptq(tmp_path) -> Path:
     """A 1-layer Llama GPTQ checkpoint with random codes (no gptqmodel: milliseconds). K=160 with

@@ -60,25 +60,16 @@ def test_the_qwen_recipe_warms_the_prefill_buckets():
 
 # --- quantprep serve: transformers' OpenAI-compatible server with the artifact preloaded, driven by the real openai client ---
 
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-
-
-def chat_artifact(root):
+def chat_artifact(root, target: str = "cpu"):
     """A tiny random Llama artifact with a word-level tokenizer and a chat template (no network)."""
-    from conftest import TINY_LLAMA
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from conftest import TINY_LLAMA, add_chat_tokenizer
 
     from quantprep.build.pipeline import prepack
     from quantprep.build.synthetic import write_random_checkpoint
 
     gptq = write_random_checkpoint(root / "gptq", TINY_LLAMA, bits=4, group_size=64, desc_act=True, sym=False)
-    vocab = {chr(97 + i % 26) * (1 + i // 26): i for i in range(TINY_LLAMA["vocab_size"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="a"))
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece(prefix="##")  # decodes joined by spaces
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="a", pad_token="a", eos_token="zzzzzzzzzz",
-                            chat_template=CHAT_TEMPLATE).save_pretrained(gptq)
-    prepack(gptq, "cpu", root / "art")
+    add_chat_tokenizer(gptq, TINY_LLAMA["vocab_size"])
+    prepack(gptq, target, root / "art")
     return root / "art"
 
 

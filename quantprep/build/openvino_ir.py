@@ -27,8 +27,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def rope_theta(config: dict) -> float:
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    return float((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0)))
 
 
 def check_supported(config: dict, where: Path) -> None:
@@ -39,10 +38,11 @@ def check_supported(config: dict, where: Path) -> None:
 
     if config.get("model_type") not in ARCHITECTURES:
         refuse("model_type", config.get("model_type"), "not an architecture the openvino target builds")
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        refuse("rope_type", kind, "only the default RoPE is built")
+    for field in ("rope_parameters", "rope_scaling"):  # transformers 5 names it the first, older configs the second
+        params = config.get(field) or {}
+        kind = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else params
+        if kind != "default":
+            refuse(f"{field}.rope_type", kind, "only the default RoPE is built")
     if config.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", config.get("hidden_act"), "only SiLU-gated MLPs are built")
     if config.get("use_sliding_window"):

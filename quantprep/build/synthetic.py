@@ -56,8 +56,8 @@ def random_gptq_tensors(K: int, N: int, bits: int, group_size: int, sym: bool, a
 
 def write_random_checkpoint(out: Path, model_config: dict, bits: int = 4, group_size: int = 128,
                             desc_act: bool = True, sym: bool = True, seed: int = 0, lm_head: bool = False,
-                            shared_g_idx: bool = True) -> Path:
-    """A GPTQ checkpoint dir for a Llama/Qwen2-style config, with random codes (v1 format).
+                            shared_g_idx: bool = True, v1: bool = True) -> Path:
+    """A GPTQ checkpoint dir for a Llama/Qwen2-style config, with random codes (v1 format, or v2: `v1=False`).
     lm_head=True quantizes lm_head too (GPTQModel's `lm_head=True`), untying it from the embedding.
     shared_g_idx: q/k/v (and gate/up) get one g_idx, as in GPTQModel's checkpoints (they are
     quantized from the same input's Hessian); False gives each its own."""
@@ -76,7 +76,7 @@ def write_random_checkpoint(out: Path, model_config: dict, bits: int = 4, group_
     for name in sorted(quantized):
         mod = skeleton.get_submodule(name)
         layer = random_gptq_tensors(mod.in_features, mod.out_features, bits, group_size, sym, desc_act,
-                                    v1=True, bias=mod.bias is not None, generator=g)
+                                    v1=v1, bias=mod.bias is not None, generator=g)
         parent, _, child = name.rpartition(".")
         group = next((fused for members, fused in FUSIONS.items() if child in members), None)
         if shared_g_idx and group:
@@ -93,7 +93,7 @@ def write_random_checkpoint(out: Path, model_config: dict, bits: int = 4, group_
         tensors.pop("lm_head.weight", None)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     qcfg = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
-            "checkpoint_format": "gptq", "lm_head": lm_head}
+            "checkpoint_format": "gptq" if v1 else "gptq_v2", "lm_head": lm_head}
     cfg_json = cfg.to_dict()
     cfg_json["quantization_config"] = qcfg
     cfg_json["torch_dtype"] = "float16"

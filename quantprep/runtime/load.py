@@ -324,7 +324,7 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     (cpu without compile: nothing to use). `model.quantprep_kcache` says what happened.
     verify_key: a PEM public key (default: QUANTPREP_VERIFY_KEY): the artifact must carry a
     signature (`quantprep sign`) that verifies with it, and its kcache is then trusted.
-    An openvino artifact comes back as runtime.openvino.OpenVINOModel (openvino.genai's pipeline and
+    An openvino artifact comes back as runtime.genai.OpenVINOModel (openvino.genai's pipeline and
     the IR's logits), device "CPU" (default) or "GPU"; dtype=torch.float32 runs the plugin exactly
     (f32, no dynamic quantization, f32 KV cache), None keeps the plugin's defaults; its kcache is
     OpenVINO's model cache.
@@ -346,11 +346,11 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
         signed = key is not None
     path = Path(path)
     manifest, target = checked_artifact(path, verify, None if pulled else key)
-    if target.name == "openvino":  # OpenVINO runs it (runtime/openvino.py); nothing of torch's model here
-        from quantprep.runtime import openvino
+    if target.name == "openvino":  # OpenVINO runs it (runtime/genai.py); nothing of torch's model here
+        from quantprep.runtime import genai
 
         check_compat(path, manifest, target)
-        return openvino.load(path, manifest, None if device is None else str(device), exact=dtype == torch.float32,
+        return genai.load(path, manifest, None if device is None else str(device), exact=dtype == torch.float32,
                              kcache=kcache, trust=trust_kcache, signed=signed)
     art = open_artifact(path, device, dtype, verify, None, checked=(manifest, target))
     manifest, device, dtype = art.manifest, art.device, art.dtype

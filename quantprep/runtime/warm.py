@@ -142,14 +142,14 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
 
 def warm_openvino(path: Path, manifest: dict, device: str | None, progress: bool) -> dict:
     """An openvino artifact: openvino.genai compiles it once on `device` (CPU, GPU) with OpenVINO's
-    model cache in a scratch directory, which ships as kcache/openvino/ (runtime/openvino.py)."""
-    from quantprep.runtime import openvino
+    model cache in a scratch directory, which ships as kcache/openvino/ (runtime/genai.py)."""
+    from quantprep.runtime import genai
 
     if progress:
-        print(f"warm {path} on OpenVINO {openvino.device_name(device)}: compile and generate one token", file=sys.stderr, flush=True)
+        print(f"warm {path} on OpenVINO {genai.device_name(device)}: compile and generate one token", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="quantprep-warm-") as tmp:
         scratch = Path(tmp)
-        report = openvino.warm(path, manifest, device, scratch)
+        report = genai.warm(path, manifest, device, scratch)
         files = _collect(scratch)
         entry = {"key": report["key"], "shapes": report["shapes"], "compile": False, "files": files}
         republish(path, scratch, KCACHE, [*files], {"kcache": entry})

@@ -120,14 +120,14 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
     if not (path / "manifest.json").is_file():
         raise QuantprepError(f"{src}: not an artifact directory (no manifest.json) nor a published reference")
     if (path / OPENVINO_MODEL).is_file():  # an openvino artifact: the same routes over openvino.genai
-        from quantprep.runtime import openvino
+        from quantprep.runtime import genai
         from quantprep.runtime.load import check_compat, checked_artifact
         from quantprep.tools import serving_openvino
 
         manifest, target = checked_artifact(path, None, key)
         if target.name == "openvino":
             check_compat(path, manifest, target)
-            model = openvino.load(path, manifest, None if device == "auto" else device, exact=False, kcache=True,
+            model = genai.load(path, manifest, None if device == "auto" else device, exact=False, kcache=True,
                                   trust=trust_kcache, signed=signed or key is not None)
             hub_offline()
             serving_openvino.serve(model, host, port, ready)

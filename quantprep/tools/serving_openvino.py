@@ -53,7 +53,7 @@ class CompletionRequest(Request):
 
 
 def build_app(model, model_id: str):
-    """The FastAPI app serving `model` (runtime.openvino.OpenVINOModel) as `model_id`."""
+    """The FastAPI app serving `model` (runtime.genai.OpenVINOModel) as `model_id`."""
     import openvino_genai
     from fastapi import FastAPI, HTTPException
     from fastapi.responses import JSONResponse, StreamingResponse

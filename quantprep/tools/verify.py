@@ -67,12 +67,12 @@ def run_probes(path: Path, manifest: dict, target, device: str | None = None) ->
 def run_openvino_probes(path: Path, manifest: dict) -> list[dict]:
     """The openvino target's probes: each probed module rebuilt from the IR's own constants (the
     codes, zero points, scales, permutation and bias as written, found by name) and run in the CPU
-    plugin computing exactly (f32, no dynamic quantization: runtime.openvino.EXACT)."""
+    plugin computing exactly (f32, no dynamic quantization: runtime.genai.EXACT)."""
     import openvino as ov
     import openvino.opset13 as ops
 
     from quantprep.format.artifact import OPENVINO_MODEL
-    from quantprep.runtime.openvino import EXACT
+    from quantprep.runtime.genai import EXACT
     from quantprep.targets.openvino import ir_constants, linear
 
     core = ov.Core()
