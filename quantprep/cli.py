@@ -181,7 +181,7 @@ def cmd_eval(args) -> int:
     from quantprep.tools.eval import evaluate
 
     r = evaluate(args.dir, reference=args.reference, text_file=args.text, dataset=args.dataset, ctx=args.ctx,
-                 max_tokens=args.max_tokens, device=args.device, store=args.store, progress=not args.json)
+                 max_tokens=args.max_tokens, device=args.device, dtype=args.dtype, store=args.store, progress=not args.json)
     if args.plot:
         from quantprep.tools.eval import plot
 
@@ -398,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--dataset", metavar="NAME", help="wikitext2, from the datasets library's cache")
     ev.add_argument("--ctx", type=int, default=512, help="tokens per window (default 512)")
     ev.add_argument("--max-tokens", type=int, help="score at most this many tokens (whole windows)")
-    ev.add_argument("--device", help="default: the target's device (xpu: its CPU emulator when no card)")
+    ev.add_argument("--device", help="default: the target's device (xpu: its CPU emulator when no card; openvino: CPU)")
+    ev.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                    help="activation dtype (default: the artifact's; openvino: float32 runs the plugin exactly, else its defaults)")
     ev.add_argument("--store", action=argparse.BooleanOptionalAction, default=True,
                     help="record the result in the artifact's manifest (default: on)")
     ev.add_argument("--plot", metavar="FILE.png", help="draw perplexity per target and the KL divergence distribution")

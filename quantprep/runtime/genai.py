@@ -120,7 +120,14 @@ class OpenVINOModel:
         core = ov.Core()
         return core.compile_model(core.read_model(str(self.quantprep_path / OPENVINO_MODEL)), self.device, self.config)
 
-    def logits(self, input_ids, start: np.ndarray | None = None) -> np.ndarray:
+    def __call__(self, input_ids, **_):
+        """model(input_ids=[[...]]).logits, as a transformers model answers (eval): one sequence, from an empty KV cache."""
+        import torch
+
+        ids = np.asarray(input_ids.cpu() if hasattr(input_ids, "cpu") else input_ids).reshape(-1)
+        return _Output(torch.from_numpy(self.logits(ids))[None])
+
+    def logits(self, input_ids) -> np.ndarray:
         """Logits [tokens, vocab] (float32) of one sequence of token ids, from an empty KV cache."""
         ids = np.asarray(input_ids, dtype=np.int64).reshape(1, -1)
         request = self.compiled.create_infer_request()
@@ -128,6 +135,11 @@ class OpenVINOModel:
         out = request.infer({"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(ids.shape[1])[None],
                              "beam_idx": np.zeros(1, dtype=np.int32)})
         return np.array(out["logits"][0], dtype=np.float32)
+
+
+class _Output:
+    def __init__(self, logits):
+        self.logits = logits
 
 
 def load(path: Path, manifest: dict, device: str | None, exact: bool, kcache: bool, trust: bool, signed: bool) -> OpenVINOModel:

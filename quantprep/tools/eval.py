@@ -167,9 +167,11 @@ def compare_window(model, ref, window: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def evaluate(path: str | os.PathLike, reference: str | os.PathLike | None = None, text_file: str | os.PathLike | None = None,
              dataset: str | None = None, ctx: int = DEFAULT_CTX, max_tokens: int | None = None, device: str | None = None,
-             store: bool = True, progress: bool = True) -> dict:
+             store: bool = True, progress: bool = True, dtype: str | None = None) -> dict:
     """Score the artifact at `path` against its reference; with `store`, record the result in the
-    artifact's manifest (`eval`, keyed by text and ctx; published again atomically, as warm does)."""
+    artifact's manifest (`eval`, keyed by text and ctx; published again atomically, as warm does).
+    dtype: the activation dtype to load with (quantprep.load's; an openvino artifact: float32 runs
+    the plugin exactly, None its defaults, what generate and serve run)."""
     from transformers import AutoTokenizer
 
     from quantprep.runtime.load import load
@@ -190,11 +192,14 @@ def evaluate(path: str | os.PathLike, reference: str | os.PathLike | None = None
 
         t = get_target(target)
         device = "cpu" if t.runtime_problem() is not None and t.cpu_emulator else None
-    model = load(path, device=device)
-    device = str(next(model.parameters()).device)
+    model = load(path, device=device, dtype=getattr(torch, dtype) if dtype else None)
+    if target == "openvino":  # OpenVINO runs it, with the plugin's defaults (what generate and serve run); the reference on the CPU
+        device, shown = "cpu", f"OpenVINO {model.device}"
+    else:
+        device = shown = str(next(model.parameters()).device)
     ref = reference_model(kind, ref_path, device)
     if progress:
-        print(f"eval {path} ({target} on {device}) vs the {kind} reference {ref_path}: {len(windows)} windows of {ctx} tokens",
+        print(f"eval {path} ({target} on {shown}) vs the {kind} reference {ref_path}: {len(windows)} windows of {ctx} tokens",
               file=sys.stderr, flush=True)
     t0, parts = time.perf_counter(), []
     for i, w in enumerate(windows):
@@ -211,7 +216,8 @@ def evaluate(path: str | os.PathLike, reference: str | os.PathLike | None = None
         "top1_agree": stats["top1"].double().mean().item(),
         "tokens": int(stats["nll"].numel()),
         "target": target,
-        "device": device,
+        "device": shown,
+        **({"dtype": dtype} if dtype else {}),
         "ctx": ctx,
         "text": {"name": text_name, "sha256": hashlib.sha256(text.encode()).hexdigest(), "windows": len(windows)},
         "halves_ppl": halves,
@@ -228,7 +234,7 @@ def evaluate(path: str | os.PathLike, reference: str | os.PathLike | None = None
 
 
 def stored_key(result: dict) -> str:
-    return f"{result['text']['sha256'][:12]}-ctx{result['ctx']}-{result['tokens']}"
+    return f"{result['text']['sha256'][:12]}-ctx{result['ctx']}-{result['tokens']}" + (f"-{result['dtype']}" if result.get("dtype") else "")
 
 
 def plot(result: dict, path: Path, out: str | os.PathLike) -> None:
