@@ -160,6 +160,10 @@ def test_a_torch_load_refuses_an_openvino_artifact_and_other_loads_never_import_
     _, art = openvino_artifact(tmp_path, LLAMA, bits=4, group_size=64)
     with pytest.raises(quantprep.ArtifactMismatch, match="runs in OpenVINO"):
         open_artifact(art, None, None, None, None)
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(quantprep.ArtifactMismatch, match="OpenVINO IR"):
+        AutoModelForCausalLM.from_pretrained(art)
     code = f"import sys, quantprep; m = quantprep.load({str(art)!r}); print('OV', sorted(n for n in sys.modules if n.startswith('quantprep.build')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0 and "OV []" in out.stdout, out.stderr[-2000:]

@@ -92,6 +92,9 @@ class QuantprepQuantizer(HfQuantizer):
     requires_calibration = True  # loads prepacked artifacts only; quantizing is `quantprep build`
 
     def __init__(self, quantization_config: QuantprepConfig, **kwargs):
+        if quantization_config.target == "openvino":
+            raise ArtifactMismatch("an openvino artifact holds an OpenVINO IR, not torch weights: load it with quantprep.load(DIR), "
+                                   "which returns openvino.genai's pipeline (docs/openvino.md)")
         super().__init__(quantization_config, **kwargs)
         self.dtype: torch.dtype | None = None
         self.device_map = None
