@@ -225,24 +225,23 @@ def cmd_list(args) -> int:
 def cmd_selftest(args) -> int:
     import torch
 
-    from quantprep.tools.selftest import run_selftest
+    from quantprep.tools.selftest import run_selftest, shareable, summary_lines
 
     device = args.device
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else "cpu"
     report = run_selftest(device)
+    if args.report:
+        try:
+            Path(args.report).write_text(json.dumps(shareable(report), indent=2) + "\n")
+        except OSError as e:
+            raise QuantprepError(f"{args.report}: cannot write the report ({e.strerror}); pass another --report path") from None
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        env = report["environment"]
-        print(f"selftest {device}: " + ", ".join(f"{k}={v}" for k, v in env.items() if k != "notes"))
-        for c in report["checks"]:
-            print(f"  {'PASS' if c['ok'] else 'FAIL'} int{c['bits']} group {c['group_size']} act_order={c['act_order']} M={c['M']} "
-                  f"{c['kernel']} ({c['dtype']}): rel err {c['rel_err']:.2e} (tol {c['tol']:.0e})")
-        for t in report["timings"]:
-            print(f"  time int{t['bits']} {t['K']}x{t['N']} M={t['M']}: first call {t['first_ms']:.2f} ms, then {t['median_ms']:.3f} ms")
-        for note in env.get("notes", []):
-            print(f"  note: {note}")
+        print("\n".join(summary_lines(report)))
+        if args.report:
+            print(f"report for a hardware issue: {args.report} (no paths, user or host names)")
     return 0 if report["ok"] else 1
 
 
@@ -432,7 +431,10 @@ def main(argv: list[str] | None = None) -> int:
     lp.set_defaults(func=cmd_list)
 
     st = sub.add_parser("selftest", help="check and time this machine's kernels against the dense reference")
-    st.add_argument("--device", choices=["cpu", "xpu", "cuda"], help="default: cuda, else xpu, else cpu")
+    st.add_argument("--device", choices=["cpu", "xpu", "cuda", "CPU", "GPU"],
+                    help="default: cuda, else xpu, else cpu; CPU and GPU (upper case): OpenVINO's devices (the openvino target)")
+    st.add_argument("--report", metavar="FILE", help="also write the report as one file to share (JSON with a readable summary, "
+                    "no paths, user or host names): attach it to a hardware report issue")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_selftest)
 

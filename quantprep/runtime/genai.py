@@ -31,6 +31,10 @@ CACHE_SUBDIR = "openvino"  # kcache/openvino/: OpenVINO's CACHE_DIR
 # activations, an f32 KV cache (its default u8 cache alone moved decode logits by 1e-3 relative).
 # verify, eval and the tests use it; serving takes the plugin's defaults unless asked.
 EXACT = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0", "KV_CACHE_PRECISION": "f32"}
+# openvino.genai's stateful pipeline, not its default PagedAttention one: quantprep serves one request
+# at a time, and only the stateful pipeline's compile is served from the model cache (PagedAttention
+# rebuilt its model at every start, cached or not: BENCHMARKS.md, "OpenVINO start").
+PIPELINE = {"ATTENTION_BACKEND": "SDPA"}
 DEVICES = ("CPU", "GPU")
 
 
@@ -102,7 +106,7 @@ class OpenVINOModel:
         if not (self.quantprep_path / "openvino_tokenizer.xml").is_file():
             raise QuantprepError(f"{self.quantprep_path}: no openvino_tokenizer.xml (the source had no tokenizer); "
                                  "run token ids through .logits() instead")
-        return openvino_genai.LLMPipeline(str(self.quantprep_path), self.device, **self.config)
+        return openvino_genai.LLMPipeline(str(self.quantprep_path), self.device, **{**PIPELINE, **self.config})
 
     def generate(self, prompt: str, max_new_tokens: int = 64, chat: bool = True, streamer=None) -> str:
         """Greedy completion of `prompt`, through the model's chat template where it has one."""

@@ -147,7 +147,117 @@ def environment(device: str) -> dict:
     return info
 
 
+OPENVINO_DEVICES = ("CPU", "GPU")  # OpenVINO's names, upper case: `--device GPU` is an Arc through OpenVINO's GPU plugin
+# Tolerance by the plugin's inference precision (its default: bf16 or f16 where the hardware has it),
+# as verify.REL_TOL by activation dtype.
+OPENVINO_TOL = {"f32": 1e-4, "f16": 5e-3, "bf16": 2e-2}
+OPENVINO_DECODER = {"model_type": "qwen2", "vocab_size": 4096, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4,
+                    "num_attention_heads": 8, "num_key_value_heads": 2, "tie_word_embeddings": True}
+
+
+def _property(core, device: str, name: str):
+    """A device property as JSON can hold it (an element type by its short name: bf16), None where not reported."""
+    try:
+        value = core.get_property(device, name)
+    except RuntimeError:  # a property this device or plugin version does not report
+        return None
+    if hasattr(value, "get_type_name"):
+        return value.get_type_name()
+    return value if isinstance(value, (str, int, float, bool)) else [str(v) for v in value] if isinstance(value, list) else str(value)
+
+
+def openvino_environment(core, device: str) -> dict:
+    import openvino as ov
+
+    info = {"openvino": ov.get_version(), "device": device}
+    for field, prop in (("name", "FULL_DEVICE_NAME"), ("architecture", "DEVICE_ARCHITECTURE"), ("uarch", "GPU_UARCH_VERSION"),
+                        ("execution_units", "GPU_EXECUTION_UNITS_COUNT"), ("driver", "GPU_DRIVER_VERSION"),
+                        ("precision", "INFERENCE_PRECISION_HINT"), ("capabilities", "OPTIMIZATION_CAPABILITIES")):
+        if (value := _property(core, device, prop)) is not None:
+            info[field] = value
+    return info
+
+
+def run_openvino_selftest(device: str) -> dict:
+    """OpenVINO's `device` (CPU, GPU): every case of CASES as the openvino target's IR pieces against
+    the dense reference at the plugin's default precision (dynamic quantization off), then a small
+    stateful decoder: compile cold and again from the model cache (whether it hit), 512-token
+    prefill and decode timings."""
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+    try:
+        import openvino as ov
+        import openvino.opset13 as ops
+    except ImportError:
+        raise QuantprepError(f"selftest --device {device}: openvino is not installed: pip install 'quantprep[openvino]'") from None
+
+    from quantprep.targets.openvino import constants, linear
+
+    core = ov.Core()
+    if device not in core.available_devices and not any(d.startswith(device + ".") for d in core.available_devices):
+        raise QuantprepError(f"selftest --device {device}: OpenVINO sees no {device} device here (it sees "
+                             f"{', '.join(core.available_devices) or 'none'}); on an Arc, install Intel's GPU driver (docs/openvino.md)")
+    env = openvino_environment(core, device)
+    precision = env.get("precision", "f32")
+    report = {"device": f"openvino:{device}", "environment": env, "checks": [], "timings": []}
+    target = get_target("openvino")
+    for bits, gs, act in CASES:
+        gen = torch.Generator().manual_seed(bits + gs + act)
+        raw = random_gptq_tensors(512, 256, bits, gs, False, act, True, bias=False, generator=gen)
+        layer = prepare_layer(_validate_layer(f"selftest.int{bits}", raw, QuantConfig(bits, gs, False, act, "gptq")))
+        tensors, meta = target.pack(layer, torch.float32)
+        x = ops.parameter([-1, 512], ov.Type.f32)
+        compiled = core.compile_model(ov.Model([linear(x, constants(tensors, meta, "m"), meta)], [x]), device,
+                                      {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"})
+        for M in CHECK_ROWS:
+            xs = torch.randn(M, 512, generator=gen)
+            ref = xs @ layer.dequantize()
+            y = torch.from_numpy(compiled(xs.numpy())[0])
+            rel = ((y - ref).norm() / ref.norm()).item()
+            tol = OPENVINO_TOL.get(precision, 2e-2)
+            report["checks"].append({"bits": bits, "group_size": gs, "act_order": act, "M": M, "kernel": target.kernel(bits),
+                                     "dtype": precision, "rel_err": rel, "tol": tol, "ok": bool(rel <= tol)})
+    with tempfile.TemporaryDirectory(prefix="quantprep-selftest-") as tmp:
+        from quantprep.build.pipeline import prepack
+        from quantprep.build.synthetic import write_random_checkpoint
+
+        gptq = write_random_checkpoint(Path(tmp) / "gptq", OPENVINO_DECODER, bits=4, group_size=128, desc_act=True, sym=True)
+        prepack(gptq, "openvino", Path(tmp) / "ov")
+        xml = str(Path(tmp) / "ov" / "openvino_model.xml")
+        compile_s = {}
+        for kind in ("cold", "warm"):  # the second from the model cache the first wrote
+            t = time.perf_counter()
+            model = ov.Core().compile_model(ov.Core().read_model(xml), device, {"CACHE_DIR": str(Path(tmp) / "cache")})
+            compile_s[kind] = time.perf_counter() - t
+            hit = bool(model.get_property("LOADED_FROM_CACHE"))
+        report["compile"] = {"cold_s": compile_s["cold"], "warm_s": compile_s["warm"], "cache_hit": hit}
+        request = model.create_infer_request()
+
+        def step(ids, past: int) -> float:
+            t = time.perf_counter()
+            request.infer({"input_ids": ids, "attention_mask": np.ones((1, past + ids.shape[1]), np.int64),
+                           "position_ids": np.arange(past, past + ids.shape[1])[None], "beam_idx": np.zeros(1, np.int32)})
+            return time.perf_counter() - t
+
+        ids = np.random.default_rng(0).integers(0, OPENVINO_DECODER["vocab_size"], (1, 512))
+        for kind in ("first", "median"):
+            prefills, decodes = [], []
+            for _ in range(1 if kind == "first" else 3):
+                request.reset_state()
+                prefills.append(step(ids, 0))
+                decodes += [step(ids[:, :1], 512 + i) for i in range(8)]
+            report["timings"].append({"what": f"decoder {OPENVINO_DECODER['num_hidden_layers']}x{OPENVINO_DECODER['hidden_size']} "
+                                              f"({kind} call)", "prefill_512_ms": statistics.median(prefills) * 1e3,
+                                      "decode_ms": statistics.median(decodes) * 1e3})
+    report["ok"] = all(c["ok"] for c in report["checks"])
+    return report
+
+
 def run_selftest(device: str, K: int = 1024, N: int = 1024) -> dict:
+    if device in OPENVINO_DEVICES:
+        return run_openvino_selftest(device)
     target = get_target(device)
     problem = target.runtime_problem()
     if problem:
@@ -167,3 +277,46 @@ def run_selftest(device: str, K: int = 1024, N: int = 1024) -> dict:
         report["environment"]["notes"] += onednn_notes(report["onednn"])
     report["ok"] = all(c["ok"] for c in report["checks"])
     return report
+
+
+def summary_lines(report: dict) -> list[str]:
+    """The report in plain lines: what `quantprep selftest` prints and what --report files carry."""
+    env = report["environment"]
+    lines = [f"selftest {report['device']}: " + ", ".join(f"{k}={v}" for k, v in env.items() if k != "notes")]
+    for c in report["checks"]:
+        lines.append(f"  {'PASS' if c['ok'] else 'FAIL'} int{c['bits']} group {c['group_size']} act_order={c['act_order']} M={c['M']} "
+                     f"{c['kernel']} ({c['dtype']}): rel err {c['rel_err']:.2e} (tol {c['tol']:.0e})")
+    if "compile" in report:
+        c = report["compile"]
+        lines.append(f"  compile cold {c['cold_s']:.2f} s, warm {c['warm_s']:.2f} s (model cache {'hit' if c['cache_hit'] else 'MISSED'})")
+    for t in report["timings"]:
+        if "what" in t:
+            lines.append(f"  time {t['what']}: prefill 512 tokens {t['prefill_512_ms']:.1f} ms, decode {t['decode_ms']:.2f} ms/token")
+        else:
+            lines.append(f"  time int{t['bits']} {t['K']}x{t['N']} M={t['M']}: first call {t['first_ms']:.2f} ms, then {t['median_ms']:.3f} ms")
+    lines += [f"  note: {note}" for note in env.get("notes", [])]
+    return lines
+
+
+def shareable(report: dict) -> dict:
+    """The report as a file to post publicly: quantprep's version, the report, and its summary lines,
+    with this machine's paths, user name and host name taken out of every string."""
+    import getpass
+    import json
+    import re
+    import socket
+
+    from quantprep.version import __version__
+
+    secrets = sorted({p for p in (os.path.expanduser("~"), getpass.getuser(), socket.gethostname()) if p and len(p) > 1}, key=len,
+                     reverse=True)
+    path = re.compile(r"(?<![\w.])/(?:[^\s:,;'\"()]+/)*[^\s:,;'\"()]*")
+
+    def scrub(text: str) -> str:
+        text = path.sub("<path>", text)
+        for secret in secrets:
+            text = text.replace(secret, "<redacted>")
+        return text
+
+    raw = json.dumps({"quantprep": __version__, "summary": summary_lines(report), "report": report})
+    return json.loads(scrub(raw))
