@@ -262,6 +262,48 @@ def vs_gptqmodel(*runs: dict) -> str:
     return "\n".join(out)
 
 
+def vs_gptqmodel_openvino(*runs: dict) -> str:
+    """The openvino artifact of the same checkpoint beside GPTQModel and the cpu artifact, in the same
+    run (benchmarks/vs_gptqmodel.py --openvino)."""
+    out = ["| model, machine, date | | GPTQModel (TORCH backend) | quantprep cpu artifact | quantprep openvino artifact | openvino / cpu artifact "
+           "| openvino / GPTQModel |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        q, o, head = r["quality"], r["openvino"], f"{r['model']}, {r['machine']} ({r['cpu_capability']}), {r['date'][:10]}"
+        pf, dc = r["prefill_512_s"], r["decode_tok_s"]
+        out += [f"| {head} | activations | {r['dtypes']['gptqmodel']} | {r['dtypes']['quantprep']} | {r['dtypes']['openvino']} | | |",
+                f"| | perplexity, held-out text, {q['windows']} x {q['ctx']} tokens | {q['ppl']['gptqmodel']:.3f} | {q['ppl']['quantprep']:.3f} "
+                f"| {o['ppl']:.3f} | {o['ppl'] / q['ppl']['quantprep']:.4f} | {o['ppl'] / q['ppl']['gptqmodel']:.4f} |",
+                f"| | KL(GPTQModel &#124;&#124; it): mean; top-1 agreement | | {q['kld_gptqmodel_quantprep']['mean']:.4f}; "
+                f"{100 * q['top1_agree']:.1f}% | {o['kld_gptqmodel_openvino']['mean']:.4f}; {100 * o['top1_agree']:.1f}% | | |",
+                f"| | 512-token prefill (median of {len(pf['openvino']['runs'])}) | {pf['gptqmodel']['median']:.2f} s | "
+                f"{pf['quantprep']['median']:.2f} s | {pf['openvino']['median']:.2f} s | {pf['openvino_over_quantprep']:.2f}x the time "
+                f"| {pf['openvino_over_gptqmodel']:.2f}x the time |",
+                f"| | decode, {r['decode_new_tokens']} tokens after a 16-token prompt | {dc['gptqmodel']['median']:.2f} tok/s | "
+                f"{dc['quantprep']['median']:.2f} tok/s | {dc['openvino']['median']:.2f} tok/s | {dc['openvino_over_quantprep']:.2f}x the speed "
+                f"| {dc['openvino_over_gptqmodel']:.2f}x the speed |",
+                f"| | greedy tokens equal to GPTQModel's before the first difference | | {r['same_greedy_prefix']} of {r['decode_new_tokens']} "
+                f"| {o['same_greedy_prefix']} of {r['decode_new_tokens']} | | |"]
+    return "\n".join(out)
+
+
+def openvino_start(*runs: dict) -> str:
+    """Spawn to first token of an openvino artifact per variant, fresh processes (benchmarks/openvino_start.py)."""
+    labels = {"pa-nocache": "genai's default pipeline (PagedAttention), no cache", "pa-cache": "the same, CACHE_DIR warmed",
+              "sdpa-nocache": "quantprep.load, stateful pipeline, no cache", "sdpa-kcache": "quantprep.load with the warmed kcache",
+              "sdpa-cache-size": "the same, CACHE_MODE=OPTIMIZE_SIZE (weightless blob)", "cpu-target": "the cpu target's artifact (torch)"}
+    out = ["| model, machine, date | variant | first token | imports | pipeline construction | first generate |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        head = f"{r['source'] or r['artifact']}, {_where(r)}, {r['date'][:10]}, median of {r['runs']}"
+        for key, label in labels.items():
+            if key in r["median"]:
+                x = r["median"][key]
+                out.append(f"| {head} | {label} | {x['first_token_s']:.2f} s | {x['import_s']:.2f} s | {x['construct_s']:.2f} s | "
+                           f"{x['first_generate_s']:.2f} s |")
+                head = ""
+    return "\n".join(out)
+
+
 def target_ppl(*runs: dict) -> str:
     """The same checkpoint's perplexity per target, against its dequantized model (quantprep eval --json files)."""
     out = ["| target (device) | ppl | reference ppl (kind) | ratio | KLD mean | top-1 | scored tokens | vs the cpu artifact |",
@@ -526,6 +568,8 @@ RENDERERS = {
     "eval": eval_results,
     "serve": serve_cold_start,
     "vs-gptqmodel": vs_gptqmodel,
+    "vs-gptqmodel-openvino": vs_gptqmodel_openvino,
+    "openvino-start": openvino_start,
     "target-ppl": target_ppl,
     "scale": scale,
     "first-load-hash": first_load_hash,

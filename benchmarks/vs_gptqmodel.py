@@ -1,5 +1,7 @@
 """One real GPTQ checkpoint, two CPU runtimes: GPTQModel's own CPU kernel against quantprep's artifact
-of the same checkpoint (issue 16). Both loaded in one process, measured side by side, interleaved:
+of the same checkpoint (issue 16), and with --openvino quantprep's openvino artifact of it run by
+OpenVINO's CPU plugin at its defaults (issue 31: prefill through the IR, decode through
+openvino.genai's pipeline). All loaded in one process, measured side by side, interleaved:
 
   - perplexity on quantprep's held-out text (the first --windows windows of --ctx tokens, exactly
     `quantprep eval`'s windows), each model's own, and KL(GPTQModel || quantprep) with top-1
@@ -17,8 +19,8 @@ the same checkpoint, which is found in the build cache by content.
 Run it where the CPU has AVX512-BF16 or AMX, or with --ctx 128: without a fast bf16 GEMM (AVX2),
 GPTQModel's warm-up and first 512-token prefill of the 1.5B did not finish in 15 minutes.
 
-    python benchmarks/vs_gptqmodel.py artifacts/qwen2.5-coder-1.5b/cpu [--windows 4] [--runs 3] [--new 32]
-        [--out benchmarks/results/vs-gptqmodel-qwen2.5-coder-1.5b-cpu-avx512.json]
+    python benchmarks/vs_gptqmodel.py artifacts/qwen2.5-coder-1.5b/cpu [--openvino artifacts/qwen2.5-coder-1.5b/openvino]
+        [--windows 4] [--runs 3] [--new 32] [--out benchmarks/results/vs-gptqmodel-qwen2.5-coder-1.5b-cpu-avx512.json]
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--new", type=int, default=32)
+    p.add_argument("--openvino", metavar="DIR", help="the openvino artifact of the same checkpoint")
     p.add_argument("--out")
     args = p.parse_args()
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count()))
@@ -68,20 +71,39 @@ def main() -> None:
     load_theirs = time.perf_counter() - t0
     models = {"gptqmodel": theirs, "quantprep": ours}
     dtypes = {k: str(next(m.parameters()).dtype) for k, m in models.items()}
+    if args.openvino:
+        t0 = time.perf_counter()
+        models["openvino"] = quantprep.load(args.openvino)  # the plugin's defaults, what generate and serve run
+        models["openvino"].pipeline  # noqa: B018  compiled now, like the others' loads
+        load_ov = time.perf_counter() - t0
+        hint = models["openvino"].compiled.get_property("INFERENCE_PRECISION_HINT")
+        dtypes["openvino"] = f"OpenVINO {getattr(hint, 'get_type_name', lambda: str(hint))()}, int8 dynamic quantization"
     print(f"loaded: quantprep {load_ours:.1f} s, gptqmodel {load_theirs:.1f} s; dtypes {dtypes}", flush=True)
 
     prompt = windows[0, :16][None]
     prefill_ids = windows[0][None]
     gen = {"max_new_tokens": args.new, "min_new_tokens": args.new, "do_sample": False}
+
+    def generate(name: str, m) -> list[int]:
+        if name == "openvino":  # openvino.genai's pipeline from token ids: its own sampler and KV cache
+            import openvino as ov
+            import openvino_genai
+
+            config = openvino_genai.GenerationConfig()
+            config.max_new_tokens = config.min_new_tokens = args.new
+            config.do_sample = False
+            return list(m.pipeline.generate(ov.Tensor(prompt.numpy()), config).tokens[0])
+        return m.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **gen)[0, 16:].tolist()
+
     outputs, prefill, decode = {}, {k: [] for k in models}, {k: [] for k in models}
     with torch.inference_mode():
         for name, m in models.items():  # warm-up: GPTQModel's TORCH kernel compiles each shape on first use
             m(input_ids=prefill_ids[:, :64])
-            outputs[name] = m.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **gen)[0, 16:].tolist()
+            outputs[name] = generate(name, m)
         for _ in range(args.runs):
             for name, m in models.items():
                 prefill[name].append(timed(lambda: m(input_ids=prefill_ids)))
-                decode[name].append(args.new / timed(lambda: m.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **gen)))
+                decode[name].append(args.new / timed(lambda: generate(name, m)))
             print(f"run: prefill {({k: round(v[-1], 2) for k, v in prefill.items()})} s, "
                   f"decode {({k: round(v[-1], 2) for k, v in decode.items()})} tok/s", flush=True)
         # quality: GPTQModel as the reference, quantprep as the model (KL(GPTQModel || quantprep))
@@ -89,6 +111,7 @@ def main() -> None:
         for w in windows:
             parts.append(compare_window(ours, theirs, w))
         quality_s = time.perf_counter() - t0
+        ov_parts = [compare_window(models["openvino"], theirs, w) for w in windows] if args.openvino else []
     stats = {k: torch.cat([x[k] for x in parts]) for k in parts[0]}
     stored = next((v for v in manifest.get("eval", {}).values() if v["ctx"] == args.ctx), None)
     result = machine() | {
@@ -97,7 +120,7 @@ def main() -> None:
         "artifact": str(art),
         "gptq_checkpoint": gptq.name,
         "dtypes": dtypes,
-        "load_in_process_s": {"gptqmodel": load_theirs, "quantprep": load_ours},
+        "load_in_process_s": {"gptqmodel": load_theirs, "quantprep": load_ours, **({"openvino": load_ov} if args.openvino else {})},
         "prefill_512_s": {k: median_and_runs(v) for k, v in prefill.items()},
         "decode_tok_s": {k: median_and_runs(v) for k, v in decode.items()},
         "decode_new_tokens": args.new,
@@ -113,6 +136,17 @@ def main() -> None:
     for k in ("prefill_512_s", "decode_tok_s"):
         r = result[k]
         r["quantprep_over_gptqmodel"] = r["quantprep"]["median"] / r["gptqmodel"]["median"]
+        if args.openvino:
+            r["openvino_over_gptqmodel"] = r["openvino"]["median"] / r["gptqmodel"]["median"]
+            r["openvino_over_quantprep"] = r["openvino"]["median"] / r["quantprep"]["median"]
+    if args.openvino:
+        ov_stats = {k: torch.cat([x[k] for x in ov_parts]) for k in ov_parts[0]}
+        result["openvino"] = {"artifact": args.openvino, "ppl": _ppl(ov_stats["nll"]),
+                              "kld_gptqmodel_openvino": {"mean": ov_stats["kld"].mean().item(),
+                                                         "p99": torch.quantile(ov_stats["kld"].float(), 0.99).item()},
+                              "top1_agree": ov_stats["top1"].double().mean().item(),
+                              "same_greedy_prefix": next((i for i, (a, b) in enumerate(zip(outputs["gptqmodel"], outputs["openvino"],
+                                                                                           strict=True)) if a != b), args.new)}
     print(save(result, args.out))
 
 
