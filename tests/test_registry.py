@@ -86,3 +86,31 @@ def test_a_registry_that_wants_credentials_is_one_line(built, cache, tmp_path, c
         assert not files_left_in(cache)
     finally:
         gen.close()
+
+
+def test_an_openvino_variant_goes_through_a_real_registry(built, random_gptq, cache, registry, tmp_path):
+    """The openvino target's IR files as ModelPack layers (the .bin as weights, format openvino), and
+    `pull --target openvino` takes exactly that variant back; a plain pull still takes the cpu one."""
+    pytest.importorskip("openvino", reason="the openvino extra (make setup installs it)")
+    import urllib.request
+
+    from quantprep.build.pipeline import prepack
+
+    host, _ = registry
+    ref = f"oci://{host}/models/tiny:ov"
+    prepack(random_gptq, "openvino", tmp_path / "openvino")
+    publish([built / "cpu", tmp_path / "openvino"], ref)
+    assert pull(ref).name.startswith("cpu-")
+    got = pull(ref, out=tmp_path / "pulled", target="openvino")
+    for name in ("openvino_model.xml", "openvino_model.bin", "manifest.json"):
+        assert (got / name).read_bytes() == (tmp_path / "openvino" / name).read_bytes()
+    index = json.loads(urllib.request.urlopen(urllib.request.Request(
+        f"http://{host}/v2/models/tiny/manifests/ov", headers={"Accept": "application/vnd.oci.image.index.v1+json"})).read())
+    kinds = {}
+    for entry in index["manifests"]:
+        manifest = json.loads(urllib.request.urlopen(urllib.request.Request(
+            f"http://{host}/v2/models/tiny/manifests/{entry['digest']}", headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})).read())
+        config = json.loads(urllib.request.urlopen(f"http://{host}/v2/models/tiny/blobs/{manifest['config']['digest']}").read())
+        kinds[config["config"]["format"]] = {x["annotations"]["org.cncf.model.filepath"]: x["mediaType"] for x in manifest["layers"]}
+    assert kinds["openvino"]["openvino_model.bin"] == "application/vnd.cncf.model.weight.v1.raw"
+    assert kinds["openvino"]["openvino_model.xml"] == "application/vnd.cncf.model.weight.config.v1.raw" and "safetensors" in kinds

@@ -185,7 +185,7 @@ def _filepath(desc) -> str | None:
 
 
 def _media_type(rel: str) -> str:
-    return WEIGHT if rel.endswith(".safetensors") else WEIGHT_CONFIG
+    return WEIGHT if rel.endswith(".safetensors") or rel == "openvino_model.bin" else WEIGHT_CONFIG
 
 
 def _kcache_tar(root: Path, files: list[str]) -> bytes:
@@ -214,7 +214,8 @@ def push(variants: list[tuple[Path, dict, str, dict]], ref: str, plain_http: boo
         layers += [reg.push_blob(d / name, SIGNATURE_MEDIA_TYPE, {FILEPATH: name}) for name in SIGNED if (d / name).is_file()]
         bits = "/".join(map(str, sorted({x["bits"] for x in m["modules"].values()})))
         config = {"descriptor": {"name": name, "createdAt": m["created"]},  # modelpack/model-spec docs/config.md
-                  "config": {"format": "safetensors", "quantization": f"gptq-int{bits}"},
+                  "config": {"format": "openvino" if m["target"]["name"] == "openvino" else "safetensors",
+                             "quantization": f"gptq-int{bits}"},
                   "modelfs": {"type": "layers", "diffIds": [x["digest"] for x in layers]}}
         config_desc = reg.push_blob(json.dumps(config, sort_keys=True).encode(), CONFIG_MEDIA_TYPE)
         manifest = {"schemaVersion": 2, "mediaType": MANIFEST_MEDIA_TYPE, "artifactType": ARTIFACT_TYPE,
