@@ -267,3 +267,27 @@ def test_the_openvino_server_refuses_what_the_torch_one_refuses(ov_server):
     next(iter(stream))
     stream.close()
     assert _chat(client, str(art), "b c d").choices[0].message.content
+
+
+def test_a_damaged_or_oversized_ir_is_refused_in_one_line(tmp_path, capsys):
+    """A hostile or damaged artifact: an IR OpenVINO cannot parse (its files relisted, so only
+    OpenVINO can tell), and an .xml listed larger than an IR graph may be (refused before reading)."""
+    from conftest import TINY_LLAMA
+
+    _, art = openvino_artifact(tmp_path, TINY_LLAMA, tokenizer=True, bits=4, group_size=64)
+    xml = (art / "openvino_model.xml").read_text()
+    (art / "openvino_model.xml").write_text(xml.replace('<layers>', '<layers><layer id="x" type="NoSuchOp"/>', 1))
+    relist(art, "openvino_model.xml")
+    capsys.readouterr()  # the build's own output
+    assert main(["generate", str(art), "--prompt", "b c"]) == 2
+    err = one_line_error(capsys)
+    assert "openvino_model.xml" in err and "cannot read or compile" in err, err
+    assert main(["verify", str(art)]) == 2
+    assert "openvino_model.xml" in one_line_error(capsys)
+    edit_manifest(art, lambda m: m["files"]["openvino_model.xml"].update(size=1 << 30))
+    with pytest.raises(ArtifactError):  # the listed size is checked against the file first
+        quantprep.load(art)
+    from quantprep.runtime.genai import check_files
+
+    with pytest.raises(ArtifactError, match="MiB an IR graph may have"):
+        check_files(art, json.loads((art / "manifest.json").read_text()))

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from quantprep.errors import ArtifactMismatch, QuantprepError
-from quantprep.format.artifact import OPENVINO_MODEL
+from quantprep.errors import ArtifactError, ArtifactMismatch, QuantprepError
+from quantprep.format.artifact import OPENVINO_FILES, OPENVINO_MODEL
 from quantprep.runtime.kcache import KCACHE, kcache_problem, key_mismatch, materialize, trust_reason, untrusted_message
 
 CACHE_SUBDIR = "openvino"  # kcache/openvino/: OpenVINO's CACHE_DIR
@@ -36,6 +36,9 @@ EXACT = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "
 # rebuilt its model at every start, cached or not: BENCHMARKS.md, "OpenVINO start").
 PIPELINE = {"ATTENTION_BACKEND": "SDPA"}
 DEVICES = ("CPU", "GPU")
+# An IR's .xml is the graph only (the weights are in the .bin): quantprep writes ~80 KB per decoder
+# layer; OpenVINO parses it whole, so a larger one is refused before it is read.
+MAX_IR_XML = 64 << 20
 
 
 def device_name(device: str | None) -> str:
@@ -106,7 +109,8 @@ class OpenVINOModel:
         if not (self.quantprep_path / "openvino_tokenizer.xml").is_file():
             raise QuantprepError(f"{self.quantprep_path}: no openvino_tokenizer.xml (the source had no tokenizer); "
                                  "run token ids through .logits() instead")
-        return openvino_genai.LLMPipeline(str(self.quantprep_path), self.device, **{**PIPELINE, **self.config})
+        with openvino_errors(self.quantprep_path):
+            return openvino_genai.LLMPipeline(str(self.quantprep_path), self.device, **{**PIPELINE, **self.config})
 
     def generate(self, prompt: str, max_new_tokens: int = 64, chat: bool = True, streamer=None) -> str:
         """Greedy completion of `prompt`, through the model's chat template where it has one."""
@@ -122,7 +126,8 @@ class OpenVINOModel:
         import openvino as ov
 
         core = ov.Core()
-        return core.compile_model(core.read_model(str(self.quantprep_path / OPENVINO_MODEL)), self.device, self.config)
+        with openvino_errors(self.quantprep_path):
+            return core.compile_model(core.read_model(str(self.quantprep_path / OPENVINO_MODEL)), self.device, self.config)
 
     def __call__(self, input_ids, **_):
         """model(input_ids=[[...]]).logits, as a transformers model answers (eval): one sequence, from an empty KV cache."""
@@ -141,6 +146,36 @@ class OpenVINOModel:
         return np.array(out["logits"][0], dtype=np.float32)
 
 
+class openvino_errors:
+    """OpenVINO's errors reading or compiling an artifact's IR as one ArtifactError line (a hand-made
+    or damaged IR is the artifact's fault, not a crash of quantprep)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        if kind is not None and issubclass(kind, RuntimeError):
+            lines = [line for line in str(value).splitlines() if line.strip()]
+            first = lines[-1].strip()[:300] if lines else kind.__name__  # OpenVINO's last line says what failed
+            raise ArtifactError(f"{self.path / OPENVINO_MODEL}: OpenVINO cannot read or compile it ({first}); rebuild the artifact") from None
+        return False
+
+
+def check_files(path: Path, manifest: dict) -> None:
+    """The IR the manifest must list, and .xml files of a bounded size (they are parsed whole)."""
+    files = manifest["files"]
+    for name in (OPENVINO_MODEL, "openvino_model.bin"):
+        if name not in files:
+            raise ArtifactError(f"{path}: an openvino artifact without {name} in manifest.json; rebuild it")
+    for name in OPENVINO_FILES:
+        if name.endswith(".xml") and name in files and files[name]["size"] > MAX_IR_XML:
+            raise ArtifactError(f"{path / name}: {files[name]['size']} bytes, more than the {MAX_IR_XML >> 20} MiB an IR graph may have; "
+                                "refusing it")
+
+
 class _Output:
     def __init__(self, logits):
         self.logits = logits
@@ -149,6 +184,7 @@ class _Output:
 def load(path: Path, manifest: dict, device: str | None, exact: bool, kcache: bool, trust: bool, signed: bool) -> OpenVINOModel:
     """An openvino artifact that passed load's checks -> OpenVINOModel (nothing compiled yet)."""
     device = device_name(device)
+    check_files(path, manifest)
     status = cache_status(path, manifest, device, trust, signed) if kcache else {"status": "off"}
     return OpenVINOModel(path, manifest, device, EXACT if exact else {}, status)
 

@@ -72,11 +72,13 @@ def run_openvino_probes(path: Path, manifest: dict) -> list[dict]:
     import openvino.opset13 as ops
 
     from quantprep.format.artifact import OPENVINO_MODEL
-    from quantprep.runtime.genai import EXACT
+    from quantprep.runtime.genai import EXACT, check_files, openvino_errors
     from quantprep.targets.openvino import ir_constants, linear
 
+    check_files(path, manifest)
     core = ov.Core()
-    model = core.read_model(str(path / OPENVINO_MODEL))
+    with openvino_errors(path):
+        model = core.read_model(str(path / OPENVINO_MODEL))
     tol, rows = REL_TOL["float32"], []
     with safe_open(path / PROBES_FILE, framework="pt") as probes:
         for name in sorted({k.rsplit(".", 1)[0] for k in probes.keys()}):
