@@ -263,10 +263,97 @@ def test_the_openvino_server_refuses_what_the_torch_one_refuses(ov_server):
             urllib.request.urlopen(urllib.request.Request(str(client.base_url).removesuffix("/v1/") + route, data=b"{}",
                                                           method="POST"), timeout=10)
         assert refused.value.code == 403 and b"pinned" in refused.value.read()
-    stream = _chat(client, str(art), "l m", new=400, stream=True)  # a client that goes away mid-stream
+    for bad, code in (({"seed": -1}, 422), ({"stream_options": {"x": 1}}, 422)):
+        with pytest.raises(openai.APIStatusError) as refused:
+            _chat(client, str(art), "b c", extra_body=bad)
+        assert refused.value.status_code == code, bad
+    with pytest.raises(openai.APIStatusError) as refused:  # TINY_LLAMA's context: 2048 tokens
+        _chat(client, str(art), "b " * 1000, new=4000 - 1000)
+    assert refused.value.status_code == 400 and "context" in refused.value.response.text
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.completions.create(model=str(art), prompt=" ", max_tokens=2)
+    assert refused.value.status_code == 400 and "empty" in refused.value.response.text
+    big = urllib.request.Request(str(client.base_url) + "chat/completions", data=b"{}",  # says 5 MiB: refused on the header
+                                 headers={"Content-Type": "application/json", "Content-Length": str(5 << 20)}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(big, timeout=30)
+    assert refused.value.code == 413
+
+
+def test_a_client_that_goes_away_cancels_its_generation(ov_server):
+    """The next request does not wait for a dropped stream to run to its max_tokens: timed against
+    the same full generation run to its end (a ratio, so the machine's speed cancels out)."""
+    import time
+
+    art, client = ov_server
+    new = 2000  # within TINY_LLAMA's 2048-token context
+    t0 = time.perf_counter()
+    full = client.completions.create(model=str(art), prompt="l m", max_tokens=new, temperature=0)
+    whole = time.perf_counter() - t0
+    assert full.usage.completion_tokens > 1000, full.usage  # long enough to tell apart
+    stream = client.completions.create(model=str(art), prompt="l m", max_tokens=new, temperature=0, stream=True)
     next(iter(stream))
     stream.close()
-    assert _chat(client, str(art), "b c d").choices[0].message.content
+    t0 = time.perf_counter()
+    assert _chat(client, str(art), "b c d", new=2).choices[0].message.content
+    after = time.perf_counter() - t0
+    print({"full_generation_s": whole, "next_request_after_a_drop_s": after})
+    assert after < whole / 2, (after, whole)
+
+
+def test_sigterm_during_streams_exits_cleanly_and_a_busy_port_is_one_line(tmp_path):
+    import signal
+    import socket
+    import threading
+    import time
+
+    import openai
+    from conftest import TINY_LLAMA, free_port
+    from openai import OpenAI
+
+    _, art = openvino_artifact(tmp_path, TINY_LLAMA, tokenizer=True, bits=4, group_size=64)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "quantprep", "serve", str(art), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60, max_retries=0)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.2)
+        started = threading.Barrier(4)
+
+        def consume():
+            try:
+                stream = client.completions.create(model=str(art), prompt="n o", max_tokens=2000, temperature=0, stream=True)
+                started.wait(30)
+                for _ in stream:
+                    pass
+            except (openai.APIError, threading.BrokenBarrierError):
+                pass
+
+        threads = [threading.Thread(target=consume) for _ in range(3)]
+        for t in threads:
+            t.start()
+        started.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        out = proc.stdout.read()
+        assert code == 0, out[-3000:]
+        for t in threads:
+            t.join(timeout=20)
+    finally:
+        proc.kill()
+    with socket.socket() as taken:  # a port in use: one line, exit 2, not "serving"
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = subprocess.run([sys.executable, "-m", "quantprep", "serve", str(art), "--port", str(taken.getsockname()[1])],
+                              capture_output=True, text=True, timeout=120)
+    assert busy.returncode == 2 and "could not listen" in busy.stderr and "serving" not in busy.stdout, busy.stderr[-2000:]
 
 
 def test_a_damaged_or_oversized_ir_is_refused_in_one_line(tmp_path, capsys):

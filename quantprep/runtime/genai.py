@@ -41,11 +41,18 @@ DEVICES = ("CPU", "GPU")
 MAX_IR_XML = 64 << 20
 
 
-def device_name(device: str | None) -> str:
-    """OpenVINO's device name: CPU (default), GPU, GPU.1, ..."""
+def device_name(device: str | None, present: bool = True) -> str:
+    """OpenVINO's device name: CPU (default), GPU, GPU.1, ...; `present`: OpenVINO must see it here."""
     name = (device or "CPU").upper()
     if name.split(".")[0] not in DEVICES:
         raise ArtifactMismatch(f"device {device!r}: an openvino artifact runs on OpenVINO's CPU or GPU (GPU.N) device")
+    if present:
+        import openvino as ov
+
+        seen = ov.Core().available_devices
+        if name not in seen and not (name == "GPU" and "GPU.0" in seen):
+            raise ArtifactMismatch(f"device {name}: OpenVINO sees no such device here (it sees {', '.join(seen) or 'none'}); "
+                                   "on an Arc, install Intel's GPU driver (docs/openvino.md)")
     return name
 
 
@@ -128,6 +135,15 @@ class OpenVINOModel:
         core = ov.Core()
         with openvino_errors(self.quantprep_path):
             return core.compile_model(core.read_model(str(self.quantprep_path / OPENVINO_MODEL)), self.device, self.config)
+
+    def max_position_embeddings(self) -> int | None:
+        """The context the source's config.json gives (serve bounds prompts by it), None without one."""
+        from quantprep._io.jsonfile import read_json_object
+
+        if not (self.quantprep_path / "config.json").is_file():
+            return None
+        value = read_json_object(self.quantprep_path / "config.json", ArtifactError, "rebuild the artifact").get("max_position_embeddings")
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
     def __call__(self, input_ids, **_):
         """model(input_ids=[[...]]).logits, as a transformers model answers (eval): one sequence, from an empty KV cache."""
