@@ -378,3 +378,57 @@ def test_a_damaged_or_oversized_ir_is_refused_in_one_line(tmp_path, capsys):
 
     with pytest.raises(ArtifactError, match="MiB an IR graph may have"):
         check_files(art, json.loads((art / "manifest.json").read_text()))
+
+
+def _edit_tensors(gptq, edit):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(gptq / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, str(gptq / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_the_head_is_the_one_transformers_and_the_cpu_target_use(tmp_path):
+    """A tied Qwen2 checkpoint that also stores a different lm_head.weight: transformers (and the
+    cpu target's load) tie the head to the embedding again, so the IR must too."""
+    gptq = write_random_checkpoint(tmp_path / "gptq", QWEN2, bits=4, group_size=64)
+    _edit_tensors(gptq, lambda t: t.update({"lm_head.weight": torch.randn(QWEN2["vocab_size"], QWEN2["hidden_size"]).half()}))
+    prepack(gptq, "openvino", tmp_path / "ov")
+    prepack(gptq, "cpu", tmp_path / "cpu", "float32")
+    ids = torch.randint(0, QWEN2["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = quantprep.load(tmp_path / "cpu")(input_ids=ids).logits[0]
+    got = quantprep.load(tmp_path / "ov", dtype=torch.float32)(input_ids=ids).logits[0]
+    assert ((got - want).norm() / want.norm()).item() < 1e-4
+
+
+@pytest.mark.parametrize("case", ["untied-without-lm_head", "a norm of the wrong shape", "a missing norm"])
+def test_float_tensors_the_graph_would_misread_are_refused_in_one_line(tmp_path, capsys, case):
+    gptq = write_random_checkpoint(tmp_path / "gptq", LLAMA, bits=4, group_size=64)
+    name = {"untied-without-lm_head": "lm_head.weight", "a norm of the wrong shape": "model.norm.weight",
+            "a missing norm": "model.layers.0.input_layernorm.weight"}[case]
+    _edit_tensors(gptq, lambda t: t.update({name: torch.ones(1).half()}) if "shape" in case else t.pop(name))
+    capsys.readouterr()
+    assert main(["prepack", str(gptq), "--target", "openvino", "--out", str(tmp_path / "ov")]) == 2
+    err = one_line_error(capsys)
+    assert f"tensor {name}" in err, err
+    assert not (tmp_path / "ov").exists()
+
+
+def test_warm_checks_the_artifact_before_trusting_what_it_compiles(tmp_path, capsys):
+    """A changed byte in the IR (same size, manifest untouched): warm refuses before compiling, and
+    records no trust."""
+    from conftest import TINY_LLAMA
+
+    from quantprep.runtime.kcache import trust_dir
+
+    _, art = openvino_artifact(tmp_path, TINY_LLAMA, tokenizer=True, bits=4, group_size=64)
+    quantprep.load(art)  # marks the files hashed here, as a first use would
+    xml = (art / "openvino_model.xml").read_bytes()
+    (art / "openvino_model.xml").write_bytes(xml.replace(b"quantprep_decoder", b"quantprep_decodex", 1))
+    before = sorted(p.name for p in trust_dir().glob("*")) if trust_dir().exists() else []
+    capsys.readouterr()
+    assert main(["warm", str(art)]) == 2
+    assert "openvino_model.xml" in one_line_error(capsys)
+    assert (sorted(p.name for p in trust_dir().glob("*")) if trust_dir().exists() else []) == before
+    assert "kcache" not in json.loads((art / "manifest.json").read_text())

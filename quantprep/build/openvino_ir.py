@@ -13,12 +13,12 @@ Anything else is refused in one line before any work (`check_supported`).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from quantprep._io.jsonfile import read_json_object
 from quantprep.errors import SourceError
 from quantprep.format.artifact import OPENVINO_MODEL, OPENVINO_TOKENIZERS, ArtifactWriter
 from quantprep.targets.openvino import constants, float_storage, linear
@@ -28,6 +28,10 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 def rope_theta(config: dict) -> float:
     return float((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def positive(value, kind=int) -> bool:
+    return isinstance(value, kind if kind is not float else (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def check_supported(config: dict, where: Path) -> None:
@@ -40,9 +44,13 @@ def check_supported(config: dict, where: Path) -> None:
         refuse("model_type", config.get("model_type"), "not an architecture the openvino target builds")
     for field in ("rope_parameters", "rope_scaling"):  # transformers 5 names it the first, older configs the second
         params = config.get(field) or {}
-        kind = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else params
+        if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+            refuse(field, params, "only one RoPE for every layer is built")
+        kind = params.get("rope_type", params.get("type", "default"))
         if kind != "default":
             refuse(f"{field}.rope_type", kind, "only the default RoPE is built")
+    if not positive(rope_theta(config), float):
+        refuse("rope_theta", rope_theta(config), "must be a positive number")
     if config.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", config.get("hidden_act"), "only SiLU-gated MLPs are built")
     if config.get("use_sliding_window"):
@@ -50,8 +58,18 @@ def check_supported(config: dict, where: Path) -> None:
     if config.get("mlp_bias"):
         refuse("mlp_bias", True, "MLP biases are not built")
     for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
-        if not isinstance(config.get(field), int) or config[field] <= 0:
+        if not positive(config.get(field)):
             refuse(field, config.get(field), "must be a positive integer")
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if not positive(kv) or heads % kv:
+        refuse("num_key_value_heads", kv, f"must divide num_attention_heads={heads}")
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    if not positive(head_dim) or head_dim % 2:
+        refuse("head_dim", head_dim, "must be a positive even integer (RoPE rotates halves)")
+    if not positive(config.get("rms_norm_eps", 1e-6), float):
+        refuse("rms_norm_eps", config.get("rms_norm_eps"), "must be a positive number")
+    if config.get("attention_bias") and config.get("model_type") == "llama":
+        refuse("attention_bias", True, "Llama attention biases are not built")
 
 
 def _i64(values) -> object:
@@ -170,14 +188,62 @@ def decoder(config: dict, modules: dict[str, dict], quantized: dict[str, torch.T
         [down] = proj(ops.multiply(ops.swish(gate), up), f"{pf}.mlp", ("down_proj",), None)
         h = ops.add(h, down)
     h = rms(h, "model.norm.weight")
-    if "lm_head" in modules or "lm_head.weight" in floats:
-        [logits] = proj(h, "", ("lm_head",), None) if "lm_head" in modules else [ops.matmul(h, const_f32("lm_head.weight"), False, True)]
-    else:  # tied embeddings
+    # the head as transformers (and quantprep's load) chooses it: quantized, else tied to the
+    # embedding (a stored lm_head.weight is then ignored), else the float lm_head (check_floats)
+    if "lm_head" in modules:
+        [logits] = proj(h, "", ("lm_head",), None)
+    elif config["tie_word_embeddings"]:
         logits = ops.matmul(h, embed, False, True)
+    else:
+        logits = ops.matmul(h, const_f32("lm_head.weight"), False, True)
     logits.output(0).get_tensor().set_names({"logits"})
     result = ops.result(logits)
     result.set_friendly_name("logits")
     return ov.Model([result], sinks, params, "quantprep_decoder")
+
+
+def model_config(ckpt) -> dict:
+    """config.json as read, with tie_word_embeddings as transformers resolves it (its default differs by model type)."""
+    from transformers import AutoConfig
+
+    config = read_config(ckpt.path)
+    tied = AutoConfig.from_pretrained(ckpt.path, trust_remote_code=False).tie_word_embeddings
+    return dict(config, tie_word_embeddings=bool(tied) and "lm_head" not in ckpt.layers)
+
+
+def check_floats(ckpt) -> None:
+    """Every float tensor the model needs (embeddings, norms, a float lm_head when not tied) is in the
+    checkpoint with the shape its config gives: the graph would broadcast a wrong one silently."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(ckpt.path, trust_remote_code=False)
+    config.__dict__.pop("quantization_config", None)
+    if "lm_head" in ckpt.layers:
+        config.tie_word_embeddings = False
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    for name, param in model.named_parameters():  # a tied lm_head is the embedding's: not listed
+        if name.rpartition(".")[0] in ckpt.layers:
+            continue
+        if name not in ckpt.other_tensors:
+            raise SourceError(f"tensor {name}: missing from the checkpoint, which the {config.model_type} model of its config.json "
+                              "needs; re-export or re-quantize it")
+        if ckpt.other_tensors.shape(name) != tuple(param.shape):
+            raise SourceError(f"tensor {name}: {ckpt.other_tensors.shape(name)} in the checkpoint, the model of its config.json needs "
+                              f"{tuple(param.shape)}; re-export or re-quantize it")
+
+
+def check_tokenizer(path: Path) -> None:
+    """The source's tokenizer loads (openvino-tokenizers converts it when the IR is written)."""
+    from transformers import AutoTokenizer
+
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        return
+    try:
+        AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except Exception as e:  # transformers raises several kinds for a tokenizer it cannot build
+        raise SourceError(f"{path / 'tokenizer_config.json'}: transformers cannot load this tokenizer ({type(e).__name__}: "
+                          f"{str(e)[:200]}); fix or remove the tokenizer files") from None
 
 
 def _parts(quantized: dict, name: str) -> list[str]:
@@ -194,7 +260,11 @@ def write_tokenizers(src: Path, out: Path) -> list[str]:
     if not (src / "tokenizer.json").is_file() and not (src / "tokenizer_config.json").is_file():
         return []
     hf = AutoTokenizer.from_pretrained(src, trust_remote_code=False)
-    tok, detok = convert_tokenizer(hf, with_detokenizer=True)
+    try:
+        tok, detok = convert_tokenizer(hf, with_detokenizer=True)
+    except Exception as e:  # openvino-tokenizers raises several kinds for a tokenizer it cannot convert
+        raise SourceError(f"{src / 'tokenizer.json'}: openvino-tokenizers cannot convert this tokenizer ({type(e).__name__}: "
+                          f"{str(e)[:200]}); build another target for this model") from None
     ov.save_model(tok, out / "openvino_tokenizer.xml")
     ov.save_model(detok, out / "openvino_detokenizer.xml")
     return [name for name in OPENVINO_TOKENIZERS if (out / name).is_file()]
@@ -218,7 +288,7 @@ class OpenVINOWriter(ArtifactWriter):
         modules = manifest["modules"]
         quantized = {k: v for k, v in self.held.items() if k.rpartition(".")[0] in modules}
         self.held = {}
-        model = decoder(read_config(self.ckpt.path), modules, quantized, self.ckpt.other_tensors)
+        model = decoder(model_config(self.ckpt), modules, quantized, self.ckpt.other_tensors)
         ov.save_model(model, self.tmp / OPENVINO_MODEL, compress_to_fp16=False)
         del model, quantized
         write_tokenizers(self.ckpt.path, self.tmp)
@@ -226,7 +296,4 @@ class OpenVINOWriter(ArtifactWriter):
 
 
 def read_config(path: Path) -> dict:
-    try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise SourceError(f"{path / 'config.json'}: cannot read it ({e}); pass a Hugging Face model directory") from None
+    return read_json_object(path / "config.json", SourceError, "pass a Hugging Face model directory")

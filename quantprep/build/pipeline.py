@@ -241,11 +241,13 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
         imports.result()
     check_against_model(ckpt)
     if "openvino" in targets:
-        from quantprep.build.openvino_ir import check_supported, read_config
+        from quantprep.build.openvino_ir import check_floats, check_supported, check_tokenizer, read_config
 
         if problem := get_target("openvino").runtime_problem():
             raise RecipeError(f"target openvino: {problem}")
         check_supported(read_config(ckpt.path), ckpt.path / "config.json")
+        check_floats(ckpt)
+        check_tokenizer(ckpt.path)
     dtypes = [getattr(torch, act_dtype) if act_dtype else t.default_act_dtype for t in resolved]
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:  # every target in one pass over the source, each written as it streams

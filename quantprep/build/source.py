@@ -119,6 +119,14 @@ class LazyTensors(Mapping):
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.read([key])[key]
 
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The stored shape, from the file's header (nothing else read)."""
+        try:
+            with safe_open(self.path / self.where[key], framework="pt") as f:
+                return tuple(f.get_slice(key).get_shape())
+        except Exception as e:  # safetensors raises its own error types for bad data
+            raise SourceError(f"{self.path / self.where[key]}: cannot read tensor {key} ({e}); re-download or re-export it") from None
+
     def read(self, keys: list[str], header_only: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
         """Several tensors, each file opened once (an open parses the whole header). Keys in
         `header_only` come back as meta tensors of the stored shape when stored as int32 (nothing read)."""

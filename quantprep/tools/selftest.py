@@ -300,23 +300,32 @@ def summary_lines(report: dict) -> list[str]:
 
 def shareable(report: dict) -> dict:
     """The report as a file to post publicly: quantprep's version, the report, and its summary lines,
-    with this machine's paths, user name and host name taken out of every string."""
+    with this machine's paths, user name and host name taken out of every string (keys included)."""
     import getpass
-    import json
     import re
     import socket
 
     from quantprep.version import __version__
 
-    secrets = sorted({p for p in (os.path.expanduser("~"), getpass.getuser(), socket.gethostname()) if p and len(p) > 1}, key=len,
-                     reverse=True)
-    path = re.compile(r"(?<![\w.])/(?:[^\s:,;'\"()]+/)*[^\s:,;'\"()]*")
+    home = os.path.expanduser("~")
+    names = sorted({n for n in (getpass.getuser(), socket.gethostname()) if n and len(n) > 1}, key=len, reverse=True)
+    paths = re.compile(r"(?<![\w.])(?:/|[A-Za-z]:\\)[^\s:,;'\"()]*")  # POSIX and Windows absolute paths
+    words = [re.compile(rf"(?<!\w){re.escape(n)}(?!\w)") for n in names]
 
     def scrub(text: str) -> str:
-        text = path.sub("<path>", text)
-        for secret in secrets:
-            text = text.replace(secret, "<redacted>")
+        text = text.replace(home, "~") if len(home) > 1 else text
+        text = paths.sub("<path>", text)
+        for word in words:
+            text = word.sub("<redacted>", text)
         return text
 
-    raw = json.dumps({"quantprep": __version__, "summary": summary_lines(report), "report": report})
-    return json.loads(scrub(raw))
+    def walk(value):
+        if isinstance(value, str):
+            return scrub(value)
+        if isinstance(value, dict):
+            return {scrub(str(k)): walk(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [walk(v) for v in value]
+        return value
+
+    return {"quantprep": __version__, "summary": walk(summary_lines(report)), "report": walk(report)}

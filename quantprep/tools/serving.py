@@ -105,7 +105,7 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
 
     from quantprep.distribution.signing import configured_key
     from quantprep.errors import QuantprepError
-    from quantprep.format.artifact import OPENVINO_MODEL, WEIGHTS_INDEX
+    from quantprep.format.artifact import WEIGHTS_INDEX, read_manifest
     from quantprep.runtime.hf_quantizer import load_options, register
     from quantprep.runtime.load import is_reference, open_artifact, run_shapes
 
@@ -119,19 +119,18 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
     path = Path(src).absolute()
     if not (path / "manifest.json").is_file():
         raise QuantprepError(f"{src}: not an artifact directory (no manifest.json) nor a published reference")
-    if (path / OPENVINO_MODEL).is_file():  # an openvino artifact: the same routes over openvino.genai
+    if read_manifest(path)["target"]["name"] == "openvino":  # the same routes over openvino.genai
         from quantprep.runtime import genai
         from quantprep.runtime.load import check_compat, checked_artifact
         from quantprep.tools import serving_openvino
 
         manifest, target = checked_artifact(path, None, key)
-        if target.name == "openvino":
-            check_compat(path, manifest, target)
-            model = genai.load(path, manifest, None if device == "auto" else device, exact=False, kcache=True,
-                                  trust=trust_kcache, signed=signed or key is not None)
-            hub_offline()
-            serving_openvino.serve(model, host, port, ready)
-            return
+        check_compat(path, manifest, target)
+        model = genai.load(path, manifest, None if device == "auto" else device, exact=False, kcache=True,
+                           trust=trust_kcache, signed=signed or key is not None)
+        hub_offline()
+        serving_openvino.serve(model, host, port, ready)
+        return
     if not (path / WEIGHTS_INDEX).is_file():  # artifacts before from_pretrained support kept the source's GPTQ config
         raise QuantprepError(f"{path}: built by an older quantprep (no {WEIGHTS_INDEX}); rebuild it with `quantprep build` "
                              "or `quantprep prepack` to serve it")
