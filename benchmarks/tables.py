@@ -312,7 +312,8 @@ def target_ppl(*runs: dict) -> str:
     cpu = next((r["ppl"] for r in runs if r["target"] == "cpu"), None)
     for r in runs:
         vs = f"{100 * (r['ppl'] / cpu - 1):+.3f}%" if cpu else ""
-        out.append(f"| {r['target']} ({r['device']}) | {r['ppl']:.4f} | {r['reference']['ppl']:.4f} ({r['reference']['kind']}) | {r['ppl_ratio']:.5f} | "
+        device = r["device"] + (f", {r['dtype']}" if r.get("dtype") else "")
+        out.append(f"| {r['target']} ({device}) | {r['ppl']:.4f} | {r['reference']['ppl']:.4f} ({r['reference']['kind']}) | {r['ppl_ratio']:.5f} | "
                    f"{r['kld']['mean']:.5f} | {100 * r['top1_agree']:.1f}% | {r['tokens']} | {vs} |")
     return "\n".join(out)
 
@@ -420,7 +421,26 @@ def _quality(r: dict) -> str:
 
 def _vs_cpu(cpu: dict, *others: dict) -> str:
     base = cpu.get("eval", cpu)["ppl"]
-    return ", ".join(f"{o.get('eval', o)['target']} {100 * (o.get('eval', o)['ppl'] / base - 1):+.3f}%" for o in others)
+    label = lambda e: e["target"] + (f" ({e['dtype']})" if e.get("dtype") else "")  # noqa: E731
+    return ", ".join(f"{label(o.get('eval', o))} {100 * (o.get('eval', o)['ppl'] / base - 1):+.3f}%" for o in others)
+
+
+def _openvino_quality(cpu: dict, *others: dict) -> str:
+    c = cpu["eval"]
+    return "; ".join(f"{'exact (float32)' if o['eval'].get('dtype') else 'plugin defaults'}: ppl {100 * (o['eval']['ppl'] / c['ppl'] - 1):+.2f}%, "
+                     f"KLD mean {100 * (o['eval']['kld']['mean'] / c['kld']['mean'] - 1):+.1f}%" for o in others)
+
+
+def _openvino_speed(r: dict) -> str:
+    pf, dc = r["prefill_512_s"], r["decode_tok_s"]
+    return (f"decode {dc['openvino_over_quantprep']:.2f}x the cpu artifact's speed ({dc['openvino_over_gptqmodel']:.1f}x GPTQModel's), "
+            f"512-token prefill {pf['openvino_over_quantprep']:.2f}x its time ({pf['openvino_over_gptqmodel']:.2f}x GPTQModel's)")
+
+
+def _openvino_start(r: dict) -> str:
+    m = r["median"]
+    return (f"{m['sdpa-kcache']['first_token_s']:.2f} s with the kcache, {m['sdpa-nocache']['first_token_s']:.2f} s without, "
+            f"{m['pa-nocache']['first_token_s']:.2f} s genai's default; cpu target {m['cpu-target']['first_token_s']:.2f} s")
 
 
 def _calibration(default: dict, builtin: dict) -> str:
@@ -487,6 +507,7 @@ LOAD, SCALE, HASH, PULL, SERVE = (("Load to first token", "load"), ("Every model
                                   ("Serving cold start", "serve"))
 QUALITY, VS, TARGETS, CALIBRATION = (("Quality on real weights", "quality"), ("GPTQModel's own runtime on the same checkpoint", "vs GPTQModel"),
                                      ("Every target's perplexity on the same checkpoint", "targets"), ("Calibration", "calibration"))
+OPENVINO = ("OpenVINO target", "openvino")
 CPU, CUDA, FUSION, KCACHE = (("CPU int4 and int8 at large M", "CPU large M"), ("CUDA target", "CUDA"), ("Fusion of q/k/v and gate/up", "fusion"),
                              ("Kernel cache: time to first token with compile=True", "kcache"))
 # (figure, goal it serves, section, result files: the first gives machine and date, result(*files))
@@ -512,6 +533,13 @@ SUMMARY = [
      TARGETS, ["eval-qwen2.5-coder-1.5b-xpu-emulated-avx512.json", "eval-qwen2.5-coder-1.5b-cpu-avx512.json"], lambda x, c: _vs_cpu(c, x)),
     ("the same, SmolLM2-135M", "same quality on every target (<= 0.5%)", TARGETS,
      ["eval-smollm2-cuda-h100.json", "eval-smollm2-cpu-avx2.json", "eval-smollm2-xpu-emulated-avx2.json"], lambda g, c, x: _vs_cpu(c, g, x)),
+    ("openvino artifact / cpu artifact of the same checkpoint, Qwen2.5-Coder-1.5B: perplexity, KLD", "same quality on every target (<= 0.5%)",
+     OPENVINO, ["eval-qwen2.5-coder-1.5b-cpu-avx512-2026-11-25.json", "eval-qwen2.5-coder-1.5b-openvino-avx512.json",
+                "eval-qwen2.5-coder-1.5b-openvino-exact-avx512.json"], _openvino_quality),
+    ("openvino artifact (OpenVINO's CPU plugin, its defaults) beside the cpu artifact and GPTQModel, one run", "the openvino target on a CPU",
+     OPENVINO, ["vs-gptqmodel-openvino-qwen2.5-coder-1.5b-cpu-avx512.json"], _openvino_speed),
+    ("openvino artifact, spawn to first token, Qwen2.5-Coder-1.5B", "load in seconds", OPENVINO,
+     ["openvino-start-qwen2.5-coder-1.5b-cpu-avx512.json"], _openvino_start),
     ("quantprep / GPTQModel on one checkpoint: decode speed, 512-token prefill time, perplexity", "CPU decode vs GPTQModel", VS,
      ["vs-gptqmodel-qwen2.5-coder-1.5b-cpu-avx512.json"],
      lambda r: f"{r['decode_tok_s']['quantprep_over_gptqmodel']:.2f}x, {r['prefill_512_s']['quantprep_over_gptqmodel']:.2f}x, "

@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="load each artifact runnable here in a fresh process and generate (default: on)")
     b.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
-                   help="warm each artifact whose device is present (see `warm`; default: on)")
+                   help="warm each artifact whose device is present, openvino excepted (see `warm`; default: on)")
     b.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
                    help="prepack q/k/v and gate/up as one matmul where their act-order matches (default: on)")
     b.add_argument("--calibration", metavar="SPEC", help="builtin, a .txt/.jsonl file or a dataset id from the local datasets "

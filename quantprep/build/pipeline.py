@@ -264,7 +264,9 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
     for target, out, mods in zip(resolved, outs, modules, strict=True):
         result = {"target": target.name, "path": str(out), "layers": len(mods),
                   "prepack_s": round(t1 - t0, 3), "write_s": round(t2 - t1, 3)}  # prepack_s includes writing the full shards
-        if warm_here and target.runtime_problem() is None:
+        # openvino: its model cache is for the serving device (`quantprep warm DIR --device GPU` on the
+        # Arc); on a CPU it did not shorten the start and doubled the artifact (BENCHMARKS.md, "OpenVINO target")
+        if warm_here and target.runtime_problem() is None and target.name != "openvino":
             report = warm(out, progress=progress)
             result["warm"] = {k: report[k] for k in ("shapes", "files", "bytes", "s")}
         result["bytes"] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
