@@ -96,7 +96,8 @@ def main() -> None:
                 print(v, {k: round(x, 3) if isinstance(x, float) else x for k, x in r.items()}, flush=True)
     summary = {v: {k: statistics.median(r[k] for r in rs) for k in ("first_token_s", "import_s", "construct_s", "first_generate_s")}
                for v, rs in runs.items()}
-    result = machine() | {"benchmark": "openvino-start", "artifact": Path(art).name, "source": manifest["source"].get("id"),
+    result = machine() | {"benchmark": "openvino-start", "model": Path(art).parent.name, "artifact": Path(art).name,
+                          "source": manifest["source"].get("id"),
                           "prompt": PROMPT, "runs": args.runs, "median": summary, "raw": runs,
                           "kcache_bytes": sum(f["size"] for f in manifest["kcache"]["files"].values())}
     print(json.dumps(summary, indent=2))

@@ -294,7 +294,7 @@ def openvino_start(*runs: dict) -> str:
     out = ["| model, machine, date | variant | first token | imports | pipeline construction | first generate |",
            "| --- | --- | --- | --- | --- | --- |"]
     for r in runs:
-        head = f"{r['source'] or r['artifact']}, {_where(r)}, {r['date'][:10]}, median of {r['runs']}"
+        head = f"{r['model']}, {_where(r)}, {r['date'][:10]}, median of {r['runs']}"
         for key, label in labels.items():
             if key in r["median"]:
                 x = r["median"][key]

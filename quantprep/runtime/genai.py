@@ -33,7 +33,7 @@ CACHE_SUBDIR = "openvino"  # kcache/openvino/: OpenVINO's CACHE_DIR
 EXACT = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0", "KV_CACHE_PRECISION": "f32"}
 # openvino.genai's stateful pipeline, not its default PagedAttention one: quantprep serves one request
 # at a time, and only the stateful pipeline's compile is served from the model cache (PagedAttention
-# rebuilt its model at every start, cached or not: BENCHMARKS.md, "OpenVINO start").
+# rebuilt its model at every start, cached or not: BENCHMARKS.md, "OpenVINO target").
 PIPELINE = {"ATTENTION_BACKEND": "SDPA"}
 DEVICES = ("CPU", "GPU")
 # An IR's .xml is the graph only (the weights are in the .bin): quantprep writes ~80 KB per decoder
