@@ -227,6 +227,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_with_client(art, timeout: float = 120):
+    """`quantprep serve ART` in a child (stdout and stderr piped together), started on a free port,
+    and an openai client once its /v1/models answers (bounded): (process, client)."""
+    import time
+
+    import openai
+    from openai import OpenAI
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "quantprep", "serve", str(art), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60, max_retries=0)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.models.list()
+            return proc, client
+        except openai.APIConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"the server did not start: {proc.stdout.read()[-2000:]}")
+            time.sleep(0.2)
+
+
 def serve(argv: list[str], probe_url: str, what: str, timeout: float = 60, **popen):
     """Start a server process and wait (bounded) until `probe_url` answers anything; returns a stop()."""
     import time

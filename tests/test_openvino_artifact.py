@@ -305,26 +305,13 @@ def test_sigterm_during_streams_exits_cleanly_and_a_busy_port_is_one_line(tmp_pa
     import signal
     import socket
     import threading
-    import time
 
     import openai
-    from conftest import TINY_LLAMA, free_port
-    from openai import OpenAI
+    from conftest import TINY_LLAMA, serve_with_client
 
     _, art = openvino_artifact(tmp_path, TINY_LLAMA, tokenizer=True, bits=4, group_size=64)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "quantprep", "serve", str(art), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, client = serve_with_client(art)
     try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60, max_retries=0)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-                time.sleep(0.2)
         started = threading.Barrier(4)
 
         def consume():

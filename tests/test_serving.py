@@ -189,29 +189,14 @@ LONG = 200_000
 
 def test_sigterm_during_a_request_stops_it_cleanly(tmp_path):
     import signal
-    import subprocess
-    import sys
     import threading
-    import time
 
     import openai
-    from conftest import free_port
-    from openai import OpenAI
+    from conftest import serve_with_client
 
     art = chat_artifact(tmp_path)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "quantprep", "serve", str(art), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, client = serve_with_client(art)
     try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60, max_retries=0)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-                time.sleep(0.2)
         got, first = [], threading.Event()
 
         def consume():
