@@ -80,8 +80,9 @@ def cmd_warm(args) -> int:
 
     shapes = (PREFILL_BUCKETS if args.shapes == "buckets" else _int_list("--shapes", args.shapes)) if args.shapes else None
     r = warm(Path(args.dir), device=args.device, shapes=shapes, compile=args.compile, aot=args.aot, progress=not args.json)
-    _print_json_or(args, r, f"warmed {r['path']} on {r['key']['device']}: prefill {r['shapes']}, {r['compiled_regions']} compiled "
-                            f"regions, {len(r['aot'])} compiled MLP packages, {r['s']:.1f} s; kcache {r['files']} files, "
+    what = ("OpenVINO's model cache" if r["key"]["device"].startswith("openvino:") else
+            f"prefill {r['shapes']}, {r['compiled_regions']} compiled regions, {len(r['aot'])} compiled MLP packages")
+    _print_json_or(args, r, f"warmed {r['path']} on {r['key']['device']}: {what}, {r['s']:.1f} s; kcache {r['files']} files, "
                             f"{r['bytes'] / 2**20:.1f} MiB")
     return 0
 
