@@ -24,7 +24,7 @@ import numpy as np
 
 from quantprep.errors import ArtifactError, ArtifactMismatch, QuantprepError
 from quantprep.format.artifact import OPENVINO_FILES, OPENVINO_MODEL
-from quantprep.runtime.kcache import KCACHE, kcache_problem, key_mismatch, materialize, trust_reason, untrusted_message
+from quantprep.runtime.kcache import kcache_problem, key_mismatch, materialize, trust_reason, untrusted_message
 
 CACHE_SUBDIR = "openvino"  # kcache/openvino/: OpenVINO's CACHE_DIR
 # The plugin computes what the IR says: f32 arithmetic, no dynamic int8 quantization of the
@@ -205,22 +205,12 @@ def load(path: Path, manifest: dict, device: str | None, exact: bool, kcache: bo
     return OpenVINOModel(path, manifest, device, EXACT if exact else {}, status)
 
 
-def first_token_s(model: OpenVINOModel, prompt: str = "Hello") -> float:
-    """Seconds from nothing compiled to the first generated token (the pipeline's compile included)."""
-    t0 = time.perf_counter()
-    model.generate(prompt, max_new_tokens=1)
-    return time.perf_counter() - t0
-
-
 def warm(path: Path, manifest: dict, device: str | None, scratch: Path) -> dict:
     """Compile the pipeline with OpenVINO's cache in scratch/openvino and generate one token: what
     `quantprep warm` ships for an openvino artifact. Returns the report's fields."""
     device = device_name(device)
     (scratch / CACHE_SUBDIR).mkdir(parents=True, exist_ok=True)
     model = OpenVINOModel(path, manifest, device, {}, {"status": "used", "dir": str(scratch / CACHE_SUBDIR)})
-    seconds = first_token_s(model)
-    return {"key": cache_key(device), "s": round(seconds, 3), "shapes": [1], "compiled_regions": 0, "aot": []}
-
-
-def kcache_dir(root: Path) -> Path:
-    return root / KCACHE / CACHE_SUBDIR
+    t0 = time.perf_counter()
+    model.generate("Hello", max_new_tokens=1)
+    return {"key": cache_key(device), "s": round(time.perf_counter() - t0, 3), "shapes": [1], "compiled_regions": 0, "aot": []}
