@@ -16,11 +16,16 @@ a fast bf16 GEMM, AVX2, GPTQModel's 512-token prefill takes minutes, so a full-l
 left out and its first timed prefill may include some compile). The artifact is the cpu build of
 the same checkpoint, which is found in the build cache by content.
 
+With --dense, the same checkpoint dequantized to a dense bfloat16 model runs beside them (the
+floor a weight-only int4 prefill is held to, issue 32); with --profile, each model's 512-token
+prefill is split by module kind (quantized or dense linears, attention, norms, the lm_head, ...)
+with forward hooks, exclusive times, median of --runs.
+
 Run it where the CPU has AVX512-BF16 or AMX, or with --ctx 128: without a fast bf16 GEMM (AVX2),
 GPTQModel's warm-up and first 512-token prefill of the 1.5B did not finish in 15 minutes.
 
     python benchmarks/vs_gptqmodel.py artifacts/qwen2.5-coder-1.5b/cpu [--openvino artifacts/qwen2.5-coder-1.5b/openvino]
-        [--windows 4] [--runs 3] [--new 32] [--out benchmarks/results/vs-gptqmodel-qwen2.5-coder-1.5b-cpu-avx512.json]
+        [--dense] [--profile] [--windows 4] [--runs 3] [--new 32] [--out benchmarks/results/vs-gptqmodel-qwen2.5-coder-1.5b-cpu-avx512.json]
 """
 
 from __future__ import annotations
@@ -28,11 +33,65 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
 import torch
 from common import machine, median_and_runs, save, timed
+
+
+def kind(name: str, module) -> str:
+    """The profile's category of one module (exclusive time: its children are counted apart)."""
+    cls = type(module).__name__
+    if name.endswith("lm_head"):
+        return "lm_head"
+    if "Norm" in cls:
+        return "norms"
+    if "Attention" in cls:
+        return "attention (SDPA, RoPE, cache)"
+    if "MLP" in cls:
+        return "mlp activation"
+    if "Embedding" in cls:
+        return "embeddings, rotary"
+    if cls == "Linear":
+        return "dense linears"
+    if "Linear" in cls or "QuantLinear" in cls or "Fused" in cls:
+        return "quantized linears"
+    return "rest (model, layers)"
+
+
+def profile_prefill(model, ids: torch.Tensor, runs: int) -> dict:
+    """Milliseconds per module kind in one forward of `ids`, exclusive of children, median of runs."""
+    spent: dict[str, list[float]] = {}
+    stack: list[list[float]] = []  # per open module: [start, children's time]
+
+    def pre(_m, _args):
+        stack.append([time.perf_counter(), 0.0])
+
+    def post(m, _args, _out, name):
+        start, children = stack.pop()
+        total = time.perf_counter() - start
+        if stack:
+            stack[-1][1] += total
+        now[kind(name, m)] = now.get(kind(name, m), 0.0) + (total - children) * 1e3
+
+    hooks = []
+    for name, m in model.named_modules():
+        hooks += [m.register_forward_pre_hook(pre), m.register_forward_hook(lambda m, a, o, name=name: post(m, a, o, name))]
+    try:
+        with torch.inference_mode():
+            for _ in range(runs):
+                now: dict[str, float] = {}
+                model(input_ids=ids)
+                for k, v in now.items():
+                    spent.setdefault(k, []).append(v)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = {k: round(statistics.median(v), 1) for k, v in sorted(spent.items(), key=lambda kv: -statistics.median(kv[1]))}
+    out["total"] = round(sum(out.values()), 1)
+    return out
 
 
 def main() -> None:
@@ -43,6 +102,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--openvino", metavar="DIR", help="the openvino artifact of the same checkpoint")
+    p.add_argument("--dense", action="store_true", help="also the checkpoint dequantized to a dense bfloat16 model")
+    p.add_argument("--profile", action="store_true", help="split each model's 512-token prefill by module kind")
     p.add_argument("--out")
     args = p.parse_args()
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count()))
@@ -70,6 +131,10 @@ def main() -> None:
     theirs = GPTQModel.load(str(gptq), backend=BACKEND.TORCH, device="cpu").model.eval()
     load_theirs = time.perf_counter() - t0
     models = {"gptqmodel": theirs, "quantprep": ours}
+    if args.dense:
+        from quantprep.tools.eval import dequantized_model
+
+        models["dense"] = dequantized_model(gptq, torch.bfloat16).eval()
     dtypes = {k: str(next(m.parameters()).dtype) for k, m in models.items()}
     if args.openvino:
         t0 = time.perf_counter()
@@ -112,6 +177,7 @@ def main() -> None:
             parts.append(compare_window(ours, theirs, w))
         quality_s = time.perf_counter() - t0
         ov_parts = [compare_window(models["openvino"], theirs, w) for w in windows] if args.openvino else []
+    profiles = {k: profile_prefill(m, prefill_ids, args.runs) for k, m in models.items() if k != "openvino"} if args.profile else None
     stats = {k: torch.cat([x[k] for x in parts]) for k in parts[0]}
     stored = next((v for v in manifest.get("eval", {}).values() if v["ctx"] == args.ctx), None)
     result = machine() | {
@@ -124,6 +190,9 @@ def main() -> None:
         "prefill_512_s": {k: median_and_runs(v) for k, v in prefill.items()},
         "decode_tok_s": {k: median_and_runs(v) for k, v in decode.items()},
         "decode_new_tokens": args.new,
+        "kcache": {k: v for k, v in ours.quantprep_kcache.items() if k in ("status", "plan", "trusted")},
+        "threads": torch.get_num_threads(),
+        "prefill_profile_ms": profiles,
         # greedy tokens both produce before the first difference (after it, the contexts differ)
         "same_greedy_prefix": next((i for i, (a, b) in enumerate(zip(outputs["gptqmodel"], outputs["quantprep"], strict=True)) if a != b), args.new),
         "quality": {"text": text_name, "ctx": args.ctx, "windows": len(windows), "tokens": int(stats["nll"].numel()),
@@ -136,6 +205,9 @@ def main() -> None:
     for k in ("prefill_512_s", "decode_tok_s"):
         r = result[k]
         r["quantprep_over_gptqmodel"] = r["quantprep"]["median"] / r["gptqmodel"]["median"]
+        if args.dense:
+            r["quantprep_over_dense"] = r["quantprep"]["median"] / r["dense"]["median"]
+            r["gptqmodel_over_dense"] = r["gptqmodel"]["median"] / r["dense"]["median"]
         if args.openvino:
             r["openvino_over_gptqmodel"] = r["openvino"]["median"] / r["gptqmodel"]["median"]
             r["openvino_over_quantprep"] = r["openvino"]["median"] / r["quantprep"]["median"]

@@ -90,12 +90,10 @@ def _load_in_fresh_process(art, tmp_path, compile: bool, trust: bool, **env) -> 
 def test_planted_library_never_runs_from_an_untrusted_artifact(planted, tmp_path, compile):
     status, ran, stderr = _load_in_fresh_process(planted, tmp_path, compile, trust=False)
     assert not ran
-    if compile:
-        assert status["status"] == "untrusted"
-        assert "not trusted here" in stderr and "--trust-kcache" in stderr
-        assert not (tmp_path / f"runtime-{compile}-False").exists()  # not even copied
-    else:
-        assert status["status"].startswith("unused")  # cpu without compile reads nothing from kcache/
+    # without compile a cpu load reads only the kernel plan from kcache/, and not from an untrusted one
+    assert status["status"] == "untrusted" and "plan" not in status
+    assert "not trusted here" in stderr and "--trust-kcache" in stderr
+    assert not (tmp_path / f"runtime-{compile}-False").exists()  # not even copied
 
 
 def test_planted_library_runs_once_the_user_trusts_it(planted, tmp_path):

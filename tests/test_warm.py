@@ -48,7 +48,15 @@ import json, sys, torch
 import quantprep
 from quantprep.runtime.load import run_shapes
 from torch._dynamo.utils import counters
-model = quantprep.load(sys.argv[1], compile=True, kcache=sys.argv[2] == "1")
+model = quantprep.load(sys.argv[1], compile=sys.argv[2] == "1", kcache=sys.argv[2] == "1")
+if sys.argv[2] == "0":  # the control runs the kcache's kernel plan too, compiled afresh
+    from pathlib import Path
+    from quantprep.format.artifact import read_manifest
+    from quantprep.runtime import plan
+    from quantprep.runtime.aot import compile_regions
+    kcache = read_manifest(Path(sys.argv[1]))["kcache"]
+    plan.apply(model, plan.read(Path(sys.argv[1]) / "kcache", kcache), "cpu")
+    compile_regions(model)
 ids = torch.arange(8).view(1, 8) % model.config.vocab_size
 with torch.inference_mode():
     logits = model(ids).logits[0, -1]

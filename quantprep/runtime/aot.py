@@ -47,11 +47,12 @@ def _tensors(mlp: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
 
 
 def signature(mlp: nn.Module, dtype: torch.dtype) -> str:
-    """What the traced graph depends on: module classes, their plain attributes, and each
+    """What the traced graph depends on: module classes, their plain attributes (a kernel plan too), and each
     tensor's name, shape, dtype and device. Layers with equal signatures share a package."""
     parts = [str(dtype)]
     for name, m in mlp.named_modules():
-        attrs = sorted((k, v) for k, v in vars(m).items() if isinstance(v, (bool, int, float, str, type(None))) and not k.startswith("_"))
+        # plain attributes, and a kernel plan's ranges (tuples): export follows the planned paths
+        attrs = sorted((k, v) for k, v in vars(m).items() if isinstance(v, (bool, int, float, str, type(None), tuple)) and not k.startswith("_"))
         parts.append(f"{name}:{type(m).__qualname__}:{attrs}")
     names, tensors = _tensors(mlp)
     parts += [f"{n}:{tuple(t.shape)}:{t.dtype}:{t.device.type}" for n, t in zip(names, tensors, strict=True)]
@@ -84,7 +85,8 @@ def export_ranges(mlp: nn.Module, hidden: int, max_tokens: int) -> list[tuple[in
         dynamic = None if lo == 1 else ({0: Dim.AUTO}, (None,) * len(tensors))  # size 1 is always static
         ep = torch.export.export(fn, (x, *tensors), dynamic_shapes=dynamic, strict=False)
         size = next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name == "x").meta["val"].shape[0]
-        hi = size if isinstance(size, int) else ep.range_constraints[size.node.expr].upper  # a sympy number
+        expr = size if isinstance(size, int) else size.node.expr  # a range of one length (a plan's switch) is a number
+        hi = int(expr) if isinstance(expr, int) or expr.is_number else ep.range_constraints[expr].upper  # a sympy number
         hi = max_tokens if hi == int_oo or int(hi) > max_tokens else int(hi)
         out.append((lo, hi, ep))
         lo = hi + 1

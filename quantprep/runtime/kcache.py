@@ -47,6 +47,7 @@ from quantprep.targets.intel_runtime import cache_warning, primitive_cache_env
 
 KCACHE = "kcache"
 MEGACACHE = "torch-compile.bin"  # torch.compiler.save_cache_artifacts() output
+PLAN = "plan.json"  # the kernel plan (runtime/plan.py): plain JSON, used without compile too
 TRUST_ENV = settings.TRUST_KCACHE
 COMPLETE = ".complete"  # marks a finished runtime copy
 
@@ -305,7 +306,9 @@ def activate(path: Path, manifest: dict, device_type: str, compile: bool, trust:
     signed: the caller verified the artifact's signature against the user's key."""
     if "kcache" not in manifest:
         return {"status": "absent"}
-    if not compile and device_type == "cpu":
+    # the cpu target's eager kernels are not compiled at run time: without compile only a plan is read
+    plan_only = not compile and device_type == "cpu"
+    if plan_only and PLAN not in manifest["kcache"].get("files", {}):
         return {"status": "unused (no compile: the cpu target's eager kernels are not compiled at run time)"}
     problem = kcache_problem(path, manifest)
     if problem:
@@ -320,6 +323,8 @@ def activate(path: Path, manifest: dict, device_type: str, compile: bool, trust:
     rewarm = f"ignoring it (re-run `quantprep warm {path}` on this machine)"
     if mismatch := key_mismatch(entry["key"], cache_key(device_type, device_fields=device_type != "xpu"), partial=device_type == "xpu"):
         return _ignored(f"{path}: {mismatch}; {rewarm}")
+    if plan_only:  # read from the artifact (runtime/plan.py checks its sha256): nothing to copy or point a runtime at
+        return {"status": "used", "trusted": reason, "plan_dir": str(path / KCACHE)}
     try:
         root = materialize(path, manifest)
     except (ArtifactError, OSError) as e:
@@ -342,7 +347,7 @@ def activate(path: Path, manifest: dict, device_type: str, compile: bool, trust:
     scoped["TRITON_CACHE_DIR"] = env["TRITON_CACHE_DIR"]  # also eager: the cuda prefill GEMM is a Triton kernel
     if compile:
         scoped["TORCHINDUCTOR_CACHE_DIR"] = env["TORCHINDUCTOR_CACHE_DIR"]
-    return {"status": "used", "dir": str(root), "trusted": reason, "env": scoped}
+    return {"status": "used", "dir": str(root), "trusted": reason, "env": scoped, "plan_dir": str(root)}
 
 
 @contextmanager

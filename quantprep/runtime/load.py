@@ -26,10 +26,11 @@ from quantprep.distribution.signing import verify as verify_signature
 from quantprep.errors import ArtifactError, ArtifactMismatch
 from quantprep.format.artifact import DEFAULT_SHAPES, read_checked, refuse_code
 from quantprep.format.verified import check_hashed, hash_and_mark
+from quantprep.runtime import plan
 from quantprep.runtime.aot import compile_regions, prefetch_runtime
 from quantprep.runtime.aot import install as install_packages
 from quantprep.runtime.fused import install as install_fused
-from quantprep.runtime.kcache import MEGACACHE, activate, scoped_env, xpu_driver_version, xpu_primitive_env
+from quantprep.runtime.kcache import MEGACACHE, PLAN, activate, scoped_env, xpu_driver_version, xpu_primitive_env
 from quantprep.targets import Target, act_dtype_problem, get_target
 from quantprep.targets.intel_runtime import cache_warning
 
@@ -263,6 +264,18 @@ def tied_names(model) -> set[str]:
     return shared | set(getattr(model, "all_tied_weights_keys", None) or {})
 
 
+def apply_plan(model, path: Path, art: OpenedArtifact, kcache_status: dict) -> None:
+    """The kcache's kernel plan (runtime/plan.py), when the kcache is used and has one; a plan that
+    is damaged or timed on another machine is ignored with a warning (the fixed rules run)."""
+    if not kcache_status.get("plan_dir") or PLAN not in art.manifest["kcache"]["files"]:
+        return
+    try:
+        kcache_status["plan"] = plan.apply(model, plan.read(Path(kcache_status["plan_dir"]), art.manifest["kcache"]), art.device.type)
+    except ArtifactError as e:
+        kcache_status["plan"] = f"ignored: {e}"
+        warnings.warn(f"{path}: kernel plan not used: {e}", stacklevel=3)
+
+
 def finish(model, path: Path, art: OpenedArtifact, kcache_status: dict, compile: bool, warmup: bool, prefetch=None):
     """After the weights are in: generation config, compile, the warmed buckets, warm-up, status."""
     from transformers import GenerationConfig
@@ -271,6 +284,7 @@ def finish(model, path: Path, art: OpenedArtifact, kcache_status: dict, compile:
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()
     manifest = art.manifest
+    apply_plan(model, path, art, kcache_status)  # before compile: compiled regions trace the planned paths
     # the prefill lengths warm ran: quantprep.tools.serving pads prompts to them
     model.quantprep_buckets = usable_shapes(model, manifest.get("kcache", manifest.get("serving", {})).get("shapes", DEFAULT_SHAPES))
     # A used kcache's cache directories are set while this model compiles and runs (its forward,

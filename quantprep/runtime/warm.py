@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from quantprep.errors import QuantprepError
 from quantprep.format.artifact import DEFAULT_SHAPES, read_checked, republish, sha256_file
+from quantprep.runtime import plan
 from quantprep.runtime.aot import compile_regions
 from quantprep.runtime.kcache import KCACHE, MEGACACHE, cache_env, cache_key, record_trust, xpu_driver_version, xpu_warm_env
 from quantprep.runtime.load import DECODE_STEPS, run_shapes, usable_shapes
@@ -44,6 +45,13 @@ def _child_main() -> None:
 
     t0 = time.perf_counter()
     model = load(args["path"], device=args["device"], kcache=False)
+    decided = None
+    if args.get("plan") == "decide":  # the first child times the kernel paths; later ones get its plan
+        decided = plan.decide(model, usable_shapes(model, args["shapes"]))
+        plan.write(decided, Path(args["scratch"]))
+        plan.apply(model, decided, model.device.type)
+    elif args.get("plan"):
+        plan.apply(model, args["plan"], model.device.type)
     if args["phase"] == "aot":
         # A process of its own: export leaves global state behind that changes torch.compile's
         # cache keys (the mega-cache then missed at load). Same Inductor dir as the compile phase:
@@ -56,7 +64,7 @@ def _child_main() -> None:
         for d in (Path(args["scratch"]) / "inductor").iterdir():
             if d.is_dir() and any(d.glob("*.wrapper.cpp")):
                 shutil.rmtree(d)
-        print(json.dumps({"aot": entries, "s": round(time.perf_counter() - t0, 3)}))
+        print(json.dumps({"aot": entries, "plan": decided, "s": round(time.perf_counter() - t0, 3)}))
         return
     if args["phase"] == "aot_check":  # yet another process: what load will do, before shipping
         from quantprep.runtime.aot import check_packages
@@ -67,7 +75,8 @@ def _child_main() -> None:
     regions = compile_regions(model) if args["compile"] else 0
     shapes = usable_shapes(model, args["shapes"])
     timings = run_shapes(model, shapes, each=lambda _: print(STEP_DONE, file=sys.stderr, flush=True))
-    report = {"shapes": shapes, "timings": timings, "compiled_regions": regions, "s": round(time.perf_counter() - t0, 3)}
+    report = {"shapes": shapes, "timings": timings, "compiled_regions": regions, "plan": decided,
+              "s": round(time.perf_counter() - t0, 3)}
     if args["compile"]:
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
@@ -122,13 +131,13 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
         # one bar: each compiled-package build and check, then each shape
         with tqdm(total=(2 if compile and aot else 0) + len(shapes), desc="  warm", unit="step", disable=not progress,
                   file=sys.stderr) as bar:
-            aot_report = {"aot": [], "s": 0.0}
+            aot_report = {"aot": [], "plan": None, "s": 0.0}
             if compile and aot:
-                aot_report = _aot_phases(path, device, env, scratch, bar, shapes=shapes, compile=compile)
+                aot_report = _aot_phases(path, device, env, scratch, bar, shapes=shapes, compile=compile, plan="decide")
             report = _run_child(path, device, "compile", env, step=lambda: bar.update(1), shapes=shapes, compile=compile,
-                                scratch=str(scratch))
+                                scratch=str(scratch), plan=aot_report["plan"] or "decide")
             bar.update(bar.total - bar.n)  # shapes too long for the model were skipped
-        report.update(aot=aot_report["aot"], s=report["s"] + aot_report["s"])
+        report.update(aot=aot_report["aot"], plan=aot_report["plan"] or report["plan"], s=report["s"] + aot_report["s"])
         key = cache_key(device)  # this process may touch the device: the child had its own caches
         files = _collect(scratch)
         entry = {"key": key, "shapes": report["shapes"], "compile": compile, "files": files,
@@ -174,6 +183,7 @@ def _aot_phases(path: Path, device: str, env: dict, scratch: Path, bar, **args) 
 
     t0 = time.perf_counter()
     entries: list[dict] = []
+    decided = None
     for i, fmt in enumerate(FORMATS):
         shutil.rmtree(scratch / "aot", ignore_errors=True)
         if i:
@@ -181,7 +191,9 @@ def _aot_phases(path: Path, device: str, env: dict, scratch: Path, bar, **args) 
             bar.refresh()
         try:
             # Timeouts: a package load hung on the H200; generous for building on 2 cores.
-            entries = _run_child(path, device, "aot", env, timeout=AOT_TIMEOUT_S, scratch=str(scratch), format=fmt, **args)["aot"]
+            report = _run_child(path, device, "aot", env, timeout=AOT_TIMEOUT_S, scratch=str(scratch), format=fmt, **args)
+            entries, decided = report["aot"], decided or report["plan"]
+            args["plan"] = decided or args["plan"]  # the packages trace the planned paths: the same plan for every phase
             bar.update(1)
             bad = _run_child(path, device, "aot_check", env, timeout=AOT_TIMEOUT_S, scratch=str(scratch), entries=entries, **args)["bad"]
             bar.update(1)
@@ -196,7 +208,7 @@ def _aot_phases(path: Path, device: str, env: dict, scratch: Path, bar, **args) 
         (scratch / rel).unlink(missing_ok=True)  # "*" (the phase failed) names no file
     if not entries:
         print("quantprep: warning: no compiled MLP packages; load(compile=True) will torch.compile", file=sys.stderr)
-    return {"aot": entries, "s": round(time.perf_counter() - t0, 3)}
+    return {"aot": entries, "plan": decided, "s": round(time.perf_counter() - t0, 3)}
 
 
 def _run_child(path: Path, device: str, phase: str, env: dict, timeout: float | None = None, step=None, **args) -> dict:

@@ -93,11 +93,19 @@ def gather_and_pad(x: torch.Tensor, perm: torch.Tensor | None, padded_in: int) -
 SLOW_HALF_GEMM = torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2")
 
 
-def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w [K, N] in x's dtype; in float32 on CPUs without half-precision GEMM kernels."""
-    if SLOW_HALF_GEMM and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+def dense_matmul(x: torch.Tensor, w: torch.Tensor, path: str = "dequant") -> torch.Tensor:
+    """x [M, K] @ w [K, N] in x's dtype, or in float32 for path "dequant_f32"."""
+    if path == "dequant_f32" and x.dtype != torch.float32:
         return (x.float() @ w.float()).to(x.dtype)
     return x @ w
+
+
+def dense_path(act_dtype: torch.dtype, device: str) -> str:
+    """The dequantize path here: a dense matmul in the activation dtype ("dequant"), or in float32
+    ("dequant_f32") on CPUs without half-precision GEMM kernels, where the half one runs a reference
+    loop (seconds per call: never worth timing in a kernel plan)."""
+    slow_half = device == "cpu" and SLOW_HALF_GEMM and act_dtype in (torch.bfloat16, torch.float16)
+    return "dequant_f32" if slow_half else "dequant"
 
 
 def dequantize_folded_int4(codes: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -125,7 +133,36 @@ def make_int8_module(meta: dict, act_dtype: torch.dtype) -> nn.Module:
 
 class PackedLinear(nn.Module):
     """A prepacked quantized Linear. Subclasses register their kernel's buffers and implement
-    `kernel(x)` on 2-D activations already in the kernel's K order (act-order gather, K padding)."""
+    `kernel(x)` on 2-D activations already in the kernel's K order (act-order gather, K padding).
+
+    A module with several kernel paths (the int4 kernel, dequantizing + a dense matmul, ...) lists
+    them in `paths()`, runs one with `run(x, path)` and picks one by row count M: from its kernel
+    plan when load applied one (`plan`: (first M, path) pairs, ascending, timed on this machine by
+    warm up to `plan_max_m` rows: runtime/plan.py), else, and beyond that, by its fixed rule
+    `default_path(M)`."""
+
+    plan: tuple[tuple[int, str], ...] = ()
+    plan_max_m: int = 0
+
+    def paths(self) -> tuple[str, ...]:
+        return ()  # one path: kernel() is all there is
+
+    def default_path(self, m: int) -> str:
+        raise NotImplementedError
+
+    def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def path_for(self, m: int) -> str:
+        if m > self.plan_max_m:
+            return self.default_path(m)
+        return next(path for first, path in reversed(self.plan) if m >= first)
+
+    def plan_shape(self) -> str:
+        """What a plan's timings depend on besides the machine: the kernel class, the packed sizes,
+        the group and the activation dtype. Modules that agree share one entry of a plan."""
+        group = getattr(self, "kernel_group_size", getattr(self, "group_size", 0))
+        return f"{type(self).__name__}:{self.padded_in}x{self.padded_out}:g{group}:{str(self.act_dtype).removeprefix('torch.')}"
 
     def __init__(self, meta: dict, act_dtype: torch.dtype):
         super().__init__()
@@ -138,7 +175,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", torch.empty(self.out_features, dtype=act_dtype, device=dev) if meta["bias"] else None)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        return self.run(x, self.path_for(x.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -170,15 +207,16 @@ class DequantInt8Linear(PackedLinear):
         gs, k = self.group_size, self.in_features
         # (code - zero) is an integer in [-255, 255]: exact in bf16/fp16, so only the scale rounds.
         centered = self.qweight.to(self.act_dtype) - self.qzeros.to(self.act_dtype).repeat_interleave(gs, 0)[:k]
-        return dense_matmul(x, centered * self.scales.repeat_interleave(gs, 0)[:k])
+        return dense_matmul(x, centered * self.scales.repeat_interleave(gs, 0)[:k], dense_path(x.dtype, x.device.type))
 
 
 class Int8PerChannelLinear(PackedLinear):
-    """int8 weight [N, K] times a per-output-channel scale (cpu and cuda). On the CPU below
-    DEQUANT_MIN_M rows `aten._weight_int8pack_mm`, from there dequantizing once per call and a dense
-    matmul; on cuda always the latter, since torch's cuda int8 kernel is the slower one at every M.
-    The switch points come from the kernel / dequantize ratios across M in BENCHMARKS.md, "CPU int4
-    and int8 at large M" (benchmarks/int8_switch.py, benchmarks/cpu_prefill.py)."""
+    """int8 weight [N, K] times a per-output-channel scale (cpu and cuda). Fixed rule: on the CPU
+    below DEQUANT_MIN_M rows `aten._weight_int8pack_mm`, from there dequantizing once per call and a
+    dense matmul; on cuda always the latter, since torch's cuda int8 kernel is the slower one at
+    every M. The switch points come from the kernel / dequantize ratios across M in BENCHMARKS.md,
+    "CPU int4 and int8 at large M" (benchmarks/int8_switch.py, benchmarks/cpu_prefill.py); a kernel
+    plan replaces them with this machine's own."""
 
     DEQUANT_MIN_M = 128  # cpu
     DEQUANT_MIN_M_BY_DEVICE = {"cuda": 1}
@@ -189,10 +227,18 @@ class Int8PerChannelLinear(PackedLinear):
         self.register_buffer("qweight", torch.empty(self.out_features, self.in_features, dtype=torch.int8, device=dev))
         self.register_buffer("scales", torch.empty(self.out_features, dtype=act_dtype, device=dev))
 
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= self.DEQUANT_MIN_M_BY_DEVICE.get(x.device.type, self.DEQUANT_MIN_M):
-            return dense_matmul(x, (self.qweight.to(self.act_dtype) * self.scales[:, None]).T)
-        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+    def paths(self) -> tuple[str, ...]:
+        return ("int8", dense_path(self.act_dtype, self.qweight.device.type))
+
+    def default_path(self, m: int) -> str:
+        if m >= self.DEQUANT_MIN_M_BY_DEVICE.get(self.qweight.device.type, self.DEQUANT_MIN_M):
+            return dense_path(self.act_dtype, self.qweight.device.type)
+        return "int8"
+
+    def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
+        if path == "int8":
+            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        return dense_matmul(x, (self.qweight.to(self.act_dtype) * self.scales[:, None]).T, path)
 
 
 def optional_tensors(layer: PrepackLayer, act_dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -18,10 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -29,11 +26,13 @@ from torch import nn
 
 from quantprep import settings
 from quantprep.format.gptq import PrepackLayer
+from quantprep.targets import native
 from quantprep.targets.common import (
     PackedLinear,
     Target,
     base_meta,
     dense_matmul,
+    dense_path,
     dequantize_folded_int4,
     make_int8_module,
     optional_tensors,
@@ -111,20 +110,100 @@ void pack_int4_cpu(const uint32_t *qweight, const int64_t *dest, int64_t K, int6
 
 @functools.cache
 def native_packer():
-    """`pack_int4_cpu` from NATIVE_PACK_SOURCE, compiled now; None without a C compiler or with
-    QUANTPREP_PACK=torch (then the tensor ops)."""
-    cc = shutil.which("cc")
-    if os.environ.get(settings.PACK) == "torch" or cc is None:
+    """`pack_int4_cpu` from NATIVE_PACK_SOURCE (native.py compiles it); None without a C compiler or
+    with QUANTPREP_PACK=torch (then the tensor ops)."""
+    lib = None if os.environ.get(settings.PACK) == "torch" else native.library(NATIVE_PACK_SOURCE)
+    if lib is None:
         return None
-    with tempfile.TemporaryDirectory(prefix="quantprep-pack-") as tmp:
-        src, lib = Path(tmp, "pack.c"), Path(tmp, "pack.so")
-        src.write_text(NATIVE_PACK_SOURCE)
-        if subprocess.run([cc, "-O3", "-march=native", "-shared", "-fPIC", str(src), "-o", str(lib)], capture_output=True).returncode:
-            return None
-        fn = ctypes.CDLL(str(lib)).pack_int4_cpu  # ctypes lets go of the GIL during the call
+    fn = lib.pack_int4_cpu
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     fn.restype = None
     return fn
+
+
+# The dequantize path's weight, [K, N] in bfloat16 or float32, in one pass over the packed bytes
+# (pack_int4's layout): the tensor ops take seven passes and were most of that path's time at the
+# 1.5B's shapes (BENCHMARKS.md, "Kernel plans"). w = q * scale + (zero - 8 * scale) in float32,
+# rounded once to bfloat16 (to nearest even; the kernel's codes and scales are finite). Threads
+# take whole blocks of columns: [n_begin, n_end) is a multiple of `block`, or runs to N.
+NATIVE_DEQUANT_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+static inline uint16_t to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+#define STORE(o, i, v) do { if (bf16) ((uint16_t *)(o))[i] = to_bf16(v); else ((float *)(o))[i] = (v); } while (0)
+static void rows(const uint8_t *p, const float *s, const float *z, int64_t K, int64_t N, int64_t gs, int64_t n0,
+                 int64_t width, int paired, int bf16, void *out) {
+    int64_t half = width / 2, esize = bf16 ? 2 : 4;
+    for (int64_t k = 0; k < K; k++) {
+        const uint8_t *row = p + k * half;
+        const float *sk = s + (k / gs) * N + n0, *zk = z + (k / gs) * N + n0;
+        char *o = (char *)out + (k * N + n0) * esize;
+        if (!paired) {
+            for (int64_t j = 0; j < half; j++) {
+                STORE(o, j, (float)(row[j] & 15) * sk[j] + zk[j]);
+                STORE(o, j + half, (float)(row[j] >> 4) * sk[j + half] + zk[j + half]);
+            }
+        } else {
+            for (int64_t j = 0; j < half; j++) {
+                STORE(o, 2 * j, (float)(row[j] & 15) * sk[2 * j] + zk[2 * j]);
+                STORE(o, 2 * j + 1, (float)(row[j] >> 4) * sk[2 * j + 1] + zk[2 * j + 1]);
+            }
+        }
+    }
+}
+void dequant_int4_cpu(const uint8_t *packed, const float *scale, const float *zero, int64_t K, int64_t N,
+                      int64_t block, int64_t gs, int64_t n_begin, int64_t n_end, int bf16, void *out) {
+    int64_t n_full = N / block * block;
+    for (int64_t n0 = n_begin; n0 < n_end && n0 < n_full; n0 += block)
+        if (bf16) rows(packed + n0 * K / 2, scale, zero, K, N, gs, n0, block, 0, 1, out);
+        else rows(packed + n0 * K / 2, scale, zero, K, N, gs, n0, block, 0, 0, out);
+    if (n_end > n_full && n_full < N)  /* the last, partial block pairs adjacent columns */
+        rows(packed + n_full * K / 2, scale, zero, K, N, gs, n_full, N - n_full, 1, bf16, out);
+}
+"""
+
+
+@functools.cache
+def native_dequantizer():
+    """`dequant_int4_cpu` from NATIVE_DEQUANT_SOURCE, or None (then the tensor ops)."""
+    lib = native.library(NATIVE_DEQUANT_SOURCE)
+    if lib is None:
+        return None
+    fn = lib.dequant_int4_cpu
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_int, ctypes.c_void_p]
+    fn.restype = None
+    return fn
+
+
+@functools.cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="quantprep-dequant")
+
+
+def dequantize_native(packed: torch.Tensor, scales_and_zeros: torch.Tensor, K: int, N: int, block: int, group_size: int,
+                      dtype: torch.dtype) -> torch.Tensor | None:
+    """pack_int4's layout -> w = (q - 8) * scale + zero, [K, N] in `dtype` (bfloat16 or float32), on
+    torch's thread count; None without the native dequantizer or for another dtype."""
+    fn = native_dequantizer()
+    # export and torch.compile trace fake tensors (no data to hand to C): the tensor ops, which Inductor fuses
+    if fn is None or dtype not in (torch.bfloat16, torch.float32) or type(packed) is not torch.Tensor or torch.compiler.is_compiling():
+        return None
+    sz = scales_and_zeros.float()
+    scale = sz[..., 0].contiguous()
+    zero = (sz[..., 1] - 8 * sz[..., 0]).contiguous()
+    out = torch.empty(K, N, dtype=dtype)
+    packed = packed.contiguous()
+    threads = max(1, min(torch.get_num_threads(), N // block))
+    step = -(-N // block // threads) * block
+    args = (packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), K, N, block, group_size)
+    jobs = [_pool(threads).submit(fn, *args, n0, min(n0 + step, N), int(dtype == torch.bfloat16), out.data_ptr())
+            for n0 in range(0, N, step)]
+    for j in jobs:
+        j.result()
+    return out
 
 
 CODE_8_WORD = 0x88888888 - (1 << 32)  # eight codes of 8 in one int32: the padding, as pack_int4 pads
@@ -164,9 +243,11 @@ def unpack_int4(packed: torch.Tensor, K: int, N: int, block: int) -> torch.Tenso
 
 
 class CpuInt4Linear(PackedLinear):
-    """Below DEQUANT_MIN_M rows the int4 kernel; from there dequantizing the packed weight and a
-    dense matmul, since the kernel's time grows linearly with M. 384 is where the dense path won on
-    both machines measured (BENCHMARKS.md, "CPU int4 and int8 at large M"; benchmarks/cpu_prefill.py)."""
+    """Paths: "int4", the kernel; "dequant" (or "dequant_f32", common.dense_path), dequantizing the
+    packed weight and a dense matmul, whose fixed cost the kernel's time, linear in M, passes at
+    some M. Fixed rule: the dense path from DEQUANT_MIN_M rows, where it won on both machines
+    measured (BENCHMARKS.md, "CPU int4 and int8 at large M"; benchmarks/cpu_prefill.py); a kernel
+    plan replaces it with this machine's own crossover."""
 
     DEQUANT_MIN_M = 384
 
@@ -179,15 +260,27 @@ class CpuInt4Linear(PackedLinear):
         n_groups = self.padded_in // self.kernel_group_size
         self.register_buffer("scales_and_zeros", torch.empty(n_groups, self.padded_out, 2, dtype=act_dtype, device=dev))
 
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if self.pack_block_n and x.shape[0] >= self.DEQUANT_MIN_M:
-            return dense_matmul(x, self.dequantize())
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
+    def paths(self) -> tuple[str, ...]:
+        return ("int4", dense_path(self.act_dtype, "cpu")) if self.pack_block_n else ()
 
-    def dequantize(self) -> torch.Tensor:
-        """The kernel's own arithmetic, w = (q - 8) * scale + zero, as a dense [K, N] weight."""
-        codes = unpack_int4(self.qweight, self.padded_in, self.padded_out, self.pack_block_n)
-        return dequantize_folded_int4(codes, self.scales_and_zeros, self.kernel_group_size)
+    def default_path(self, m: int) -> str:
+        return dense_path(self.act_dtype, "cpu") if self.pack_block_n and m >= self.DEQUANT_MIN_M else "int4"
+
+    def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
+        if path == "int4":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
+        return dense_matmul(x, self.dequantize(torch.float32 if path == "dequant_f32" else None), path)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The kernel's own arithmetic, w = (q - 8) * scale + zero, as a dense [K, N] weight in
+        `dtype` (default: the activations'): one native pass where it compiled, else tensor ops."""
+        dtype = dtype or self.act_dtype
+        w = dequantize_native(self.qweight, self.scales_and_zeros, self.padded_in, self.padded_out, self.pack_block_n,
+                              self.kernel_group_size, dtype)
+        if w is None:
+            codes = unpack_int4(self.qweight, self.padded_in, self.padded_out, self.pack_block_n)
+            w = dequantize_folded_int4(codes, self.scales_and_zeros, self.kernel_group_size).to(dtype)
+        return w
 
 
 class CpuTarget(Target):

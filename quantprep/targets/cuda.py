@@ -141,14 +141,23 @@ class CudaInt4Linear(PackedLinear):
         """bf16 [N, K]: w = (q - 8) * scale + zero, as tinygemm computes it."""
         return dequantize_folded_int4(unpack_rows(self.qweight_kn, 4), self.scales_and_zeros, self.kernel_group_size).T
 
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= DECODE_MAX_M:
+    def paths(self) -> tuple[str, ...]:
+        return ("tinygemm", "triton", "dequant") if self.qweight.is_cuda and triton is not None else ()
+
+    def default_path(self, m: int) -> str:
+        """tinygemm up to DECODE_MAX_M rows, then the Triton GEMM (off a GPU or without Triton: dequantize)."""
+        if m <= DECODE_MAX_M:
+            return "tinygemm"
+        return "triton" if self.qweight.is_cuda and triton is not None else "dequant"
+
+    def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
+        if path == "tinygemm":
             if x.is_cuda:
                 return torch.ops.aten._weight_int4pack_mm(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
             # off the GPU (verify, tests): tinygemm's own copy of the codes, so its layout is checked too
             codes = unpack_tinygemm(self.qweight).T
             return F.linear(x, dequantize_folded_int4(codes, self.scales_and_zeros, self.kernel_group_size).T)
-        if x.is_cuda and triton is not None:
+        if path == "triton":
             return int4_kn_gemm_op(x, self.qweight_kn, self.scales_and_zeros, self.kernel_group_size)
         return F.linear(x, self.dequantized_weight())
 

@@ -14,7 +14,7 @@ from conftest import prepacked_module
 from quantprep.build.source import QuantConfig
 from quantprep.build.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
-from quantprep.targets.common import Int8PerChannelLinear
+from quantprep.targets.common import Int8PerChannelLinear, dequantize_folded_int4
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 CPU = get_target("cpu")
@@ -164,7 +164,7 @@ from quantprep.build.prepack import prepare_layer
 from quantprep.build.source import QuantConfig, _validate_layer
 from quantprep.build.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
-from quantprep.targets.common import Int8PerChannelLinear
+from quantprep.targets.common import Int8PerChannelLinear, dequantize_folded_int4
 cap = torch.backends.cpu.get_cpu_capability()
 codes = torch.randint(0, 16, (576, 208), dtype=torch.uint8)
 assert torch.equal(pack_int4(codes, cap), torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.T.to(torch.int32).contiguous(), 1))
@@ -201,3 +201,39 @@ def test_int8_per_channel_both_paths(M):
     ref = x @ layer.dequantize() + layer.bias.float()
     rel = ((module(x.bfloat16()).float() - ref).norm() / ref.norm()).item()
     assert rel < TOL[torch.bfloat16], rel
+
+
+@pytest.mark.parametrize("N,K,gs", [(208, 576, 64), (64, 128, 128), (16, 32, 32), (1536, 512, 128)])
+@pytest.mark.parametrize("block", [64, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_dequantize_is_the_kernel_s_arithmetic(N, K, gs, block, dtype):
+    """The native one-pass dequantizer against the tensor ops' w = (q - 8) * scale + zero in float64:
+    exact in float32, one rounding to bfloat16 (relative 2^-8 per weight at most), for full and
+    partial column blocks of both ISAs' layouts."""
+    from quantprep.targets.cpu import FAST_PACK_BLOCK_N, dequantize_native, native_dequantizer, pack_int4
+
+    if native_dequantizer() is None:
+        pytest.skip("no C compiler here: the dequantize path uses tensor ops")
+    isa = next(k for k, v in FAST_PACK_BLOCK_N.items() if v == block)
+    gen = torch.Generator().manual_seed(N + K)
+    codes = torch.randint(0, 16, (K, N), dtype=torch.uint8, generator=gen)
+    sz = torch.stack([torch.rand(K // gs, N, generator=gen) * 0.02 + 1e-3, torch.randn(K // gs, N, generator=gen) * 0.05], -1)
+    sz = sz.to(torch.bfloat16)  # as the artifact stores them
+    w = dequantize_native(pack_int4(codes, isa), sz, K, N, block, gs, dtype)
+    ref = dequantize_folded_int4(codes.double(), sz.double(), gs)
+    if dtype == torch.float32:
+        assert torch.allclose(w.double(), ref, rtol=1e-6, atol=1e-7)
+    else:
+        assert ((w.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-30).all()
+
+
+def test_without_a_compiler_the_dequantize_path_uses_tensor_ops(monkeypatch):
+    from quantprep.targets import cpu
+
+    gen = torch.Generator().manual_seed(6)
+    _, module, _ = _module_for(random_gptq_tensors(576, 208, 4, 128, False, True, True, generator=gen),
+                               QuantConfig(4, 128, False, True, "gptq"), torch.bfloat16)
+    native = module.dequantize().float()
+    monkeypatch.setattr(cpu, "native_dequantizer", lambda: None)
+    ops = module.dequantize().float()
+    assert ((native - ops).norm() / ops.norm()).item() < 4e-3  # each rounds to bf16 its own way

@@ -1,0 +1,197 @@
+"""Kernel plans: which kernel path each quantized Linear runs at each row count M, timed once on
+the serving machine.
+
+A packed Linear may have several paths (targets/: the int4 kernel, or dequantizing its weight and
+a dense matmul), and which one is faster depends on the CPU or GPU, its cores and M: on one 2-core
+AVX512 CPU the int4 kernel beat the dense path at M = 512 on the 1.5B's gate/up layer, where the
+fixed rule sent it to the dense one (BENCHMARKS.md, "Kernel plans"). `warm` times every path of
+each distinct linear shape at the warmed prefill lengths (and M = 1, decode) and writes the winners
+to `kcache/plan.json`; `load` applies them when the kcache is trusted and the plan's key is this
+machine's. Otherwise, and above the longest length timed, every module keeps its fixed rule
+(`default_path`): the plan knows nothing of longer prompts.
+
+The search: a path's time is close to affine in M (a fixed cost, such as dequantizing the weight,
+plus a cost per row), so one path winning at two lengths wins at every length between them, and
+only an interval whose ends have different winners is bisected. About log2(lengths) timings per
+shape instead of one per length.
+
+plan.json: {"version": 1, "key": plan_key(device), "max_m": M, "shapes": {plan_shape: [[first_m, path], ...]},
+"timings_ms": {plan_shape: {m: {path: ms}}}}; docs/artifact-format.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from quantprep._io.jsonfile import parse_json_object
+from quantprep.errors import ArtifactError
+from quantprep.runtime.kcache import PLAN, cache_key
+from quantprep.targets.common import PackedLinear
+
+VERSION = 1
+MAX_BYTES = 1 << 20  # a plan is a few kilobytes
+MAX_SHAPES = 4096
+MAX_RANGES = 64
+REPS = 3  # timed calls per path and length, after an untimed one
+
+
+def processor() -> str | None:
+    """The CPU's model name (Linux: /proc/cpuinfo), part of a CPU plan's key."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            for line in f.read(1 << 20).decode(errors="replace").splitlines():
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return None
+
+
+def plan_key(device_type: str) -> dict:
+    """What the timings depend on: the kernel cache's key (versions, ISA or GPU), and on a CPU its
+    model and the threads torch runs with."""
+    key = cache_key(device_type)
+    if device_type == "cpu":
+        key.update(processor=processor(), threads=torch.get_num_threads())
+    return key
+
+
+def planned_modules(model) -> dict[str, list[PackedLinear]]:
+    """plan_shape -> the modules of that shape that have more than one path."""
+    groups: dict[str, list[PackedLinear]] = {}
+    for m in model.modules():
+        if isinstance(m, PackedLinear) and len(m.paths()) > 1:
+            groups.setdefault(m.plan_shape(), []).append(m)
+    return groups
+
+
+def time_paths(module: PackedLinear, x: torch.Tensor, paths: tuple[str, ...]) -> dict[str, float]:
+    """Milliseconds of each path on x: the fastest of REPS calls, the paths interleaved, so that
+    another process's load (noise only ever adds time) biases none of them."""
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    best = {}
+    for p in paths:
+        module.run(x, p)  # untimed: first-call allocations, oneDNN primitives, Triton's compile
+    for _ in range(REPS):
+        for p in paths:
+            sync()
+            t0 = time.perf_counter()
+            module.run(x, p)
+            sync()
+            best[p] = min(best.get(p, float("inf")), time.perf_counter() - t0)
+    return {p: round(t * 1e3, 4) for p, t in best.items()}
+
+
+def decide_shape(module: PackedLinear, lengths: list[int], measure=time_paths) -> tuple[list[list], dict]:
+    """[[first_m, path], ...] for one module over `lengths` (ascending), and the timings taken
+    (measure(module, x, paths) -> {path: ms})."""
+    paths, timings, winner = module.paths(), {}, {}
+    device = module.qweight.device
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def win(i: int) -> str:
+        if i not in winner:
+            m = lengths[i]
+            x = torch.randn(m, module.padded_in, generator=gen, device=device).to(module.act_dtype)
+            timings[m] = measure(module, x, paths)
+            winner[i] = min(paths, key=timings[m].get)
+        return winner[i]
+
+    def bisect(i: int, j: int) -> None:
+        if win(i) != win(j) and j - i > 1:
+            k = (i + j) // 2
+            bisect(i, k)
+            bisect(k, j)
+
+    with torch.inference_mode():
+        bisect(0, len(lengths) - 1)
+    ranges: list[list] = []
+    for i in range(len(lengths)):  # an unmeasured length takes the winner of the measured one below it
+        path = winner.get(i, ranges[-1][1] if ranges else None)
+        if not ranges or ranges[-1][1] != path:
+            ranges.append([lengths[i] if ranges else 1, path])
+    return ranges, timings
+
+
+def decide(model, lengths: list[int]) -> dict:
+    """Time each distinct shape's paths at M = 1 and the prefill `lengths`; the plan."""
+    ms = sorted({1, *lengths})
+    t0 = time.perf_counter()
+    shapes, timings = {}, {}
+    for shape, modules in planned_modules(model).items():
+        shapes[shape], timings[shape] = decide_shape(modules[0], ms)
+    device = next(model.parameters()).device.type
+    return {"version": VERSION, "key": plan_key(device), "max_m": ms[-1], "shapes": shapes, "timings_ms": timings,
+            "s": round(time.perf_counter() - t0, 3)}
+
+
+def write(plan: dict, out_dir: Path) -> None:
+    (out_dir / PLAN).write_text(json.dumps(plan, indent=1))
+
+
+def read(root: Path, entry: dict) -> dict:
+    """`root/plan.json`, checked against the kcache entry's sha256 and size, bounded and validated.
+    ArtifactError naming the problem."""
+    listed = entry["files"].get(PLAN)
+    where = root / PLAN
+    fix = "re-run `quantprep warm` on this machine"
+    if not isinstance(listed, dict) or not isinstance(listed.get("size"), int) or listed["size"] > MAX_BYTES:
+        raise ArtifactError(f"{where}: not listed in manifest.json's kcache, or larger than {MAX_BYTES} bytes; {fix}")
+    try:
+        with open(where, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+    except OSError as e:
+        raise ArtifactError(f"{where}: cannot be read ({e.strerror or e}); {fix}") from None
+    if len(raw) != listed["size"] or hashlib.sha256(raw).hexdigest() != listed.get("sha256"):
+        raise ArtifactError(f"{where}: does not match its sha256 and size in manifest.json; {fix}")
+    plan = parse_json_object(raw, str(where), ArtifactError, fix, MAX_BYTES)
+    check(plan, where)
+    return plan
+
+
+def check(plan: dict, where: Path | str) -> None:
+    """The plan's schema: a version this quantprep reads, a key, the largest M timed, and for each
+    shape ascending ranges [[1, path], [first_m, path], ...] up to it, of ints and path names."""
+    def bad(what: str) -> ArtifactError:
+        return ArtifactError(f"{where}: {what}; re-run `quantprep warm` on this machine")
+
+    if plan.get("version") != VERSION:
+        raise bad(f"plan version {plan.get('version')!r}, this quantprep reads {VERSION}")
+    if not isinstance(plan.get("key"), dict) or not isinstance(plan.get("shapes"), dict) or len(plan["shapes"]) > MAX_SHAPES:
+        raise bad(f"expected a key and at most {MAX_SHAPES} shapes")
+    if type(plan.get("max_m")) is not int or plan["max_m"] < 1:
+        raise bad(f"max_m {plan.get('max_m')!r} is not a positive integer")
+    for shape, ranges in plan["shapes"].items():
+        ok = isinstance(ranges, list) and 0 < len(ranges) <= MAX_RANGES and all(
+            isinstance(r, list) and len(r) == 2 and type(r[0]) is int and isinstance(r[1], str) for r in ranges)
+        firsts = [r[0] for r in ranges] if ok else []
+        if not ok or firsts[0] != 1 or firsts != sorted(set(firsts)) or firsts[-1] > plan["max_m"]:
+            raise bad(f"shape {shape!r}: ranges must be [[1, path], [first_m, path], ...] with first_m ascending")
+
+
+def apply(model, plan: dict, device_type: str) -> int:
+    """Set each planned module's ranges; returns how many modules got one. ArtifactError (and no
+    module changed) when the key is another machine's or a path is not one the module has."""
+    here = plan_key(device_type)
+    diff = [k for k in sorted(set(plan["key"]) | set(here)) if plan["key"].get(k) != here.get(k)]
+    if diff:
+        k = diff[0]
+        raise ArtifactError(f"kernel plan timed with {k}={plan['key'].get(k)!r}, this machine has {k}={here.get(k)!r}; "
+                            "re-run `quantprep warm` here")
+    chosen = []
+    for shape, modules in planned_modules(model).items():
+        ranges = plan["shapes"].get(shape)
+        if ranges is None:
+            continue
+        if unknown := {p for _, p in ranges} - set(modules[0].paths()):
+            raise ArtifactError(f"kernel plan for {shape} names path {sorted(unknown)[0]!r}, which {shape.split(':')[0]} "
+                                f"does not have here ({', '.join(modules[0].paths())})")
+        chosen += [(m, tuple((first, path) for first, path in ranges)) for m in modules]
+    for m, ranges in chosen:
+        m.plan, m.plan_max_m = ranges, plan["max_m"]
+    return len(chosen)

@@ -1,0 +1,68 @@
+"""quantprep's own C kernels, compiled on this machine by its C compiler (`cc -O3 -march=native`)
+once, and kept in this user's private cache under a name made of the sha256 of the source, the
+compiler's version and this CPU's flags. They are quantprep's sources, never an artifact's. Without
+a compiler, or with QUANTPREP_NATIVE=0, `library` returns None and callers take their tensor-op paths.
+
+    $XDG_CACHE_HOME/quantprep/native/<digest>.so   (QUANTPREP_NATIVE_DIR)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from quantprep import settings
+from quantprep._io.userdirs import private_dir, user_dir
+from quantprep.errors import ArtifactError
+
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
+
+
+@functools.cache
+def _compiler() -> tuple[str, str] | None:
+    """(path, version line) of `cc`, or None."""
+    cc = shutil.which("cc")
+    if cc is None:
+        return None
+    try:
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (cc, out.stdout.partition("\n")[0]) if out.returncode == 0 else None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            text = f.read(1 << 20).decode(errors="replace")
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+@functools.cache
+def library(source: str) -> ctypes.CDLL | None:
+    """`source` compiled as a shared library (cached, see above), or None."""
+    cc = _compiler()
+    if cc is None or os.environ.get(settings.NATIVE) == "0":
+        return None
+    digest = hashlib.sha256("\0".join([source, cc[1], *FLAGS, _cpu_flags()]).encode()).hexdigest()[:32]
+    try:
+        root = private_dir(user_dir(settings.NATIVE_DIR, "cache", "native"))
+    except (ArtifactError, OSError):
+        return None
+    lib = root / f"{digest}.so"
+    if not lib.is_file():
+        with tempfile.TemporaryDirectory(prefix="build-", dir=root) as tmp:
+            src, out = Path(tmp, "kernel.c"), Path(tmp, "kernel.so")
+            src.write_text(source)
+            if subprocess.run([cc[0], *FLAGS, str(src), "-o", str(out)], capture_output=True).returncode:
+                return None
+            os.replace(out, lib)  # atomic: a racing process loads a whole library or compiles its own
+    return ctypes.CDLL(str(lib))  # ctypes lets go of the GIL during each call
