@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -124,8 +125,8 @@ def native_packer():
 # The dequantize path's weight, [K, N] in bfloat16 or float32, in one pass over the packed bytes
 # (pack_int4's layout): the tensor ops take seven passes and were most of that path's time at the
 # 1.5B's shapes (BENCHMARKS.md, "Kernel plans"). w = q * scale + (zero - 8 * scale) in float32,
-# rounded once to bfloat16 (to nearest even; the kernel's codes and scales are finite). Threads
-# take whole blocks of columns: [n_begin, n_end) is a multiple of `block`, or runs to N.
+# rounded once to bfloat16 (to nearest even; the kernel's codes and scales are finite). One output
+# row at a time, so the writes run along it; threads take rows [k_begin, k_end).
 NATIVE_DEQUANT_SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
@@ -133,35 +134,35 @@ static inline uint16_t to_bf16(float f) {
     uint32_t u; memcpy(&u, &f, 4);
     return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
-#define STORE(o, i, v) do { if (bf16) ((uint16_t *)(o))[i] = to_bf16(v); else ((float *)(o))[i] = (v); } while (0)
-static void rows(const uint8_t *p, const float *s, const float *z, int64_t K, int64_t N, int64_t gs, int64_t n0,
-                 int64_t width, int paired, int bf16, void *out) {
-    int64_t half = width / 2, esize = bf16 ? 2 : 4;
-    for (int64_t k = 0; k < K; k++) {
-        const uint8_t *row = p + k * half;
-        const float *sk = s + (k / gs) * N + n0, *zk = z + (k / gs) * N + n0;
-        char *o = (char *)out + (k * N + n0) * esize;
-        if (!paired) {
-            for (int64_t j = 0; j < half; j++) {
-                STORE(o, j, (float)(row[j] & 15) * sk[j] + zk[j]);
-                STORE(o, j + half, (float)(row[j] >> 4) * sk[j + half] + zk[j + half]);
-            }
-        } else {
-            for (int64_t j = 0; j < half; j++) {
-                STORE(o, 2 * j, (float)(row[j] & 15) * sk[2 * j] + zk[2 * j]);
-                STORE(o, 2 * j + 1, (float)(row[j] >> 4) * sk[2 * j + 1] + zk[2 * j + 1]);
-            }
-        }
+#define AS_FLOAT(v) (v)
+/* Row k of the output: every full block of `block` columns (its byte j of row k holds columns j
+   and j + block/2), then the last, partial one (byte j: columns 2j and 2j + 1). */
+#define ROW(T, CONVERT)                                                                                           \
+    static void row_##T(const uint8_t *restrict packed, int64_t k, int64_t K, int64_t N, int64_t block,            \
+                        const float *restrict s, const float *restrict z, T *restrict o) {                        \
+        int64_t half = block / 2, n_full = N / block * block, tail = (N - n_full) / 2;                            \
+        for (int64_t n0 = 0; n0 < n_full; n0 += block) {                                                          \
+            const uint8_t *restrict p = packed + n0 * K / 2 + k * half;                                           \
+            _Pragma("GCC ivdep") for (int64_t j = 0; j < half; j++) {                                             \
+                o[n0 + j] = CONVERT((float)(p[j] & 15) * s[n0 + j] + z[n0 + j]);                                   \
+                o[n0 + j + half] = CONVERT((float)(p[j] >> 4) * s[n0 + j + half] + z[n0 + j + half]);              \
+            }                                                                                                     \
+        }                                                                                                         \
+        const uint8_t *restrict p = packed + n_full * K / 2 + k * tail;                                           \
+        for (int64_t j = 0; j < tail; j++) {                                                                      \
+            o[n_full + 2 * j] = CONVERT((float)(p[j] & 15) * s[n_full + 2 * j] + z[n_full + 2 * j]);               \
+            o[n_full + 2 * j + 1] = CONVERT((float)(p[j] >> 4) * s[n_full + 2 * j + 1] + z[n_full + 2 * j + 1]);   \
+        }                                                                                                         \
     }
-}
+ROW(uint16_t, to_bf16)
+ROW(float, AS_FLOAT)
 void dequant_int4_cpu(const uint8_t *packed, const float *scale, const float *zero, int64_t K, int64_t N,
-                      int64_t block, int64_t gs, int64_t n_begin, int64_t n_end, int bf16, void *out) {
-    int64_t n_full = N / block * block;
-    for (int64_t n0 = n_begin; n0 < n_end && n0 < n_full; n0 += block)
-        if (bf16) rows(packed + n0 * K / 2, scale, zero, K, N, gs, n0, block, 0, 1, out);
-        else rows(packed + n0 * K / 2, scale, zero, K, N, gs, n0, block, 0, 0, out);
-    if (n_end > n_full && n_full < N)  /* the last, partial block pairs adjacent columns */
-        rows(packed + n_full * K / 2, scale, zero, K, N, gs, n_full, N - n_full, 1, bf16, out);
+                      int64_t block, int64_t gs, int64_t k_begin, int64_t k_end, int bf16, void *out) {
+    for (int64_t k = k_begin; k < k_end; k++) {
+        const float *s = scale + (k / gs) * N, *z = zero + (k / gs) * N;
+        if (bf16) row_uint16_t(packed, k, K, N, block, s, z, (uint16_t *)out + k * N);
+        else row_float(packed, k, K, N, block, s, z, (float *)out + k * N);
+    }
 }
 """
 
@@ -183,24 +184,42 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="quantprep-dequant")
 
 
+def eager(t: torch.Tensor) -> bool:
+    """Real data in an eager call: export and torch.compile trace fake tensors, which have no data to
+    hand to C (they take the tensor ops, which Inductor fuses)."""
+    return type(t) is torch.Tensor and not torch.compiler.is_compiling()
+
+
+_scratch = threading.local()
+
+
+def scratch(K: int, N: int, dtype: torch.dtype) -> torch.Tensor:
+    """[K, N] of `dtype` in a buffer this thread reuses: a fresh weight-sized tensor per call was
+    paged in by the kernel at every call (most of the dequantize path's time on the 1.5B's layers)."""
+    need = K * N * dtype.itemsize
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < need:
+        buf = _scratch.buf = torch.empty(need, dtype=torch.uint8)
+    return buf[:need].view(dtype).view(K, N)
+
+
 def dequantize_native(packed: torch.Tensor, scales_and_zeros: torch.Tensor, K: int, N: int, block: int, group_size: int,
-                      dtype: torch.dtype) -> torch.Tensor | None:
+                      dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """pack_int4's layout -> w = (q - 8) * scale + zero, [K, N] in `dtype` (bfloat16 or float32), on
-    torch's thread count; None without the native dequantizer or for another dtype."""
+    torch's thread count, into `out` if given; None without the native dequantizer or for another dtype."""
     fn = native_dequantizer()
-    # export and torch.compile trace fake tensors (no data to hand to C): the tensor ops, which Inductor fuses
-    if fn is None or dtype not in (torch.bfloat16, torch.float32) or type(packed) is not torch.Tensor or torch.compiler.is_compiling():
+    if fn is None or dtype not in (torch.bfloat16, torch.float32) or not eager(packed):
         return None
     sz = scales_and_zeros.float()
     scale = sz[..., 0].contiguous()
     zero = (sz[..., 1] - 8 * sz[..., 0]).contiguous()
-    out = torch.empty(K, N, dtype=dtype)
+    out = torch.empty(K, N, dtype=dtype) if out is None else out
     packed = packed.contiguous()
-    threads = max(1, min(torch.get_num_threads(), N // block))
-    step = -(-N // block // threads) * block
+    threads = max(1, min(torch.get_num_threads(), K))
+    step = -(-K // threads)
     args = (packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), K, N, block, group_size)
-    jobs = [_pool(threads).submit(fn, *args, n0, min(n0 + step, N), int(dtype == torch.bfloat16), out.data_ptr())
-            for n0 in range(0, N, step)]
+    jobs = [_pool(threads).submit(fn, *args, k0, min(k0 + step, K), int(dtype == torch.bfloat16), out.data_ptr())
+            for k0 in range(0, K, step)]
     for j in jobs:
         j.result()
     return out
@@ -269,14 +288,16 @@ class CpuInt4Linear(PackedLinear):
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
         if path == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
-        return dense_matmul(x, self.dequantize(torch.float32 if path == "dequant_f32" else None), path)
+        return dense_matmul(x, self.dequantize(torch.float32 if path == "dequant_f32" else None, reuse=True), path)
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype | None = None, reuse: bool = False) -> torch.Tensor:
         """The kernel's own arithmetic, w = (q - 8) * scale + zero, as a dense [K, N] weight in
-        `dtype` (default: the activations'): one native pass where it compiled, else tensor ops."""
+        `dtype` (default: the activations'): one native pass where it compiled, else tensor ops.
+        reuse: into this thread's scratch buffer, which the next call overwrites."""
         dtype = dtype or self.act_dtype
+        out = scratch(self.padded_in, self.padded_out, dtype) if reuse and eager(self.qweight) else None
         w = dequantize_native(self.qweight, self.scales_and_zeros, self.padded_in, self.padded_out, self.pack_block_n,
-                              self.kernel_group_size, dtype)
+                              self.kernel_group_size, dtype, out)
         if w is None:
             codes = unpack_int4(self.qweight, self.padded_in, self.padded_out, self.pack_block_n)
             w = dequantize_folded_int4(codes, self.scales_and_zeros, self.kernel_group_size).to(dtype)

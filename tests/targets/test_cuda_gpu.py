@@ -16,7 +16,7 @@ from quantprep.build.synthetic import random_gptq_tensors
 from quantprep.targets.cuda import pack_tinygemm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-ROWS = (1, 16, 17, 64, 512)  # tinygemm up to DECODE_MAX_M = 16, the Triton GEMM from 17
+ROWS = (1, 16, 17, 64, 512)  # tinygemm up to DECODE_MAX_M = 16, then the fixed rule's prefill path
 
 
 def _module(bits, group_size, sym, act_order, K=576, N=200, seed=0):
@@ -33,10 +33,42 @@ def test_cuda_kernels_match_dense_at_every_path(bits, group_size, sym, act_order
     for rows in ROWS:
         x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(rows))
         ref = x @ ref_w + layer.bias.float()
-        with torch.no_grad():
-            y = module(x.cuda().bfloat16()).float().cpu()
-        rel = ((y - ref).norm() / ref.norm()).item()
-        assert rel < 2e-2, f"{rows} rows: rel err {rel:.2e}"
+        for path in (None, *module.paths()):  # the fixed rule, then every path a kernel plan may pick
+            module.plan, module.plan_max_m = ((), 0) if path is None else (((1, path),), 1 << 20)
+            with torch.no_grad():
+                y = module(x.cuda().bfloat16()).float().cpu()
+            rel = ((y - ref).norm() / ref.norm()).item()
+            assert rel < 2e-2, f"{rows} rows, path {path}: rel err {rel:.2e}"
+
+
+def test_a_kernel_plan_is_timed_on_the_gpu_and_applied(tmp_path):
+    import json
+
+    from conftest import TINY_LLAMA
+
+    import quantprep
+    from quantprep.build.pipeline import prepack
+    from quantprep.build.synthetic import write_random_checkpoint
+    from quantprep.runtime.warm import warm
+    from quantprep.targets.common import PackedLinear
+
+    gptq = write_random_checkpoint(tmp_path / "gptq", dict(TINY_LLAMA, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                                           num_attention_heads=4, num_key_value_heads=2), group_size=64)
+    prepack(gptq, "cuda", tmp_path / "art")
+    report = warm(tmp_path / "art", shapes=[1, 16, 64, 256], progress=False)
+    plan = json.loads((tmp_path / "art" / "kcache" / "plan.json").read_text())
+    assert plan["shapes"] == report["plan"]["shapes"] and plan["key"]["name"] == torch.cuda.get_device_name()
+    model = quantprep.load(tmp_path / "art")
+    planned = [m for m in model.modules() if isinstance(m, PackedLinear) and m.plan]
+    assert model.quantprep_kcache["plan"] == len(planned) > 0
+    assert {p for m in planned for _, p in m.plan} <= {"tinygemm", "triton", "dequant"}
+    ids = torch.arange(64, device="cuda").view(1, 64) % model.config.vocab_size
+    with torch.inference_mode():
+        planned_logits = model(ids).logits.float()
+        for m in planned:
+            m.plan, m.plan_max_m = (), 0
+        fixed = model(ids).logits.float()
+    assert ((planned_logits - fixed).norm() / fixed.norm()).item() < 2e-2
 
 
 @pytest.mark.parametrize("ikt", [2, 4, 8])
