@@ -286,6 +286,87 @@ def vs_gptqmodel_openvino(*runs: dict) -> str:
     return "\n".join(out)
 
 
+def vs_gptqmodel_dense(*runs: dict) -> str:
+    """quantprep's cpu artifact (its kernel plan applied), GPTQModel and the dense bfloat16 model of one
+    checkpoint, in one run (benchmarks/vs_gptqmodel.py --dense --profile)."""
+    out = ["| model, machine, date | | GPTQModel (TORCH backend) | quantprep (cpu artifact, kernel plan) | dense bf16 | quantprep / GPTQModel "
+           "| quantprep / dense |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        head = f"{r['model']}, {r['cpu']} ({r['cores']} cores, {r['cpu_capability']}, {r['threads']} threads), {r['date'][:10]}"
+        pf, dc = r["prefill_512_s"], r["decode_tok_s"]
+        out += [f"| {head} | 512-token prefill (median of {len(pf['quantprep']['runs'])}) | {pf['gptqmodel']['median']:.2f} s | "
+                f"{pf['quantprep']['median']:.2f} s | {pf['dense']['median']:.2f} s | {pf['quantprep_over_gptqmodel']:.2f}x the time "
+                f"| {pf['quantprep_over_dense']:.2f}x the time |",
+                f"| | decode, {r['decode_new_tokens']} tokens after a 16-token prompt | {dc['gptqmodel']['median']:.2f} tok/s | "
+                f"{dc['quantprep']['median']:.2f} tok/s | {dc['dense']['median']:.2f} tok/s | {dc['quantprep_over_gptqmodel']:.2f}x the speed "
+                f"| {dc['quantprep_over_dense']:.2f}x the speed |",
+                f"| | kernel plan | | {r['kcache'].get('plan', 'none')} modules planned ({r['kcache'].get('trusted', r['kcache']['status'])}) | | | |"]
+        prof = r.get("prefill_profile_ms")
+        if prof:
+            kinds = [k for k in dict.fromkeys(k for p in prof.values() for k in p) if k != "total"]
+            out += ["", f"512-token prefill by module kind, ms, exclusive of children (forward hooks, median of {len(pf['quantprep']['runs'])}):", "",
+                    "| module kind | " + " | ".join(prof) + " |", "| --- |" + " --- |" * len(prof)]
+            out += [f"| {k} | " + " | ".join(f"{p.get(k, 0):.1f}" for p in prof.values()) + " |" for k in kinds]
+            out.append("| total | " + " | ".join(f"{p['total']:.1f}" for p in prof.values()) + " |")
+    return "\n".join(out)
+
+
+def vs_llamacpp(*runs: dict) -> str:
+    """llama.cpp on the recipe's GGUF beside quantprep's cpu artifact and GPTQModel (benchmarks/vs_llamacpp.py)."""
+    names = {"llamacpp": "llama.cpp (the recipe's Q4_K_M GGUF)", "quantprep": "quantprep (cpu artifact)", "gptqmodel": "GPTQModel (TORCH backend)"}
+    out = []
+    for r in runs:
+        dc, pf, ft = r["decode_tok_s"], r["prefill_512_s"], r["first_token_s"]
+        out += [f"{r['model']}, {r['cpu']} ({r['cores']} cores, {r['cpu_capability']}), {r['threads']} threads each, {r['date'][:10]}; "
+                f"llama-cpp-python {r['versions']['llama_cpp']}; medians of {len(dc['quantprep']['runs'])} (first token: "
+                f"{len(ft['quantprep']['runs'])} fresh processes)", "",
+                "| runtime | decode, tok/s | 512-token prefill, s | spawn to first token, s (imports / load / first token) |",
+                "| --- | --- | --- | --- |"]
+        for k, name in names.items():
+            f = ft[k]
+            out.append(f"| {name} | {dc[k]['median']:.2f} | {pf[k]['median']:.2f} | {f['total_s']:.2f} ({f['import_s']:.2f} / "
+                       f"{f['load_s']:.2f} / {f['first_s']:.2f}) |")
+        out.append(f"| quantprep / llama.cpp | {dc['quantprep_over_llamacpp']:.2f}x the speed | {pf['quantprep_over_llamacpp']:.2f}x "
+                   f"the time | {ft['quantprep_over_llamacpp']:.2f}x the time |")
+    return "\n".join(out)
+
+
+def plan_prefill(*runs: dict) -> str:
+    """A model's prefill and one-row forward with the kernel plan, each fixed rule and single path, and dense bf16 (benchmarks/plan_prefill.py)."""
+    out = ["| machine, date | model shapes | warm (of it, the plan) | variant | 512-token prefill | / dense | one-row forward |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        head = f"{_where(r)}, {r['target']}, {r['date'][:10]}"
+        for name, m in r["models"].items():
+            cells = [head, f"Qwen2.5-{name.upper()}", f"{m['warm_s']:.1f} s ({m['plan_s']:.1f} s)"]
+            for v, p in m["prefill512_ms"].items():
+                out.append(f"| {' | '.join(cells)} | {v} | {p['median']:.2f} ms | {m['prefill512_over_dense'][v]:.2f}x | "
+                           f"{m['forward_m1_ms'][v]['median']:.2f} ms |")
+                cells = ["", "", ""]
+            head = ""
+    return "\n".join(out)
+
+
+def cuda_prefill(*runs: dict) -> str:
+    """Per-linear kernel candidates on the GPU, the best per M against dense bf16 (benchmarks/cuda_prefill.py)."""
+    out = []
+    for r in runs:
+        out += [f"{r['device']}, torch {r['torch']}, mslk-cuda {r['mslk']}, torchao {r['torchao']}, {r['date'][:10]}: time / dense bf16, "
+                "one decoder layer's linears weighted by count", "",
+                "| model | M | best path per linear | best single path | with the act-order gathers |", "| --- | --- | --- | --- | --- |"]
+        for x in r["plan"]["summary"]:
+            out.append(f"| {x['model']} | {x['M']} | {x['plan_over_dense']:.2f}x | {x['best_single_path']} {x['best_single_over_dense']:.2f}x "
+                       f"| {x['plan_with_gather_over_dense']:.2f}x |")
+        out += ["", "| model | whole-model 512-token prefill / dense (CUDA graphs) | " + " | ".join(
+            next(iter(r["whole_model"].values()))["graph_prefill512_over_dense"]) + " |",
+                "| --- | --- |" + " --- |" * len(next(iter(r["whole_model"].values()))["graph_prefill512_over_dense"])]
+        for name, w in r["whole_model"].items():
+            if "graph_prefill512_over_dense" in w:
+                out.append(f"| {name} | dense {w['graph_prefill512_ms']['dense_bf16']:.2f} ms | "
+                           + " | ".join(f"{v:.2f}x" for v in w["graph_prefill512_over_dense"].values()) + " |")
+    return "\n".join(out)
+
+
 def openvino_start(*runs: dict) -> str:
     """Spawn to first token of an openvino artifact per variant, fresh processes (benchmarks/openvino_start.py)."""
     labels = {"pa-nocache": "genai's default pipeline (PagedAttention), no cache", "pa-cache": "the same, CACHE_DIR warmed",
@@ -598,6 +679,10 @@ RENDERERS = {
     "vs-gptqmodel": vs_gptqmodel,
     "vs-gptqmodel-openvino": vs_gptqmodel_openvino,
     "openvino-start": openvino_start,
+    "vs-gptqmodel-dense": vs_gptqmodel_dense,
+    "vs-llamacpp": vs_llamacpp,
+    "plan-prefill": plan_prefill,
+    "cuda-prefill": cuda_prefill,
     "target-ppl": target_ppl,
     "scale": scale,
     "first-load-hash": first_load_hash,

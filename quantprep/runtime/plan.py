@@ -71,19 +71,31 @@ def planned_modules(model) -> dict[str, list[PackedLinear]]:
 
 
 def time_paths(module: PackedLinear, x: torch.Tensor, paths: tuple[str, ...]) -> dict[str, float]:
-    """Milliseconds of each path on x: the fastest of REPS calls, the paths interleaved, so that
+    """Milliseconds of the module's forward on x with each path forced (the act-order gather
+    included where the path needs it): the fastest of REPS calls, the paths interleaved, so that
     another process's load (noise only ever adds time) biases none of them."""
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    saved = {k: vars(module)[k] for k in ("plan", "plan_max_m") if k in vars(module)}
+
+    def call(path: str) -> None:
+        module.plan, module.plan_max_m = ((1, path),), x.shape[0]
+        module(x)
+
     best = {}
-    for p in paths:
-        module.run(x, p)  # untimed: first-call allocations, oneDNN primitives, Triton's compile
-    for _ in range(REPS):
+    try:
         for p in paths:
-            sync()
-            t0 = time.perf_counter()
-            module.run(x, p)
-            sync()
-            best[p] = min(best.get(p, float("inf")), time.perf_counter() - t0)
+            call(p)  # untimed: first-call allocations, oneDNN primitives, Triton's compile
+        for _ in range(REPS):
+            for p in paths:
+                sync()
+                t0 = time.perf_counter()
+                call(p)
+                sync()
+                best[p] = min(best.get(p, float("inf")), time.perf_counter() - t0)
+    finally:  # as it was: AOT export's signature reads the module's own attributes
+        for k in ("plan", "plan_max_m"):
+            vars(module).pop(k, None)
+        vars(module).update(saved)
     return {p: round(t * 1e3, 4) for p, t in best.items()}
 
 
@@ -97,7 +109,7 @@ def decide_shape(module: PackedLinear, lengths: list[int], measure=time_paths) -
     def win(i: int) -> str:
         if i not in winner:
             m = lengths[i]
-            x = torch.randn(m, module.padded_in, generator=gen, device=device).to(module.act_dtype)
+            x = torch.randn(m, module.in_features, generator=gen, device=device).to(module.act_dtype)
             timings[m] = measure(module, x, paths)
             winner[i] = min(paths, key=timings[m].get)
         return winner[i]

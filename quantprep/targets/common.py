@@ -153,6 +153,11 @@ class PackedLinear(nn.Module):
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def input_order(self, path: str) -> bool:
+        """Whether `path` takes the activations as they come (its weight is in their order), so
+        forward skips the act-order gather and the K padding."""
+        return False
+
     def path_for(self, m: int) -> str:
         if m > self.plan_max_m:
             return self.default_path(m)
@@ -179,8 +184,12 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x = gather_and_pad(x.reshape(-1, self.in_features).to(self.act_dtype), self.perm, self.padded_in).contiguous()
-        y = self.kernel(x)
+        x = x.reshape(-1, self.in_features).to(self.act_dtype)
+        path = self.path_for(x.shape[0]) if self.paths() else None
+        if path is None or not self.input_order(path):
+            x = gather_and_pad(x, self.perm, self.padded_in)
+        x = x.contiguous()
+        y = self.kernel(x) if path is None else self.run(x, path)
         if self.padded_out != self.out_features:
             y = y[:, : self.out_features]
         if self.bias is not None:

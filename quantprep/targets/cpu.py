@@ -156,12 +156,15 @@ static inline uint16_t to_bf16(float f) {
     }
 ROW(uint16_t, to_bf16)
 ROW(float, AS_FLOAT)
-void dequant_int4_cpu(const uint8_t *packed, const float *scale, const float *zero, int64_t K, int64_t N,
+/* K: the packed rows (padded); rows k_begin..k_end-1 of them are written, row k to output row
+   dest[k] (dest NULL: k), so an act-order weight comes out in the activations' own order */
+void dequant_int4_cpu(const uint8_t *packed, const int32_t *dest, const float *scale, const float *zero, int64_t K, int64_t N,
                       int64_t block, int64_t gs, int64_t k_begin, int64_t k_end, int bf16, void *out) {
     for (int64_t k = k_begin; k < k_end; k++) {
         const float *s = scale + (k / gs) * N, *z = zero + (k / gs) * N;
-        if (bf16) row_uint16_t(packed, k, K, N, block, s, z, (uint16_t *)out + k * N);
-        else row_float(packed, k, K, N, block, s, z, (float *)out + k * N);
+        int64_t r = dest ? dest[k] : k;
+        if (bf16) row_uint16_t(packed, k, K, N, block, s, z, (uint16_t *)out + r * N);
+        else row_float(packed, k, K, N, block, s, z, (float *)out + r * N);
     }
 }
 """
@@ -174,7 +177,7 @@ def native_dequantizer():
     if lib is None:
         return None
     fn = lib.dequant_int4_cpu
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_int, ctypes.c_void_p]
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_int, ctypes.c_void_p]
     fn.restype = None
     return fn
 
@@ -204,22 +207,27 @@ def scratch(K: int, N: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def dequantize_native(packed: torch.Tensor, scales_and_zeros: torch.Tensor, K: int, N: int, block: int, group_size: int,
-                      dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """pack_int4's layout -> w = (q - 8) * scale + zero, [K, N] in `dtype` (bfloat16 or float32), on
-    torch's thread count, into `out` if given; None without the native dequantizer or for another dtype."""
+                      dtype: torch.dtype, out: torch.Tensor | None = None, perm: torch.Tensor | None = None,
+                      rows: int | None = None) -> torch.Tensor | None:
+    """pack_int4's layout (K packed rows) -> w = (q - 8) * scale + zero in `dtype` (bfloat16 or float32),
+    on torch's thread count, into `out` if given: [K, N], or with `perm` (act-order: packed row k is
+    input row perm[k]) the first `rows` packed rows in input order, [rows, N]. None without the
+    native dequantizer or for another dtype."""
     fn = native_dequantizer()
     if fn is None or dtype not in (torch.bfloat16, torch.float32) or not eager(packed):
         return None
+    rows = K if rows is None else rows
     sz = scales_and_zeros.float()
     scale = sz[..., 0].contiguous()
     zero = (sz[..., 1] - 8 * sz[..., 0]).contiguous()
-    out = torch.empty(K, N, dtype=dtype) if out is None else out
+    out = torch.empty(rows, N, dtype=dtype) if out is None else out
+    dest = None if perm is None else perm.to(torch.int32).contiguous()
     packed = packed.contiguous()
-    threads = max(1, min(torch.get_num_threads(), K))
-    step = -(-K // threads)
-    args = (packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), K, N, block, group_size)
-    jobs = [_pool(threads).submit(fn, *args, k0, min(k0 + step, K), int(dtype == torch.bfloat16), out.data_ptr())
-            for k0 in range(0, K, step)]
+    threads = max(1, min(torch.get_num_threads(), rows))
+    step = -(-rows // threads)
+    args = (packed.data_ptr(), None if dest is None else dest.data_ptr(), scale.data_ptr(), zero.data_ptr(), K, N, block, group_size)
+    jobs = [_pool(threads).submit(fn, *args, k0, min(k0 + step, rows), int(dtype == torch.bfloat16), out.data_ptr())
+            for k0 in range(0, rows, step)]
     for j in jobs:
         j.result()
     return out
@@ -290,17 +298,24 @@ class CpuInt4Linear(PackedLinear):
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
         return dense_matmul(x, self.dequantize(torch.float32 if path == "dequant_f32" else None, reuse=True), path)
 
+    def input_order(self, path: str) -> bool:
+        return path != "int4"  # the dense paths dequantize straight into the activations' order
+
     def dequantize(self, dtype: torch.dtype | None = None, reuse: bool = False) -> torch.Tensor:
-        """The kernel's own arithmetic, w = (q - 8) * scale + zero, as a dense [K, N] weight in
-        `dtype` (default: the activations'): one native pass where it compiled, else tensor ops.
-        reuse: into this thread's scratch buffer, which the next call overwrites."""
+        """The kernel's own arithmetic, w = (q - 8) * scale + zero, as a dense [in_features, N]
+        weight in the activations' order (act-order undone, K padding dropped) in `dtype` (default:
+        the activations'): one native pass where it compiled, else tensor ops. reuse: into this
+        thread's scratch buffer, which the next call overwrites."""
         dtype = dtype or self.act_dtype
-        out = scratch(self.padded_in, self.padded_out, dtype) if reuse and eager(self.qweight) else None
-        w = dequantize_native(self.qweight, self.scales_and_zeros, self.padded_in, self.padded_out, self.pack_block_n,
-                              self.kernel_group_size, dtype, out)
+        K, Kp, N = self.in_features, self.padded_in, self.padded_out
+        out = scratch(K, N, dtype) if reuse and eager(self.qweight) else None
+        w = dequantize_native(self.qweight, self.scales_and_zeros, Kp, N, self.pack_block_n, self.kernel_group_size, dtype, out,
+                              self.perm, K)
         if w is None:
-            codes = unpack_int4(self.qweight, self.padded_in, self.padded_out, self.pack_block_n)
-            w = dequantize_folded_int4(codes, self.scales_and_zeros, self.kernel_group_size).to(dtype)
+            codes = unpack_int4(self.qweight, Kp, N, self.pack_block_n)
+            w = dequantize_folded_int4(codes, self.scales_and_zeros, self.kernel_group_size).to(dtype)[:K]
+            if self.perm is not None:  # packed row k is input row perm[k]
+                w = torch.empty_like(w).index_copy_(0, self.perm.long(), w)
         return w
 
 

@@ -237,3 +237,21 @@ def test_without_a_compiler_the_dequantize_path_uses_tensor_ops(monkeypatch):
     monkeypatch.setattr(cpu, "native_dequantizer", lambda: None)
     ops = module.dequantize().float()
     assert ((native - ops).norm() / ops.norm()).item() < 4e-3  # each rounds to bf16 its own way
+
+
+@pytest.mark.parametrize("K,gs,act_order", [(80, 64, True), (576, 128, True), (200, -1, False)])
+def test_every_path_matches_the_dense_reference(K, gs, act_order):
+    """The int4 kernel (activations gathered into act-order and zero-padded to whole kernel groups)
+    and the dense path (the weight dequantized into the activations' own order, no gather) against
+    the float64 reference by g_idx, with K padding (K=80 -> 96) and without."""
+    gen = torch.Generator().manual_seed(K)
+    layer, module, _ = _module_for(random_gptq_tensors(K, 208, 4, gs, False, act_order, True, generator=gen),
+                                   QuantConfig(4, gs, False, act_order, "gptq"), torch.bfloat16)
+    x = torch.randn(64, K, generator=gen)
+    ref = x.double() @ layer.dequantize().double()
+    for path in module.paths():
+        module.plan, module.plan_max_m = ((1, path),), 64
+        with torch.no_grad():
+            y = module(x.bfloat16()).double()
+        assert ((y - ref).norm() / ref.norm()).item() < 1e-2, path
+    assert module.padded_in > K or K != 80
