@@ -206,3 +206,27 @@ def test_compiled_packages_split_where_the_plan_switches(planned):
                        "shapes": {s: [[1, "int4"], [4, "dequant"]] for s in shapes}}, "cpu")
     spans = [(lo, hi) for lo, hi, _ in export_ranges(decoder_mlps(model)[0], model.config.hidden_size, 1024)]
     assert spans == [(1, 1), (2, 3), (4, 8), (9, CpuInt4Linear.DEQUANT_MIN_M - 1), (CpuInt4Linear.DEQUANT_MIN_M, 1024)]
+
+
+@pytest.mark.parametrize("bad", ["out of range", "repeated"])
+def test_an_artifact_whose_perm_is_not_a_permutation_is_refused(planned, copy_of, bad):
+    """The dense path's native dequantizer writes weight row perm[k]: a perm that indexes outside
+    the layer (memory) or repeats a row (a silently different model) is refused at load and verify."""
+    from conftest import relist
+    from safetensors.torch import load_file, save_file
+
+    from quantprep.errors import ArtifactError
+    from quantprep.tools.verify import verify_artifact
+
+    art = copy_of(planned[0])
+    shard = read_manifest(art)["shards"][0]
+    tensors = load_file(art / shard)
+    name = next(k for k in tensors if k.endswith(".perm"))
+    perm = tensors[name].clone()
+    perm[0] = 1 << 20 if bad == "out of range" else perm[1]
+    tensors[name] = perm
+    save_file(tensors, art / shard, metadata={"format": "pt"})
+    relist(art, shard)
+    for run in (lambda: quantprep.load(art), lambda: verify_artifact(art)):
+        with pytest.raises(ArtifactError, match="perm is not a permutation"):
+            run()

@@ -258,6 +258,15 @@ def check_tensors(path: Path, model, tensors: dict[str, tuple[torch.dtype, tuple
             raise ArtifactError(f"{path}: tensor {name} is missing from the artifact; rebuild it")
 
 
+def check_modules(path: Path, model) -> None:
+    """Each packed module's own checks of the tensors it was given (PackedLinear.check_loaded)."""
+    from quantprep.targets.common import PackedLinear
+
+    for name, m in model.named_modules():
+        if isinstance(m, PackedLinear) and (problem := m.check_loaded()):
+            raise ArtifactError(f"{path}: tensor {name}.{problem}; the artifact is corrupt: rebuild it")
+
+
 def tied_names(model) -> set[str]:
     """Names the model ties to another tensor (the lm_head of tied embeddings): not stored."""
     shared = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
@@ -284,6 +293,7 @@ def finish(model, path: Path, art: OpenedArtifact, kcache_status: dict, compile:
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()
     manifest = art.manifest
+    check_modules(path, model)
     apply_plan(model, path, art, kcache_status)  # before compile: compiled regions trace the planned paths
     # the prefill lengths warm ran: quantprep.tools.serving pads prompts to them
     model.quantprep_buckets = usable_shapes(model, manifest.get("kcache", manifest.get("serving", {})).get("shapes", DEFAULT_SHAPES))

@@ -182,6 +182,16 @@ class PackedLinear(nn.Module):
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         return self.run(x, self.path_for(x.shape[0]))
 
+    def check_loaded(self) -> str | None:
+        """What is wrong with the tensors an artifact gave this module, else None: `perm` must be a
+        permutation of the input's rows (a native dense path writes weight row perm[k])."""
+        if self.perm is not None:
+            p = self.perm.long()
+            if p.numel() != self.in_features or int(p.min()) < 0 or int(p.max()) >= self.in_features or \
+                    not bool((torch.bincount(p, minlength=self.in_features) == 1).all()):
+                return f"perm is not a permutation of 0..{self.in_features - 1}"
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features).to(self.act_dtype)

@@ -222,6 +222,8 @@ def dequantize_native(packed: torch.Tensor, scales_and_zeros: torch.Tensor, K: i
     zero = (sz[..., 1] - 8 * sz[..., 0]).contiguous()
     out = torch.empty(rows, N, dtype=dtype) if out is None else out
     dest = None if perm is None else perm.to(torch.int32).contiguous()
+    if dest is not None and (dest.numel() < rows or int(dest[:rows].min()) < 0 or int(dest[:rows].max()) >= rows):
+        raise ValueError(f"perm does not index {rows} rows")  # C writes row dest[k]: never outside the buffer
     packed = packed.contiguous()
     threads = max(1, min(torch.get_num_threads(), rows))
     step = -(-rows // threads)

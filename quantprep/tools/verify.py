@@ -53,6 +53,8 @@ def run_probes(path: Path, manifest: dict, target, device: str | None = None) ->
                     raise ArtifactError(f"{path}: tensor {key} is missing from the artifact; rebuild it")
                 state[part] = h.get_tensor(key)
             module.load_state_dict(state, assign=True)
+            if problem := module.check_loaded():
+                raise ArtifactError(f"{path}: tensor {name}.{problem}; the artifact is corrupt: rebuild it")
             x, y_ref = probes.get_tensor(f"{name}.x"), probes.get_tensor(f"{name}.y")
             for size in PROBE_SIZES:
                 reps = -(-size // x.shape[0])
