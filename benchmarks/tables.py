@@ -643,6 +643,11 @@ SUMMARY = [
     ("best GPU kernel per linear (mslk-cuda's bf16i4 shuffled GEMM from M=64, not shipped) / dense, one layer at M=512",
      "GPU prefill (<= 1.2x dense)", PLANS, ["cuda-prefill-h100.json"],
      lambda r: ", ".join(f"{x['plan_over_dense']:.2f}x ({x['model']})" for x in r["plan"]["summary"] if x["M"] == 512)),
+    ("quantprep (cpu artifact, kernel plan) / llama.cpp on the recipe's Q4_K_M GGUF, real Qwen2.5-Coder-1.5B: decode speed, "
+     "512-token prefill time, spawn to first token", "at least llama.cpp (decode >= 1x, first token <= 1x)", LLAMACPP,
+     ["vs-llamacpp-qwen2.5-coder-1.5b-cpu-avx512.json"],
+     lambda r: f"{r['decode_tok_s']['quantprep_over_llamacpp']:.2f}x, {r['prefill_512_s']['quantprep_over_llamacpp']:.2f}x, "
+               f"{r['first_token_s']['quantprep_over_llamacpp']:.2f}x (decode and first token: not met)"),
     ("recipe calibration (64 x 256 tokens of Python's reference) / the 17 built-in texts", "quality near the float model", CALIBRATION,
      ["calibration-qwen2.5-coder-0.5b-cpu-avx512.json", "calibration-qwen2.5-coder-0.5b-overlapping-text-cpu-avx512.json"], _calibration),
     ("SmolLM2 512-token prefill time, int4 switch to dequantize + dense at 384 rows / the kernel only", "CPU prefill speed", CPU,

@@ -230,3 +230,30 @@ def test_an_artifact_whose_perm_is_not_a_permutation_is_refused(planned, copy_of
     for run in (lambda: quantprep.load(art), lambda: verify_artifact(art)):
         with pytest.raises(ArtifactError, match="perm is not a permutation"):
             run()
+
+
+@pytest.mark.parametrize("field,value", [("pack_block_n", -64), ("pack_block_n", 1), ("pack_block_n", True),
+                                         ("kernel_group_size", 7), ("padded_in", 32), ("padded_out", 1 << 40)])
+def test_layout_metadata_the_native_path_indexes_by_is_checked(planned, copy_of, field, value):
+    """The dense path's C code addresses memory with these manifest fields: any value other than
+    what the cpu target packs is refused in one line, before a byte of weights is read."""
+    from quantprep.errors import ArtifactError
+
+    art = copy_of(planned[0])
+    edit_manifest(art, lambda m: next(v for k, v in m["modules"].items() if k.endswith("down_proj")).update({field: value}))
+    with pytest.raises(ArtifactError, match="malformed cpu metadata"):
+        quantprep.load(art)
+
+
+def test_zero_rows_and_autograd():
+    m = _module()
+    assert m(torch.zeros(0, m.in_features, dtype=torch.bfloat16)).shape == (0, m.out_features)
+    from quantprep.targets.cpu import native_dequantizer, scratch
+
+    if native_dequantizer() is None:
+        pytest.skip("no C compiler here: the tensor ops allocate their own weight")
+    with torch.no_grad():
+        reused = m.dequantize(reuse=True)
+    assert reused.data_ptr() == scratch(m.in_features, m.padded_out, torch.bfloat16).data_ptr()
+    with torch.enable_grad():  # autograd keeps the weight for backward: never the shared buffer
+        assert m.dequantize(reuse=True).data_ptr() != reused.data_ptr()

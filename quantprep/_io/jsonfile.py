@@ -32,7 +32,7 @@ def parse_json_object(raw: bytes | str, where: str, error: type[Exception], fix:
         raise error(f"{where}: larger than {limit} bytes; {fix}")
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
         raise error(f"{where}: not valid JSON ({e}); {fix}") from None
     except RecursionError:
         raise error(f"{where}: JSON nested deeper than {MAX_DEPTH} levels; {fix}") from None

@@ -51,8 +51,9 @@ def signature(mlp: nn.Module, dtype: torch.dtype) -> str:
     tensor's name, shape, dtype and device. Layers with equal signatures share a package."""
     parts = [str(dtype)]
     for name, m in mlp.named_modules():
-        # plain attributes, and a kernel plan's ranges (tuples): export follows the planned paths
-        attrs = sorted((k, v) for k, v in vars(m).items() if isinstance(v, (bool, int, float, str, type(None), tuple)) and not k.startswith("_"))
+        # plain attributes, and a kernel plan's ranges: export follows the planned paths
+        attrs = sorted((k, v) for k, v in vars(m).items()
+                       if (isinstance(v, (bool, int, float, str, type(None))) or k == "plan") and not k.startswith("_"))
         parts.append(f"{name}:{type(m).__qualname__}:{attrs}")
     names, tensors = _tensors(mlp)
     parts += [f"{n}:{tuple(t.shape)}:{t.dtype}:{t.device.type}" for n, t in zip(names, tensors, strict=True)]

@@ -196,7 +196,7 @@ def trust_reason(path: Path, manifest: dict, trust: bool = False, signed: bool =
 
 
 def untrusted_message(path: Path) -> str:
-    return (f"{path}: kcache/ holds compiled code (shared libraries, pickles) built elsewhere and is not trusted here, so it is not "
+    return (f"{path}: kcache/ (compiled code, or a kernel plan timed elsewhere) was not built here and is not trusted here, so it is not "
             f"used; trust it with load(..., trust_kcache=True), --trust-kcache or {TRUST_ENV}=1, or re-run `quantprep warm {path}` here")
 
 

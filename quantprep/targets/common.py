@@ -159,7 +159,7 @@ class PackedLinear(nn.Module):
         return False
 
     def path_for(self, m: int) -> str:
-        if m > self.plan_max_m:
+        if not 1 <= m <= self.plan_max_m:
             return self.default_path(m)
         return next(path for first, path in reversed(self.plan) if m >= first)
 

@@ -187,6 +187,9 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="quantprep-dequant")
 
 
+os.register_at_fork(after_in_child=_pool.cache_clear)  # a forked child has none of the parent's threads
+
+
 def eager(t: torch.Tensor) -> bool:
     """Real data in an eager call: export and torch.compile trace fake tensors, which have no data to
     hand to C (they take the tensor ops, which Inductor fuses)."""
@@ -284,6 +287,13 @@ class CpuInt4Linear(PackedLinear):
         super().__init__(meta, act_dtype)
         self.kernel_group_size = meta["kernel_group_size"]
         self.pack_block_n = meta.get("pack_block_n")  # None: a layout we cannot unpack (DEFAULT ISA)
+        # the native dequantizer indexes memory by these: exactly what pack wrote on this ISA
+        c = self.kernel_group_size
+        if type(c) is not int or c not in KERNEL_GROUP_SIZES or self.padded_in != round_up(self.in_features, c) or \
+                self.padded_out != round_up(self.out_features, N_ALIGN) or \
+                self.pack_block_n != FAST_PACK_BLOCK_N.get(torch.backends.cpu.get_cpu_capability()):
+            raise ValueError(f"kernel_group_size {c!r}, padded_in {self.padded_in!r}, padded_out {self.padded_out!r} and "
+                             f"pack_block_n {self.pack_block_n!r} are not what the cpu target packs for {self.in_features}x{self.out_features}")
         dev = torch.device("meta")
         self.register_buffer("qweight", torch.empty(self.padded_out, self.padded_in // 2, dtype=torch.uint8, device=dev))
         n_groups = self.padded_in // self.kernel_group_size
@@ -310,7 +320,8 @@ class CpuInt4Linear(PackedLinear):
         thread's scratch buffer, which the next call overwrites."""
         dtype = dtype or self.act_dtype
         K, Kp, N = self.in_features, self.padded_in, self.padded_out
-        out = scratch(K, N, dtype) if reuse and eager(self.qweight) else None
+        # autograd keeps the weight for backward: a reused buffer only where no graph is recorded
+        out = scratch(K, N, dtype) if reuse and eager(self.qweight) and not torch.is_grad_enabled() else None
         w = dequantize_native(self.qweight, self.scales_and_zeros, Kp, N, self.pack_block_n, self.kernel_group_size, dtype, out,
                               self.perm, K)
         if w is None:

@@ -160,6 +160,11 @@ class CudaInt4Linear(PackedLinear):
     def __init__(self, meta: dict, act_dtype: torch.dtype):
         super().__init__(meta, act_dtype)
         self.kernel_group_size, ikt = meta["kernel_group_size"], meta["inner_k_tiles"]
+        c = self.kernel_group_size  # the Triton kernels index memory by these: exactly what pack wrote
+        if type(c) is not int or c not in KERNEL_GROUP_SIZES or self.padded_in != round_up(self.in_features, c) or \
+                self.padded_out != round_up(self.out_features, N_ALIGN) or ikt != inner_k_tiles(self.padded_in):
+            raise ValueError(f"kernel_group_size {c!r}, padded_in {self.padded_in!r}, padded_out {self.padded_out!r} and "
+                             f"inner_k_tiles {ikt!r} are not what the cuda target packs for {self.in_features}x{self.out_features}")
         dev = torch.device("meta")
         shape = (self.padded_out // 8, self.padded_in // (16 * ikt), 32, ikt // 2)
         self.register_buffer("qweight", torch.empty(shape, dtype=torch.int32, device=dev))

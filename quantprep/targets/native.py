@@ -13,6 +13,7 @@ import functools
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -48,21 +49,27 @@ def _cpu_flags() -> str:
 
 @functools.cache
 def library(source: str) -> ctypes.CDLL | None:
-    """`source` compiled as a shared library (cached, see above), or None."""
+    """`source` compiled as a shared library (cached, see above), or None: no compiler, the variable
+    set, a cache directory that is not this user's alone, or a compile that failed or hung."""
     cc = _compiler()
     if cc is None or os.environ.get(settings.NATIVE) == "0":
         return None
     digest = hashlib.sha256("\0".join([source, cc[1], *FLAGS, _cpu_flags()]).encode()).hexdigest()[:32]
     try:
         root = private_dir(user_dir(settings.NATIVE_DIR, "cache", "native"))
-    except (ArtifactError, OSError):
+        lib = root / f"{digest}.so"
+        if not lib.exists():
+            with tempfile.TemporaryDirectory(prefix="build-", dir=root) as tmp:
+                src, out = Path(tmp, "kernel.c"), Path(tmp, "kernel.so")
+                src.write_text(source)
+                if subprocess.run([cc[0], *FLAGS, str(src), "-o", str(out)], capture_output=True, timeout=300).returncode:
+                    return None
+                with open(out, "rb") as f:
+                    os.fsync(f.fileno())  # whole on disk before it has its name: a crash leaves no empty library
+                os.replace(out, lib)  # atomic: a racing process loads a whole library or compiles its own
+        st = os.lstat(lib)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            return None  # not a file this user made and alone can change
+        return ctypes.CDLL(str(lib))  # ctypes lets go of the GIL during each call
+    except (ArtifactError, OSError, subprocess.SubprocessError):
         return None
-    lib = root / f"{digest}.so"
-    if not lib.is_file():
-        with tempfile.TemporaryDirectory(prefix="build-", dir=root) as tmp:
-            src, out = Path(tmp, "kernel.c"), Path(tmp, "kernel.so")
-            src.write_text(source)
-            if subprocess.run([cc[0], *FLAGS, str(src), "-o", str(out)], capture_output=True).returncode:
-                return None
-            os.replace(out, lib)  # atomic: a racing process loads a whole library or compiles its own
-    return ctypes.CDLL(str(lib))  # ctypes lets go of the GIL during each call
