@@ -44,7 +44,7 @@ from triton.testing import do_bench
 
 from quantprep.format.gptq import unpack_rows
 from quantprep.targets.common import dequantize_folded_int4
-from quantprep.targets.cuda import PREFILL_CONFIG, int4_kn_gemm
+from quantprep.targets.cuda import PREFILL_CONFIG, dequantize_kn, int4_kn_gemm
 
 GS = 128
 QWEN_7B = QWEN_1_5B | {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
@@ -64,28 +64,9 @@ def bench(fn, rep: int = 30) -> float:
     return do_bench(fn, warmup=min(rep, 50), rep=rep, return_mode="median")
 
 
-@triton.jit
-def _dequant_kn(w_ptr, sz_ptr, out_ptr, N, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One pass: GPTQ words [K/8, N] + scales_and_zeros [K/GROUP, N, 2] -> bf16 [K, N], w = (q - 8) * s + z."""
-    pid_k, pid_n = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    rows = pid_k * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-    words = tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
-    q = tl.reshape((words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
-    g = pid_k * BLOCK_K // GROUP
-    s = tl.load(sz_ptr + (g * N + offs_n) * 2, mask=n_ok, other=0.0)
-    z = tl.load(sz_ptr + (g * N + offs_n) * 2 + 1, mask=n_ok, other=0.0)
-    k = (pid_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
-    tl.store(out_ptr + k[:, None] * N + offs_n[None, :], (q.to(tl.bfloat16) - 8.0) * s[None, :] + z[None, :], mask=n_ok[None, :])
-
-
 def dequant_triton(L: dict) -> torch.Tensor:
-    qkn, sz = L["qkn"], L["sz"]
-    K, N = qkn.shape[0] * 8, qkn.shape[1]
-    out = torch.empty(K, N, dtype=torch.bfloat16, device=qkn.device)
-    _dequant_kn[(K // GS, triton.cdiv(N, 128))](qkn, sz, out, N, GROUP=GS, BLOCK_K=GS, BLOCK_N=128, num_warps=4)
-    return out
+    """The cuda target's one-pass Triton dequantizer (targets/cuda.py, `dequantize_kn`)."""
+    return dequantize_kn(L["qkn"], L["sz"], GS)
 
 
 def dequant_torch(L: dict) -> torch.Tensor:

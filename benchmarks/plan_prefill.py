@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import QWEN_1_5B, machine, save
+from common import QWEN_1_5B, machine, save, timed
 
 QWEN_7B = dict(QWEN_1_5B, hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
                vocab_size=152064, tie_word_embeddings=False)
@@ -25,13 +25,7 @@ MODELS = {"1.5b": QWEN_1_5B, "7b": QWEN_7B}
 
 
 def timed_ms(fn, cuda: bool) -> float:
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3
+    return timed(fn, cuda) * 1e3
 
 
 def graph_replay(model, ids):
