@@ -640,6 +640,10 @@ SUMMARY = [
                f"{r['models']['1.5b']['prefill512_over_dense']['triton']:.2f}x); not met"),
     ("the same, one-row forward: dense bf16's time / the plan's", "GPU decode (>= dense)", PLANS, ["plan-prefill-cuda-h200.json"],
      lambda r: f"{r['models']['1.5b']['forward_m1_ms']['dense']['median'] / r['models']['1.5b']['forward_m1_ms']['plan']['median']:.2f}x the speed"),
+    ("the same two on Qwen2.5-7B shapes: prefill / dense (the Triton GEMM), one-row forward's speed / dense", "GPU prefill (<= 1.2x), decode (>= 1x)",
+     PLANS, ["plan-prefill-7b-cuda-h200.json"],
+     lambda r: f"{r['models']['7b']['prefill512_over_dense']['plan']:.2f}x ({r['models']['7b']['prefill512_over_dense']['triton']:.2f}x), "
+               f"{r['models']['7b']['forward_m1_ms']['dense']['median'] / r['models']['7b']['forward_m1_ms']['plan']['median']:.2f}x; prefill not met"),
     ("best GPU kernel per linear (mslk-cuda's bf16i4 shuffled GEMM from M=64, not shipped) / dense, one layer at M=512",
      "GPU prefill (<= 1.2x dense)", PLANS, ["cuda-prefill-h100.json"],
      lambda r: ", ".join(f"{x['plan_over_dense']:.2f}x ({x['model']})" for x in r["plan"]["summary"] if x["M"] == 512)),

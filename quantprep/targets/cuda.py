@@ -10,10 +10,12 @@ k-super-tile ko holds 8 codes at k = ko*16*ikt + 32*j + 16*i1 + 8*i0 + 2*(t%4) +
 4*(4*h + 2*i1 + i0). The device run (benchmarks/cuda_kernels.py) checks it equals the op.
 
 int4, prefill (M > DECODE_MAX_M): tinygemm was measured 16x slower than dense bf16 at M=512, so
-a Triton GEMM dequantizes K-blocks in registers and multiplies on tensor cores. It reads a second
-copy of the codes in GPTQ's [K/8, N] words (`qweight_kn`, coalesced along N; reading tinygemm's
-tiles from Triton was 10-50x slower, measured): +0.5 byte per weight. Without Triton, and off a
-GPU (tests, verify on CPU), the weight is dequantized to bf16 with tensor ops instead.
+the weight is dequantized to bf16 in one Triton pass and multiplied by cuBLAS (the fixed rule), or
+a Triton GEMM dequantizes K-blocks in registers and multiplies on tensor cores (a path a kernel plan
+may pick: runtime/plan.py). Both read a second copy of the codes in GPTQ's [K/8, N] words
+(`qweight_kn`, coalesced along N; reading tinygemm's tiles from Triton was 10-50x slower, measured):
++0.5 byte per weight. Off a GPU and while torch.compile or export trace (verify on CPU, tests), the
+weight is dequantized with tensor ops instead.
 
 int8: dequantize + a dense matmul (`common.pack_int8`): torch's cuda `_weight_int8pack_mm` measured
 1.1-150x slower than it on an H100 (common.Int8PerChannelLinear).
