@@ -21,8 +21,16 @@ def _failing_sizes(art) -> set[int]:
     return {r["rows"] for r in verify_artifact(art, strict=False)["probes"] if not r["ok"]}
 
 
+def _swap_columns(dequantize):
+    def wrong(*args, **kwargs):
+        w = dequantize(*args, **kwargs)
+        return None if w is None else w.flip(-1)  # the native dequantizer's weight, columns reversed
+    return wrong
+
+
 @pytest.mark.parametrize("target,module,function,failing", [
-    ("cpu", "quantprep.targets.cpu", "unpack_int4", {520}),
+    ("cpu", "quantprep.targets.cpu", "unpack_int4", {520}),  # the dense path's tensor ops (no C compiler)
+    ("cpu", "quantprep.targets.cpu", "dequantize_native", {520}),  # its native pass
     ("cuda", "quantprep.targets.cuda", "unpack_tinygemm", {1, 4}),
     ("cuda", "quantprep.targets.cuda", "unpack_rows", {520}),
 ])
@@ -35,5 +43,12 @@ def test_each_kernel_path_is_probed(random_gptq, tmp_path, monkeypatch, target, 
     import importlib
 
     mod = importlib.import_module(module)
-    monkeypatch.setattr(mod, function, _swap_nibble_order(getattr(mod, function)))
+    if function == "dequantize_native":
+        if mod.native_dequantizer() is None:
+            pytest.skip("no C compiler here: the dense path runs the tensor ops (the unpack_int4 case)")
+        monkeypatch.setattr(mod, function, _swap_columns(getattr(mod, function)))
+    else:
+        if function == "unpack_int4":
+            monkeypatch.setattr(mod, "native_dequantizer", lambda: None)
+        monkeypatch.setattr(mod, function, _swap_nibble_order(getattr(mod, function)))
     assert _failing_sizes(art) == failing
