@@ -155,8 +155,8 @@ def test_an_untrusted_plan_is_not_applied(planned, copy_of):
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda d: d["key"].update(processor="another CPU"), "timed with processor='another CPU'"),
-    (lambda d: d["key"].update(threads=999), "timed with threads=999"),
+    (lambda d: d["key"].update(processor="another CPU"), "built for processor='another CPU'"),
+    (lambda d: d["key"].update(threads=999), "built for threads=999"),
     (lambda d: d["shapes"].update({s: [[1, "int4"], [8, "rm -rf"]] for s in d["shapes"]}), "names path 'rm -rf'"),
     (lambda d: d["shapes"].update({s: [[1, "int4"], [1, "dequant"]] for s in d["shapes"]}), "first_m ascending"),
     (lambda d: d["shapes"].update({s: [[0, "int4"]] for s in d["shapes"]}), "first_m ascending"),

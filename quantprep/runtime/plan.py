@@ -30,8 +30,9 @@ import torch
 
 from quantprep._io.jsonfile import parse_json_object
 from quantprep.errors import ArtifactError
-from quantprep.runtime.kcache import PLAN, cache_key
+from quantprep.runtime.kcache import PLAN, cache_key, key_mismatch
 from quantprep.targets.common import PackedLinear
+from quantprep.targets.native import cpuinfo
 
 VERSION = 1
 MAX_BYTES = 1 << 20  # a plan is a few kilobytes
@@ -40,24 +41,12 @@ MAX_RANGES = 64
 REPS = 3  # timed calls per path and length, after an untimed one
 
 
-def processor() -> str | None:
-    """The CPU's model name (Linux: /proc/cpuinfo), part of a CPU plan's key."""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            for line in f.read(1 << 20).decode(errors="replace").splitlines():
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return None
-
-
 def plan_key(device_type: str) -> dict:
     """What the timings depend on: the kernel cache's key (versions, ISA or GPU), and on a CPU its
     model and the threads torch runs with."""
     key = cache_key(device_type)
     if device_type == "cpu":
-        key.update(processor=processor(), threads=torch.get_num_threads())
+        key.update(processor=cpuinfo("model name"), threads=torch.get_num_threads())
     return key
 
 
@@ -189,12 +178,8 @@ def check(plan: dict, where: Path | str) -> None:
 def apply(model, plan: dict, device_type: str) -> int:
     """Set each planned module's ranges; returns how many modules got one. ArtifactError (and no
     module changed) when the key is another machine's or a path is not one the module has."""
-    here = plan_key(device_type)
-    diff = [k for k in sorted(set(plan["key"]) | set(here)) if plan["key"].get(k) != here.get(k)]
-    if diff:
-        k = diff[0]
-        raise ArtifactError(f"kernel plan timed with {k}={plan['key'].get(k)!r}, this machine has {k}={here.get(k)!r}; "
-                            "re-run `quantprep warm` here")
+    if mismatch := key_mismatch(plan["key"], plan_key(device_type)):
+        raise ArtifactError(f"{mismatch}; re-run `quantprep warm` here")
     chosen = []
     for shape, modules in planned_modules(model).items():
         ranges = plan["shapes"].get(shape)

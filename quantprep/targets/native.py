@@ -38,13 +38,14 @@ def _compiler() -> tuple[str, str] | None:
     return (cc, out.stdout.partition("\n")[0]) if out.returncode == 0 else None
 
 
-def _cpu_flags() -> str:
+def cpuinfo(field: str) -> str | None:
+    """One field of this CPU's /proc/cpuinfo (Linux), e.g. "model name" or "flags"; None elsewhere."""
     try:
         with open("/proc/cpuinfo", "rb") as f:
             text = f.read(1 << 20).decode(errors="replace")
     except OSError:
-        return ""
-    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+        return None
+    return next((line.partition(":")[2].strip() for line in text.splitlines() if line.partition(":")[0].strip() == field), None)
 
 
 @functools.cache
@@ -54,7 +55,7 @@ def library(source: str) -> ctypes.CDLL | None:
     cc = _compiler()
     if cc is None or os.environ.get(settings.NATIVE) == "0":
         return None
-    digest = hashlib.sha256("\0".join([source, cc[1], *FLAGS, _cpu_flags()]).encode()).hexdigest()[:32]
+    digest = hashlib.sha256("\0".join([source, cc[1], *FLAGS, cpuinfo("flags") or ""]).encode()).hexdigest()[:32]
     try:
         root = private_dir(user_dir(settings.NATIVE_DIR, "cache", "native"))
         lib = root / f"{digest}.so"
