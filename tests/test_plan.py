@@ -245,15 +245,25 @@ def test_layout_metadata_the_native_path_indexes_by_is_checked(planned, copy_of,
         quantprep.load(art)
 
 
-def test_zero_rows_and_autograd():
+def test_zero_rows_and_autograd(monkeypatch):
+    """Zero rows take the fixed rule; the dense path multiplies cached tiles (out=) only without
+    autograd, and with it dequantizes the whole weight, so a backward pass gets x's gradient."""
+    from quantprep.targets import cpu
+
     m = _module()
     assert m(torch.zeros(0, m.in_features, dtype=torch.bfloat16)).shape == (0, m.out_features)
-    from quantprep.targets.cpu import native_dequantizer, scratch
-
-    if native_dequantizer() is None:
-        pytest.skip("no C compiler here: the tensor ops allocate their own weight")
+    if cpu.native_dequantizer() is None:
+        pytest.skip("no C compiler here: the dense path is the tensor ops' whole weight")
+    m.plan, m.plan_max_m = ((1, "dequant"),), 64
+    tiled, original = [], cpu.tiled_matmul
+    monkeypatch.setattr(cpu, "tiled_matmul", lambda *a: tiled.append(1) or original(*a))
+    x = torch.randn(8, m.in_features, dtype=torch.bfloat16)
     with torch.no_grad():
-        reused = m.dequantize(reuse=True)
-    assert reused.data_ptr() == scratch(m.in_features, m.padded_out, torch.bfloat16).data_ptr()
-    with torch.enable_grad():  # autograd keeps the weight for backward: never the shared buffer
-        assert m.dequantize(reuse=True).data_ptr() != reused.data_ptr()
+        y = m(x)
+    assert tiled == [1]
+    x.requires_grad_(True)
+    y_grad = m(x)
+    y_grad.float().sum().backward()
+    assert tiled == [1]
+    assert rel_err(x.grad.float(), m.dequantize().float().sum(1).expand(8, -1)) < 1e-2  # d(sum x @ w)/dx
+    assert rel_err(y_grad.detach().float(), y.float()) < 1e-2

@@ -21,16 +21,17 @@ def _failing_sizes(art) -> set[int]:
     return {r["rows"] for r in verify_artifact(art, strict=False)["probes"] if not r["ok"]}
 
 
-def _swap_columns(dequantize):
-    def wrong(*args, **kwargs):
-        w = dequantize(*args, **kwargs)
-        return None if w is None else w.flip(-1)  # the native dequantizer's weight, columns reversed
+def _swap_columns(write):
+    def wrong(self, out, n_begin=0, n_end=None, *args):
+        write(self, out, n_begin, n_end, *args)
+        cols = (self.N if n_end is None else n_end) - n_begin
+        out[:, :cols] = out[:, :cols].flip(-1).clone()  # the native dequantizer's columns, reversed
     return wrong
 
 
 @pytest.mark.parametrize("target,module,function,failing", [
     ("cpu", "quantprep.targets.cpu", "unpack_int4", {520}),  # the dense path's tensor ops (no C compiler)
-    ("cpu", "quantprep.targets.cpu", "dequantize_native", {520}),  # its native pass
+    ("cpu", "quantprep.targets.cpu", "NativeWeight", {520}),  # its native pass
     ("cuda", "quantprep.targets.cuda", "unpack_tinygemm", {1, 4}),
     ("cuda", "quantprep.targets.cuda", "unpack_rows", {520}),
 ])
@@ -43,10 +44,10 @@ def test_each_kernel_path_is_probed(random_gptq, tmp_path, monkeypatch, target, 
     import importlib
 
     mod = importlib.import_module(module)
-    if function == "dequantize_native":
+    if function == "NativeWeight":
         if mod.native_dequantizer() is None:
             pytest.skip("no C compiler here: the dense path runs the tensor ops (the unpack_int4 case)")
-        monkeypatch.setattr(mod, function, _swap_columns(getattr(mod, function)))
+        monkeypatch.setattr(mod.NativeWeight, "write", _swap_columns(mod.NativeWeight.write))
     else:
         if function == "unpack_int4":
             monkeypatch.setattr(mod, "native_dequantizer", lambda: None)

@@ -19,7 +19,6 @@ import ctypes
 import functools
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -125,29 +124,41 @@ def native_packer():
 # The dequantize path's weight, [K, N] in bfloat16 or float32, in one pass over the packed bytes
 # (pack_int4's layout): the tensor ops take seven passes and were most of that path's time at the
 # 1.5B's shapes (BENCHMARKS.md, "Kernel plans"). w = q * scale + (zero - 8 * scale) in float32,
-# rounded once to bfloat16 (to nearest even; the kernel's codes and scales are finite). One output
-# row at a time, so the writes run along it; threads take rows [k_begin, k_end).
+# rounded once to bfloat16 (to nearest even; the kernel's codes and scales are finite). A call
+# writes columns [n_begin, n_end) (whole blocks, or up to N) of every row, row k at
+# out + dest[k] * ldo, one output row at a time so the writes run along it. With AVX512-BF16 and the
+# AVX512 layout, 64 columns take a few vector instructions (1.8x the compiler's loop). Threads
+# split the columns: torch's own OpenMP threads, where the library links the libgomp torch loaded.
 NATIVE_DEQUANT_SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define BF16_BLOCK64 1
+#endif
 static inline uint16_t to_bf16(float f) {
     uint32_t u; memcpy(&u, &f, 4);
     return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 #define AS_FLOAT(v) (v)
-/* Row k of the output: every full block of `block` columns (its byte j of row k holds columns j
-   and j + block/2), then the last, partial one (byte j: columns 2j and 2j + 1). */
+/* Columns [n0, n1) of row k (o: that row, indexed by column): each full block of `block` columns
+   (its byte j of row k holds columns j and j + block/2), then the last, partial one (byte j:
+   columns 2j and 2j + 1) when n1 reaches past the full blocks. */
 #define ROW(T, CONVERT)                                                                                           \
     static void row_##T(const uint8_t *restrict packed, int64_t k, int64_t K, int64_t N, int64_t block,            \
-                        const float *restrict s, const float *restrict z, T *restrict o) {                        \
+                        const float *restrict s, const float *restrict z, int64_t n0, int64_t n1, T *restrict o) { \
         int64_t half = block / 2, n_full = N / block * block, tail = (N - n_full) / 2;                            \
-        for (int64_t n0 = 0; n0 < n_full; n0 += block) {                                                          \
+        for (; n0 < n1 && n0 < n_full; n0 += block) {                                                             \
             const uint8_t *restrict p = packed + n0 * K / 2 + k * half;                                           \
             _Pragma("GCC ivdep") for (int64_t j = 0; j < half; j++) {                                             \
                 o[n0 + j] = CONVERT((float)(p[j] & 15) * s[n0 + j] + z[n0 + j]);                                   \
                 o[n0 + j + half] = CONVERT((float)(p[j] >> 4) * s[n0 + j + half] + z[n0 + j + half]);              \
             }                                                                                                     \
         }                                                                                                         \
+        if (n1 <= n_full) return;                                                                                 \
         const uint8_t *restrict p = packed + n_full * K / 2 + k * tail;                                           \
         for (int64_t j = 0; j < tail; j++) {                                                                      \
             o[n_full + 2 * j] = CONVERT((float)(p[j] & 15) * s[n_full + 2 * j] + z[n_full + 2 * j]);               \
@@ -156,15 +167,55 @@ static inline uint16_t to_bf16(float f) {
     }
 ROW(uint16_t, to_bf16)
 ROW(float, AS_FLOAT)
-/* K: the packed rows (padded); rows k_begin..k_end-1 of them are written, row k to output row
-   dest[k] (dest NULL: k), so an act-order weight comes out in the activations' own order */
+#ifdef BF16_BLOCK64
+/* row_uint16_t's full 64-column blocks: 16 bytes -> 16 low and 16 high nibbles -> two 16-float
+   FMAs, rounded to bfloat16 by vcvtneps2bf16 (to nearest even, as to_bf16); returns where it stopped */
+static int64_t row_bf16_block64(const uint8_t *restrict packed, int64_t k, int64_t K, int64_t N, const float *restrict s,
+                                const float *restrict z, int64_t n0, int64_t n1, uint16_t *restrict o) {
+    const __m128i m15 = _mm_set1_epi8(15);
+    int64_t stop = n1 < N / 64 * 64 ? n1 : N / 64 * 64;
+    for (; n0 < stop; n0 += 64) {
+        const uint8_t *p = packed + n0 * K / 2 + k * 32;
+        for (int h = 0; h < 32; h += 16) {
+            __m128i b = _mm_loadu_si128((const __m128i *)(p + h));
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, m15)));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m15)));
+            int64_t c = n0 + h;
+            lo = _mm512_fmadd_ps(lo, _mm512_loadu_ps(s + c), _mm512_loadu_ps(z + c));
+            hi = _mm512_fmadd_ps(hi, _mm512_loadu_ps(s + c + 32), _mm512_loadu_ps(z + c + 32));
+            _mm256_storeu_si256((__m256i *)(o + c), (__m256i)_mm512_cvtneps_pbh(lo));
+            _mm256_storeu_si256((__m256i *)(o + c + 32), (__m256i)_mm512_cvtneps_pbh(hi));
+        }
+    }
+    return n0;
+}
+#endif
+/* K: the packed rows (padded). Packed rows 0..rows-1 are written, row k to output row dest[k]
+   (dest NULL: k), so an act-order weight comes out in the activations' own order; columns
+   [n_begin, n_end) of it to out + dest[k] * ldo + (n - n_begin). Each thread takes whole blocks. */
 void dequant_int4_cpu(const uint8_t *packed, const int32_t *dest, const float *scale, const float *zero, int64_t K, int64_t N,
-                      int64_t block, int64_t gs, int64_t k_begin, int64_t k_end, int bf16, void *out) {
-    for (int64_t k = k_begin; k < k_end; k++) {
-        const float *s = scale + (k / gs) * N, *z = zero + (k / gs) * N;
-        int64_t r = dest ? dest[k] : k;
-        if (bf16) row_uint16_t(packed, k, K, N, block, s, z, (uint16_t *)out + r * N);
-        else row_float(packed, k, K, N, block, s, z, (float *)out + r * N);
+                      int64_t block, int64_t gs, int64_t rows, int64_t n_begin, int64_t n_end, int64_t ldo, int bf16, void *out) {
+    int64_t blocks = (n_end - n_begin + block - 1) / block;
+#pragma omp parallel
+    {
+        int64_t t = 0, T = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num(), T = omp_get_num_threads();
+#endif
+        int64_t per = (blocks + T - 1) / T * block, c0 = n_begin + t * per, c1 = c0 + per < n_end ? c0 + per : n_end;
+        for (int64_t k = 0; k < rows && c0 < c1; k++) {
+            const float *s = scale + (k / gs) * N, *z = zero + (k / gs) * N;
+            int64_t r = dest ? dest[k] : k, n0 = c0;
+            if (bf16) {
+                uint16_t *o = (uint16_t *)out + r * ldo - n_begin;
+#ifdef BF16_BLOCK64
+                if (block == 64) n0 = row_bf16_block64(packed, k, K, N, s, z, n0, c1, o);
+#endif
+                row_uint16_t(packed, k, K, N, block, s, z, n0, c1, o);
+            } else {
+                row_float(packed, k, K, N, block, s, z, n0, c1, (float *)out + r * ldo - n_begin);
+            }
+        }
     }
 }
 """
@@ -172,22 +223,17 @@ void dequant_int4_cpu(const uint8_t *packed, const int32_t *dest, const float *s
 
 @functools.cache
 def native_dequantizer():
-    """`dequant_int4_cpu` from NATIVE_DEQUANT_SOURCE, or None (then the tensor ops)."""
-    lib = native.library(NATIVE_DEQUANT_SOURCE)
+    """`dequant_int4_cpu` from NATIVE_DEQUANT_SOURCE, or None (then the tensor ops). Built with
+    OpenMP only where the process has torch's libgomp.so.1 loaded: the library then binds to it (one
+    runtime, torch's threads, torch's thread count); elsewhere one thread per call."""
+    lib = native.library(NATIVE_DEQUANT_SOURCE, ("-fopenmp",)) if native.loaded("libgomp.so.1") else None
+    lib = lib or native.library(NATIVE_DEQUANT_SOURCE)
     if lib is None:
         return None
     fn = lib.dequant_int4_cpu
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_int, ctypes.c_void_p]
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 8 + [ctypes.c_int, ctypes.c_void_p]
     fn.restype = None
     return fn
-
-
-@functools.cache
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(threads, thread_name_prefix="quantprep-dequant")
-
-
-os.register_at_fork(after_in_child=_pool.cache_clear)  # a forked child has none of the parent's threads
 
 
 def eager(t: torch.Tensor) -> bool:
@@ -196,46 +242,82 @@ def eager(t: torch.Tensor) -> bool:
     return type(t) is torch.Tensor and not torch.compiler.is_compiling()
 
 
-_scratch = threading.local()
+class NativeWeight:
+    """One packed int4 weight as the native dequantizer reads it: pack_int4's layout (K packed rows,
+    N columns in blocks of `block`), float32 scale and zero - 8 * scale per group, and the output
+    row of each packed row (act-order: packed row k is input row perm[k]) for the first `rows`."""
 
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, K: int, N: int, block: int, group_size: int,
+                 perm: torch.Tensor | None = None, rows: int | None = None):
+        self.fn = native_dequantizer()
+        self.K, self.N, self.block, self.group_size = K, N, block, group_size
+        self.rows = K if rows is None else rows
+        sz = scales_and_zeros.float()
+        self.scale = sz[..., 0].contiguous()
+        self.zero = (sz[..., 1] - 8 * sz[..., 0]).contiguous()
+        self.dest = None if perm is None else perm.to(torch.int32).contiguous()
+        if self.dest is not None and (self.dest.numel() < self.rows or int(self.dest[:self.rows].min()) < 0 or
+                                      int(self.dest[:self.rows].max()) >= self.rows):
+            raise ValueError(f"perm does not index {self.rows} rows")  # C writes row dest[k]: never outside the buffer
+        self.packed = packed.contiguous()
 
-def scratch(K: int, N: int, dtype: torch.dtype) -> torch.Tensor:
-    """[K, N] of `dtype` in a buffer this thread reuses: a fresh weight-sized tensor per call was
-    paged in by the kernel at every call (most of the dequantize path's time on the 1.5B's layers)."""
-    need = K * N * dtype.itemsize
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < need:
-        buf = _scratch.buf = torch.empty(need, dtype=torch.uint8)
-    return buf[:need].view(dtype).view(K, N)
+    def write(self, out: torch.Tensor, n_begin: int = 0, n_end: int | None = None) -> None:
+        """Columns [n_begin, n_end) (n_begin on a block, n_end on a block or N) into out [rows,
+        n_end - n_begin or more] (bfloat16 or float32, unit column stride), on torch's threads."""
+        n_end = self.N if n_end is None else n_end
+        assert out.dtype in (torch.bfloat16, torch.float32) and out.stride(1) == 1 and out.shape[0] >= self.rows
+        assert n_begin % self.block == 0 and (n_end % self.block == 0 or n_end == self.N) and out.shape[1] >= n_end - n_begin
+        self.fn(self.packed.data_ptr(), None if self.dest is None else self.dest.data_ptr(), self.scale.data_ptr(),
+                self.zero.data_ptr(), self.K, self.N, self.block, self.group_size, self.rows, n_begin, n_end,
+                out.stride(0), int(out.dtype == torch.bfloat16), out.data_ptr())
 
 
 def dequantize_native(packed: torch.Tensor, scales_and_zeros: torch.Tensor, K: int, N: int, block: int, group_size: int,
-                      dtype: torch.dtype, out: torch.Tensor | None = None, perm: torch.Tensor | None = None,
-                      rows: int | None = None) -> torch.Tensor | None:
-    """pack_int4's layout (K packed rows) -> w = (q - 8) * scale + zero in `dtype` (bfloat16 or float32),
-    on torch's thread count, into `out` if given: [K, N], or with `perm` (act-order: packed row k is
-    input row perm[k]) the first `rows` packed rows in input order, [rows, N]. None without the
-    native dequantizer or for another dtype."""
-    fn = native_dequantizer()
-    if fn is None or dtype not in (torch.bfloat16, torch.float32) or not eager(packed):
+                      dtype: torch.dtype, perm: torch.Tensor | None = None, rows: int | None = None) -> torch.Tensor | None:
+    """pack_int4's layout (K packed rows) -> w = (q - 8) * scale + zero in `dtype` (bfloat16 or float32):
+    [K, N], or with `perm` (act-order: packed row k is input row perm[k]) the first `rows` packed
+    rows in input order, [rows, N]. None without the native dequantizer or for another dtype."""
+    if native_dequantizer() is None or dtype not in (torch.bfloat16, torch.float32) or not eager(packed):
         return None
-    rows = K if rows is None else rows
-    sz = scales_and_zeros.float()
-    scale = sz[..., 0].contiguous()
-    zero = (sz[..., 1] - 8 * sz[..., 0]).contiguous()
-    out = torch.empty(rows, N, dtype=dtype) if out is None else out
-    dest = None if perm is None else perm.to(torch.int32).contiguous()
-    if dest is not None and (dest.numel() < rows or int(dest[:rows].min()) < 0 or int(dest[:rows].max()) >= rows):
-        raise ValueError(f"perm does not index {rows} rows")  # C writes row dest[k]: never outside the buffer
-    packed = packed.contiguous()
-    threads = max(1, min(torch.get_num_threads(), rows))
-    step = -(-rows // threads)
-    args = (packed.data_ptr(), None if dest is None else dest.data_ptr(), scale.data_ptr(), zero.data_ptr(), K, N, block, group_size)
-    jobs = [_pool(threads).submit(fn, *args, k0, min(k0 + step, rows), int(dtype == torch.bfloat16), out.data_ptr())
-            for k0 in range(0, rows, step)]
-    for j in jobs:
-        j.result()
+    weight = NativeWeight(packed, scales_and_zeros, K, N, block, group_size, perm, rows)
+    out = torch.empty(weight.rows, N, dtype=dtype)
+    weight.write(out)
     return out
+
+
+# The dense path multiplies one column tile of the weight at a time, dequantized into a buffer that
+# stays in cache, instead of writing the whole weight to memory and reading it back. Each tile is
+# written by torch's own threads, each its share of the columns: a tile written by one core and read
+# by both cost more than the dequantization. At M = 512 the 1.5B's linears take about dense bf16's
+# time this way (BENCHMARKS.md, "Kernel plans"; benchmarks/cpu_dense_tiles.py). Tiles are a power
+# of two of columns (>= the pack block) of at most TILE_BYTES.
+TILE_BYTES = 5 << 19
+_tile = threading.local()
+
+
+def tile_buffer(K: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """[K, columns] of `dtype` in a buffer this thread reuses (at most TILE_BYTES plus a block's worth)."""
+    need = K * columns * dtype.itemsize
+    buf = getattr(_tile, "buf", None)
+    if buf is None or buf.numel() < need:
+        buf = _tile.buf = torch.empty(need, dtype=torch.uint8)
+    return buf[:need].view(dtype).view(K, columns)
+
+
+def tiled_matmul(x: torch.Tensor, weight: NativeWeight, dtype: torch.dtype) -> torch.Tensor:
+    """x [M, rows] @ the dequantized weight [rows, N] in `dtype`, tile by tile (see TILE_BYTES),
+    without autograd (out= writes)."""
+    columns = weight.block
+    while columns * 2 * weight.rows * dtype.itemsize <= TILE_BYTES and columns * 2 <= weight.N:
+        columns *= 2
+    w = tile_buffer(weight.rows, columns, dtype)
+    x = x.to(dtype)
+    y = torch.empty(x.shape[0], weight.N, dtype=dtype)
+    for n0 in range(0, weight.N, columns):
+        n1 = min(n0 + columns, weight.N)
+        weight.write(w, n0, n1)
+        torch.mm(x, w[:, : n1 - n0], out=y[:, n0:n1])
+    return y
 
 
 CODE_8_WORD = 0x88888888 - (1 << 32)  # eight codes of 8 in one int32: the padding, as pack_int4 pads
@@ -308,21 +390,27 @@ class CpuInt4Linear(PackedLinear):
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
         if path == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
-        return dense_matmul(x, self.dequantize(torch.float32 if path == "dequant_f32" else None, reuse=True), path)
+        dtype = torch.float32 if path == "dequant_f32" else self.act_dtype
+        # out= tiles run without autograd (which would keep each tile for backward) and on real data
+        if native_dequantizer() is not None and dtype in (torch.bfloat16, torch.float32) and eager(self.qweight) \
+                and not torch.is_grad_enabled():
+            return tiled_matmul(x, self.native_weight(), dtype).to(x.dtype)
+        return dense_matmul(x, self.dequantize(dtype), path)
 
     def input_order(self, path: str) -> bool:
         return path != "int4"  # the dense paths dequantize straight into the activations' order
 
-    def dequantize(self, dtype: torch.dtype | None = None, reuse: bool = False) -> torch.Tensor:
+    def native_weight(self) -> NativeWeight:
+        return NativeWeight(self.qweight, self.scales_and_zeros, self.padded_in, self.padded_out, self.pack_block_n,
+                            self.kernel_group_size, self.perm, self.in_features)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The kernel's own arithmetic, w = (q - 8) * scale + zero, as a dense [in_features, N]
         weight in the activations' order (act-order undone, K padding dropped) in `dtype` (default:
-        the activations'): one native pass where it compiled, else tensor ops. reuse: into this
-        thread's scratch buffer, which the next call overwrites."""
+        the activations'): one native pass where it compiled, else tensor ops."""
         dtype = dtype or self.act_dtype
         K, Kp, N = self.in_features, self.padded_in, self.padded_out
-        # autograd keeps the weight for backward: a reused buffer only where no graph is recorded
-        out = scratch(K, N, dtype) if reuse and eager(self.qweight) and not torch.is_grad_enabled() else None
-        w = dequantize_native(self.qweight, self.scales_and_zeros, Kp, N, self.pack_block_n, self.kernel_group_size, dtype, out,
+        w = dequantize_native(self.qweight, self.scales_and_zeros, Kp, N, self.pack_block_n, self.kernel_group_size, dtype,
                               self.perm, K)
         if w is None:
             codes = unpack_int4(self.qweight, Kp, N, self.pack_block_n)

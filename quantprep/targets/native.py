@@ -48,14 +48,25 @@ def cpuinfo(field: str) -> str | None:
     return next((line.partition(":")[2].strip() for line in text.splitlines() if line.partition(":")[0].strip() == field), None)
 
 
+def loaded(soname: str) -> bool:
+    """Whether this process has a library file of that name mapped (Linux): a library linked
+    against `soname` then binds to that one instead of loading another copy."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return any(line.rstrip().endswith(b"/" + soname.encode()) for line in f)
+    except OSError:
+        return False
+
+
 @functools.cache
-def library(source: str) -> ctypes.CDLL | None:
-    """`source` compiled as a shared library (cached, see above), or None: no compiler, the variable
-    set, a cache directory that is not this user's alone, or a compile that failed or hung."""
+def library(source: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """`source` compiled with FLAGS + flags as a shared library (cached, see above), or None: no
+    compiler, the variable set, a cache directory that is not this user's alone, a compile that
+    failed or hung, or a library that did not load."""
     cc = _compiler()
     if cc is None or os.environ.get(settings.NATIVE) == "0":
         return None
-    digest = hashlib.sha256("\0".join([source, cc[1], *FLAGS, cpuinfo("flags") or ""]).encode()).hexdigest()[:32]
+    digest = hashlib.sha256("\0".join([source, cc[1], *FLAGS, *flags, cpuinfo("flags") or ""]).encode()).hexdigest()[:32]
     try:
         root = private_dir(user_dir(settings.NATIVE_DIR, "cache", "native"))
         lib = root / f"{digest}.so"
@@ -63,7 +74,7 @@ def library(source: str) -> ctypes.CDLL | None:
             with tempfile.TemporaryDirectory(prefix="build-", dir=root) as tmp:
                 src, out = Path(tmp, "kernel.c"), Path(tmp, "kernel.so")
                 src.write_text(source)
-                if subprocess.run([cc[0], *FLAGS, str(src), "-o", str(out)], capture_output=True, timeout=300).returncode:
+                if subprocess.run([cc[0], *FLAGS, *flags, str(src), "-o", str(out)], capture_output=True, timeout=300).returncode:
                     return None
                 with open(out, "rb") as f:
                     os.fsync(f.fileno())  # whole on disk before it has its name: a crash leaves no empty library

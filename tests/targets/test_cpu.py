@@ -240,10 +240,15 @@ def test_without_a_compiler_the_dequantize_path_uses_tensor_ops(monkeypatch):
 
 
 @pytest.mark.parametrize("K,gs,act_order", [(80, 64, True), (576, 128, True), (200, -1, False)])
-def test_every_path_matches_the_dense_reference(K, gs, act_order):
+@pytest.mark.parametrize("tile_bytes", [1 << 30, 1])  # one tile; tiles of one pack block (208 = 3 x 64 + 16)
+def test_every_path_matches_the_dense_reference(K, gs, act_order, tile_bytes, monkeypatch):
     """The int4 kernel (activations gathered into act-order and zero-padded to whole kernel groups)
-    and the dense path (the weight dequantized into the activations' own order, no gather) against
-    the float64 reference by g_idx, with K padding (K=80 -> 96) and without."""
+    and the dense path (the weight dequantized into the activations' own order, no gather, one
+    column tile at a time) against the float64 reference by g_idx, with K padding (K=80 -> 96) and
+    without, in one tile and in tiles of a pack block with a partial last one."""
+    from quantprep.targets import cpu
+
+    monkeypatch.setattr(cpu, "TILE_BYTES", tile_bytes)
     gen = torch.Generator().manual_seed(K)
     layer, module, _ = _module_for(random_gptq_tensors(K, 208, 4, gs, False, act_order, True, generator=gen),
                                    QuantConfig(4, gs, False, act_order, "gptq"), torch.bfloat16)
