@@ -3,8 +3,8 @@
 Per linear shape of Qwen2.5-1.5B (random act-order GPTQ weights: the time does not depend on the
 values) at M rows: the dense bf16 model's F.linear ([N, K] weight), the whole weight dequantized
 (every core) then one matmul, the tiled path (CpuInt4Linear's "dequant") and the int4 kernel;
-then the dequantization alone, one core, tile by tile, with the AVX512-BF16 block and with the
-compiler's portable loop. One process, interleaved rounds, medians. `benchmarks/tables.py`
+then the dequantization alone, tile by tile, with the AVX512-BF16 block and with the compiler's
+portable loop. One process, interleaved rounds, medians. `benchmarks/tables.py`
 renders the JSON into BENCHMARKS.md ("Kernel plans").
 
     python benchmarks/cpu_dense_tiles.py [--m 512] [--out benchmarks/results/cpu-dequant-tiles-avx512-epyc.json]
@@ -29,10 +29,11 @@ SHAPES = {"qkv": (1536, 2048), "o": (1536, 1536), "gate_up": (1536, 17920), "dow
 
 
 def portable_dequantizer():
-    """NATIVE_DEQUANT_SOURCE without its AVX512-BF16 block: the compiler's loop alone."""
-    lib = native.library(cpu.NATIVE_DEQUANT_SOURCE.replace("#define BF16_BLOCK64 1\n", ""))
+    """NATIVE_DEQUANT_SOURCE without its AVX512-BF16 block: the compiler's loop alone (built as cpu.py builds it)."""
+    flags = ("-fopenmp",) if native.loaded("libgomp.so.1") else ()
+    lib = native.library(cpu.NATIVE_DEQUANT_SOURCE.replace("#define BF16_BLOCK64 1\n", ""), flags)
     fn = lib.dequant_int4_cpu
-    fn.argtypes, fn.restype = cpu.native_dequantizer().argtypes, None
+    fn.argtypes, fn.restype = cpu.native_dequantizer().argtypes, cpu.native_dequantizer().restype
     return fn
 
 
@@ -63,7 +64,7 @@ def main() -> int:
         weight = m.native_weight()
         tile = cpu.tile_buffer(K, min(N, 512), torch.bfloat16)
 
-        def dequant_tiles():  # one core, the tiled path's tiles
+        def dequant_tiles():  # the tiled path's tiles alone
             for n0 in range(0, N, tile.shape[1]):
                 weight.write(tile, n0, min(n0 + tile.shape[1], N))
 
@@ -78,8 +79,8 @@ def main() -> int:
                  "whole_dequant_matmul": lambda: dense_matmul(x, m.dequantize()),
                  "tiled": lambda: m.run(x, "dequant"),
                  "int4_kernel": lambda: m.run(x, "int4"),
-                 "dequant_tiles_one_core": dequant_tiles,
-                 "dequant_tiles_one_core_portable": dequant_tiles_portable}
+                 "dequant_tiles": dequant_tiles,
+                 "dequant_tiles_portable": dequant_tiles_portable}
         times = {k: [] for k in paths}
         with torch.inference_mode():
             for f in paths.values():
@@ -96,7 +97,7 @@ def main() -> int:
     result = {**machine(), "threads": torch.get_num_threads(), "M": args.m, "rounds": args.rounds, "rows": rows, "layer_ms": layer,
               "layer_tiled_over_dense": round(layer["tiled"] / layer["dense_linear"], 3),
               "layer_whole_over_dense": round(layer["whole_dequant_matmul"] / layer["dense_linear"], 3),
-              "bf16_block_speedup": round(layer["dequant_tiles_one_core_portable"] / layer["dequant_tiles_one_core"], 2)}
+              "bf16_block_speedup": round(layer["dequant_tiles_portable"] / layer["dequant_tiles"], 2)}
     print(save(result, args.out))
     return 0
 

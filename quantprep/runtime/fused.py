@@ -30,7 +30,8 @@ class FusedGroup:
         if state is None or state[0] is not x or state[1][index] is None:
             # Contiguous, like any Linear's output: attention kernels take slower paths for strided
             # q/k/v (measured on an H200), and model code may .view() them.
-            state = (x, [o.contiguous() for o in self.fused(x).split(self.sizes, -1)])
+            split = getattr(self.fused, "forward_split", None)
+            state = (x, split(x, self.sizes) if split else [o.contiguous() for o in self.fused(x).split(self.sizes, -1)])
             self.state = state
         outputs = state[1]
         y, outputs[index] = outputs[index], None

@@ -206,6 +206,11 @@ class PackedLinear(nn.Module):
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
+    def forward_split(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        """forward(x) split into column parts of `sizes` (a fused projection's members), each
+        contiguous like a Linear's output; a path that can write the parts directly overrides it."""
+        return [y.contiguous() for y in self(x).split(sizes, -1)]
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, act_order={self.perm is not None}, dtype={self.act_dtype}"
 

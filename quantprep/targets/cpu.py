@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import os
 import threading
 
@@ -131,6 +132,7 @@ def native_packer():
 # split the columns: torch's own OpenMP threads, where the library links the libgomp torch loaded.
 NATIVE_DEQUANT_SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -190,33 +192,57 @@ static int64_t row_bf16_block64(const uint8_t *restrict packed, int64_t k, int64
     return n0;
 }
 #endif
-/* K: the packed rows (padded). Packed rows 0..rows-1 are written, row k to output row dest[k]
-   (dest NULL: k), so an act-order weight comes out in the activations' own order; columns
-   [n_begin, n_end) of it to out + dest[k] * ldo + (n - n_begin). Each thread takes whole blocks. */
-void dequant_int4_cpu(const uint8_t *packed, const int32_t *dest, const float *scale, const float *zero, int64_t K, int64_t N,
-                      int64_t block, int64_t gs, int64_t rows, int64_t n_begin, int64_t n_end, int64_t ldo, int bf16, void *out) {
+/* One group's scale and zero - 8 * scale, columns [c0, c1), as float from the stored pairs
+   sz[n] = (scale, zero) in float32 (sz_bf16 0) or bfloat16 (1) */
+static void group_floats(const void *sz, int sz_bf16, int64_t g, int64_t N, int64_t c0, int64_t c1, float *s, float *z) {
+    for (int64_t n = c0; n < c1; n++) {
+        float a, b;
+        if (sz_bf16) {
+            const uint16_t *p = (const uint16_t *)sz + 2 * (g * N + n);
+            uint32_t ua = (uint32_t)p[0] << 16, ub = (uint32_t)p[1] << 16;
+            memcpy(&a, &ua, 4), memcpy(&b, &ub, 4);
+        } else {
+            const float *p = (const float *)sz + 2 * (g * N + n);
+            a = p[0], b = p[1];
+        }
+        s[n - c0] = a, z[n - c0] = b - 8 * a;
+    }
+}
+/* K: the packed rows (padded), sz: [K / gs, N, 2]. Packed rows 0..rows-1 are written, row k to
+   output row dest[k] (dest NULL: k; a row outside 0..rows-1 is skipped, so no write leaves the
+   buffer), so an act-order weight comes out in the activations' own order; columns [n_begin, n_end)
+   of it to out + dest[k] * ldo + (n - n_begin). Each thread takes whole blocks of the columns.
+   Returns 0, or -1 when a thread could not allocate its group's floats. */
+int dequant_int4_cpu(const uint8_t *packed, const int32_t *dest, const void *sz, int sz_bf16, int64_t K, int64_t N,
+                     int64_t block, int64_t gs, int64_t rows, int64_t n_begin, int64_t n_end, int64_t ldo, int bf16, void *out) {
     int64_t blocks = (n_end - n_begin + block - 1) / block;
-#pragma omp parallel
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
     {
         int64_t t = 0, T = 1;
 #ifdef _OPENMP
         t = omp_get_thread_num(), T = omp_get_num_threads();
 #endif
         int64_t per = (blocks + T - 1) / T * block, c0 = n_begin + t * per, c1 = c0 + per < n_end ? c0 + per : n_end;
-        for (int64_t k = 0; k < rows && c0 < c1; k++) {
-            const float *s = scale + (k / gs) * N, *z = zero + (k / gs) * N;
+        float *s = c0 < c1 ? malloc(2 * (c1 - c0) * sizeof(float)) : NULL, *z = s + (c1 - c0);
+        failed |= c0 < c1 && s == NULL;
+        for (int64_t k = 0, g = -1; k < rows && s != NULL; k++) {
             int64_t r = dest ? dest[k] : k, n0 = c0;
+            if (r < 0 || r >= rows) continue;
+            if (k / gs != g) group_floats(sz, sz_bf16, g = k / gs, N, c0, c1, s, z);
             if (bf16) {
                 uint16_t *o = (uint16_t *)out + r * ldo - n_begin;
 #ifdef BF16_BLOCK64
-                if (block == 64) n0 = row_bf16_block64(packed, k, K, N, s, z, n0, c1, o);
+                if (block == 64) n0 = row_bf16_block64(packed, k, K, N, s - c0, z - c0, n0, c1, o);
 #endif
-                row_uint16_t(packed, k, K, N, block, s, z, n0, c1, o);
+                row_uint16_t(packed, k, K, N, block, s - c0, z - c0, n0, c1, o);
             } else {
-                row_float(packed, k, K, N, block, s, z, n0, c1, (float *)out + r * ldo - n_begin);
+                row_float(packed, k, K, N, block, s - c0, z - c0, n0, c1, (float *)out + r * ldo - n_begin);
             }
         }
+        free(s);
     }
+    return failed ? -1 : 0;
 }
 """
 
@@ -231,8 +257,8 @@ def native_dequantizer():
     if lib is None:
         return None
     fn = lib.dequant_int4_cpu
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 8 + [ctypes.c_int, ctypes.c_void_p]
-    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_int64] * 8 + [ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
     return fn
 
 
@@ -244,22 +270,22 @@ def eager(t: torch.Tensor) -> bool:
 
 class NativeWeight:
     """One packed int4 weight as the native dequantizer reads it: pack_int4's layout (K packed rows,
-    N columns in blocks of `block`), float32 scale and zero - 8 * scale per group, and the output
-    row of each packed row (act-order: packed row k is input row perm[k]) for the first `rows`."""
+    N columns in blocks of `block`), the kernel's (scale, zero) pairs per group, and the output row
+    of each packed row (act-order: packed row k is input row perm[k]) for the first `rows`."""
 
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, K: int, N: int, block: int, group_size: int,
                  perm: torch.Tensor | None = None, rows: int | None = None):
         self.fn = native_dequantizer()
         self.K, self.N, self.block, self.group_size = K, N, block, group_size
         self.rows = K if rows is None else rows
-        sz = scales_and_zeros.float()
-        self.scale = sz[..., 0].contiguous()
-        self.zero = (sz[..., 1] - 8 * sz[..., 0]).contiguous()
+        # read as stored (bfloat16 or float32); other dtypes once as float32
+        sz = scales_and_zeros if scales_and_zeros.dtype in (torch.bfloat16, torch.float32) else scales_and_zeros.float()
+        self.scales_and_zeros = sz.contiguous()
         self.dest = None if perm is None else perm.to(torch.int32).contiguous()
-        if self.dest is not None and (self.dest.numel() < self.rows or int(self.dest[:self.rows].min()) < 0 or
-                                      int(self.dest[:self.rows].max()) >= self.rows):
-            raise ValueError(f"perm does not index {self.rows} rows")  # C writes row dest[k]: never outside the buffer
         self.packed = packed.contiguous()
+        # C indexes by these: a rows-long dest (values out of range are skipped there), whole groups
+        assert self.dest is None or self.dest.numel() >= self.rows
+        assert self.packed.numel() * 2 == K * N and self.scales_and_zeros.shape == (-(-K // group_size), N, 2)
 
     def write(self, out: torch.Tensor, n_begin: int = 0, n_end: int | None = None) -> None:
         """Columns [n_begin, n_end) (n_begin on a block, n_end on a block or N) into out [rows,
@@ -267,9 +293,11 @@ class NativeWeight:
         n_end = self.N if n_end is None else n_end
         assert out.dtype in (torch.bfloat16, torch.float32) and out.stride(1) == 1 and out.shape[0] >= self.rows
         assert n_begin % self.block == 0 and (n_end % self.block == 0 or n_end == self.N) and out.shape[1] >= n_end - n_begin
-        self.fn(self.packed.data_ptr(), None if self.dest is None else self.dest.data_ptr(), self.scale.data_ptr(),
-                self.zero.data_ptr(), self.K, self.N, self.block, self.group_size, self.rows, n_begin, n_end,
-                out.stride(0), int(out.dtype == torch.bfloat16), out.data_ptr())
+        sz = self.scales_and_zeros
+        if self.fn(self.packed.data_ptr(), None if self.dest is None else self.dest.data_ptr(), sz.data_ptr(),
+                   int(sz.dtype == torch.bfloat16), self.K, self.N, self.block, self.group_size, self.rows, n_begin, n_end,
+                   out.stride(0), int(out.dtype == torch.bfloat16), out.data_ptr()):
+            raise MemoryError("the native dequantizer could not allocate a group's scales")
 
 
 def dequantize_native(packed: torch.Tensor, scales_and_zeros: torch.Tensor, K: int, N: int, block: int, group_size: int,
@@ -304,20 +332,26 @@ def tile_buffer(K: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
     return buf[:need].view(dtype).view(K, columns)
 
 
-def tiled_matmul(x: torch.Tensor, weight: NativeWeight, dtype: torch.dtype) -> torch.Tensor:
+def tiled_matmul(x: torch.Tensor, weight: NativeWeight, dtype: torch.dtype, bounds: tuple[int, ...] | None = None) -> list[torch.Tensor]:
     """x [M, rows] @ the dequantized weight [rows, N] in `dtype`, tile by tile (see TILE_BYTES),
-    without autograd (out= writes)."""
+    without autograd (out= writes): one contiguous output per column range [bounds[i], bounds[i+1])
+    (default: (0, N); each bound on a pack block, or N)."""
+    bounds = (0, weight.N) if bounds is None else bounds
+    widest = max(b - a for a, b in itertools.pairwise(bounds))
     columns = weight.block
-    while columns * 2 * weight.rows * dtype.itemsize <= TILE_BYTES and columns * 2 <= weight.N:
+    while columns * 2 * weight.rows * dtype.itemsize <= TILE_BYTES and columns * 2 <= widest:
         columns *= 2
     w = tile_buffer(weight.rows, columns, dtype)
     x = x.to(dtype)
-    y = torch.empty(x.shape[0], weight.N, dtype=dtype)
-    for n0 in range(0, weight.N, columns):
-        n1 = min(n0 + columns, weight.N)
-        weight.write(w, n0, n1)
-        torch.mm(x, w[:, : n1 - n0], out=y[:, n0:n1])
-    return y
+    outputs = []
+    for lo, hi in itertools.pairwise(bounds):
+        y = torch.empty(x.shape[0], hi - lo, dtype=dtype)
+        for n0 in range(lo, hi, columns):
+            n1 = min(n0 + columns, hi)
+            weight.write(w, n0, n1)
+            torch.mm(x, w[:, : n1 - n0], out=y[:, n0 - lo : n1 - lo])
+        outputs.append(y)
+    return outputs
 
 
 CODE_8_WORD = 0x88888888 - (1 << 32)  # eight codes of 8 in one int32: the padding, as pack_int4 pads
@@ -390,12 +424,32 @@ class CpuInt4Linear(PackedLinear):
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
         if path == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
-        dtype = torch.float32 if path == "dequant_f32" else self.act_dtype
-        # out= tiles run without autograd (which would keep each tile for backward) and on real data
-        if native_dequantizer() is not None and dtype in (torch.bfloat16, torch.float32) and eager(self.qweight) \
-                and not torch.is_grad_enabled():
-            return tiled_matmul(x, self.native_weight(), dtype).to(x.dtype)
-        return dense_matmul(x, self.dequantize(dtype), path)
+        if self.tiles(path):
+            return tiled_matmul(x, self.native_weight(), self.dense_dtype(path))[0].to(x.dtype)
+        return dense_matmul(x, self.dequantize(self.dense_dtype(path)), path)
+
+    def dense_dtype(self, path: str) -> torch.dtype:
+        return torch.float32 if path == "dequant_f32" else self.act_dtype
+
+    def tiles(self, path: str) -> bool:
+        """Whether `path` runs as tiled_matmul: a dense path, the native dequantizer, real data and
+        no autograd (which would keep each tile for backward)."""
+        return path != "int4" and native_dequantizer() is not None and self.dense_dtype(path) in (torch.bfloat16, torch.float32) \
+            and eager(self.qweight) and not torch.is_grad_enabled()
+
+    def forward_split(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        """A fused projection's members written straight into their own outputs on the tiled
+        path (no copy of the fused output into contiguous parts), where each starts on a pack block."""
+        bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        x2 = x.reshape(-1, self.in_features).to(self.act_dtype)
+        path = self.path_for(x2.shape[0])
+        if not self.tiles(path) or any(b % self.pack_block_n for b in bounds[:-1]) or bounds[-1] != self.out_features:
+            return super().forward_split(x, sizes)
+        parts = tiled_matmul(x2.contiguous(), self.native_weight(), self.dense_dtype(path), tuple(bounds))
+        if self.bias is not None:
+            for y, b in zip(parts, self.bias.split(sizes), strict=True):
+                y += b
+        return [y.to(self.act_dtype).reshape(*x.shape[:-1], y.shape[-1]) for y in parts]
 
     def input_order(self, path: str) -> bool:
         return path != "int4"  # the dense paths dequantize straight into the activations' order

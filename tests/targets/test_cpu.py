@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import prepacked_module
+from conftest import prepacked_module, rel_err
 
 from quantprep.build.source import QuantConfig
 from quantprep.build.synthetic import random_gptq_tensors
@@ -227,6 +227,26 @@ def test_native_dequantize_is_the_kernel_s_arithmetic(N, K, gs, block, dtype):
         assert ((w.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-30).all()
 
 
+def test_the_native_dequantizer_without_openmp_writes_the_same_weight(monkeypatch):
+    """Where torch's libgomp is not what the process loaded, the library is built without OpenMP
+    (one thread per call): the same bytes as the OpenMP build, act-order and a partial block."""
+    from quantprep.targets import cpu, native
+
+    if not native.loaded("libgomp.so.1") or cpu.native_dequantizer() is None:
+        pytest.skip("the OpenMP build is not the one in use here")
+    gen = torch.Generator().manual_seed(9)
+    _, module, _ = _module_for(random_gptq_tensors(576, 208, 4, 128, False, True, True, generator=gen),
+                               QuantConfig(4, 128, False, True, "gptq"), torch.bfloat16)
+    with_openmp = module.dequantize()
+    monkeypatch.setattr(native, "loaded", lambda soname: False)
+    cpu.native_dequantizer.cache_clear()
+    try:
+        assert cpu.native_dequantizer() is not None
+        assert torch.equal(module.dequantize(), with_openmp)
+    finally:
+        cpu.native_dequantizer.cache_clear()
+
+
 def test_without_a_compiler_the_dequantize_path_uses_tensor_ops(monkeypatch):
     from quantprep.targets import cpu
 
@@ -260,3 +280,30 @@ def test_every_path_matches_the_dense_reference(K, gs, act_order, tile_bytes, mo
             y = module(x.bfloat16()).double()
         assert ((y - ref).norm() / ref.norm()).item() < 1e-2, path
     assert module.padded_in > K or K != 80
+
+
+@pytest.mark.parametrize("sizes,direct", [([192, 64, 64], True), ([200, 60, 60], False)])
+def test_fused_members_are_written_into_their_own_outputs(sizes, direct, monkeypatch):
+    """On the tiled path a fused projection's members (q/k/v, gate/up) come out as separate
+    contiguous tensors written in place, where each starts on a pack block; elsewhere the fused
+    output is split and copied. Same numbers either way, bias included."""
+    from quantprep.targets import cpu
+
+    if cpu.native_dequantizer() is None:
+        pytest.skip("no C compiler here: no tiled path")
+    gen = torch.Generator().manual_seed(sum(sizes))
+    K, N = 256, sum(sizes)
+    _, module, _ = _module_for(random_gptq_tensors(K, N, 4, 64, False, True, True, bias=True, generator=gen),
+                               QuantConfig(4, 64, False, True, "gptq"), torch.bfloat16)
+    assert module.bias is not None
+    module.plan, module.plan_max_m = ((1, "dequant"),), 64
+    calls, original = [], cpu.tiled_matmul
+    monkeypatch.setattr(cpu, "tiled_matmul", lambda *a: calls.append(a[3] if len(a) > 3 else None) or original(*a))
+    x = torch.randn(3, 16, K, generator=gen).bfloat16()
+    with torch.no_grad():
+        parts = module.forward_split(x, sizes)
+        whole = module(x)
+    assert (calls[0] == (0, 192, 256, 320)) == direct
+    for part, ref in zip(parts, whole.split(sizes, -1), strict=True):
+        assert part.is_contiguous() and part.shape == ref.shape
+        assert rel_err(part, ref) < 1e-2
