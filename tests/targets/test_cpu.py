@@ -227,6 +227,27 @@ def test_native_dequantize_is_the_kernel_s_arithmetic(N, K, gs, block, dtype):
         assert ((w.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-30).all()
 
 
+def test_the_native_dequantizer_writes_unaligned_outputs():
+    """Streaming stores need 32-byte aligned addresses: an output view that starts 2 bytes into its
+    buffer gets the same bytes through ordinary stores, and column ranges land at their offsets."""
+    from quantprep.targets import cpu
+
+    if cpu.native_dequantizer() is None:
+        pytest.skip("no C compiler here: the dequantize path uses tensor ops")
+    gen = torch.Generator().manual_seed(10)
+    _, module, _ = _module_for(random_gptq_tensors(256, 208, 4, 64, False, True, True, generator=gen),
+                               QuantConfig(4, 64, False, True, "gptq"), torch.bfloat16)
+    ref = module.dequantize()
+    weight = module.native_weight()
+    out = torch.zeros(256, 209, dtype=torch.bfloat16)[:, 1:]
+    assert out.data_ptr() % 32 == 2
+    weight.write(out)
+    assert torch.equal(out, ref)
+    tile = torch.zeros(256, 80, dtype=torch.bfloat16)
+    weight.write(tile, 128, 208)  # the last full block and the partial one
+    assert torch.equal(tile, ref[:, 128:])
+
+
 def test_the_native_dequantizer_without_openmp_writes_the_same_weight(monkeypatch):
     """Where torch's libgomp is not what the process loaded, the library is built without OpenMP
     (one thread per call): the same bytes as the OpenMP build, act-order and a partial block."""
