@@ -311,6 +311,23 @@ def vs_gptqmodel_dense(*runs: dict) -> str:
     return "\n".join(out)
 
 
+def cpu_dense_tiles(*runs: dict) -> str:
+    """The cpu dense path per linear shape: tiled against the whole weight, the int4 kernel and dense
+    bf16's F.linear (benchmarks/cpu_dense_tiles.py)."""
+    out = []
+    for r in runs:
+        out += [f"{r['cpu']} ({r['cores']} cores, {r['cpu_capability']}, {r['threads']} threads), {r['date'][:10]}; M = {r['M']}, "
+                f"Qwen2.5-1.5B shapes, medians of {r['rounds']} interleaved rounds, ms", "",
+                "| linear | K x N | dense bf16 (F.linear) | whole weight, then matmul | tiled | int4 kernel | tiled / dense "
+                "| dequantization alone: AVX512-BF16 block / compiler's loop |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for x in r["rows"] + [{"shape": "one layer", "K": "", "N": "", "ms": r["layer_ms"], "tiled_over_dense": r["layer_tiled_over_dense"]}]:
+            ms = x["ms"]
+            size = f"{x['K']} x {x['N']}" if x["K"] else ""
+            out.append(f"| {x['shape']} | {size} | {ms['dense_linear']:.2f} | {ms['whole_dequant_matmul']:.2f} | {ms['tiled']:.2f} | "
+                       f"{ms['int4_kernel']:.2f} | {x['tiled_over_dense']:.2f}x | {ms['dequant_tiles']:.2f} / {ms['dequant_tiles_portable']:.2f} |")
+    return "\n".join(out)
+
+
 def vs_llamacpp(*runs: dict) -> str:
     """llama.cpp on the recipe's GGUF beside quantprep's cpu artifact and GPTQModel (benchmarks/vs_llamacpp.py)."""
     names = {"llamacpp": "llama.cpp (the recipe's Q4_K_M GGUF)", "quantprep": "quantprep (cpu artifact)", "gptqmodel": "GPTQModel (TORCH backend)"}
@@ -708,6 +725,7 @@ RENDERERS = {
     "openvino-start": openvino_start,
     "vs-gptqmodel-dense": vs_gptqmodel_dense,
     "vs-llamacpp": vs_llamacpp,
+    "cpu-dense-tiles": cpu_dense_tiles,
     "plan-prefill": plan_prefill,
     "cuda-prefill": cuda_prefill,
     "target-ppl": target_ppl,
