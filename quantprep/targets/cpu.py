@@ -294,16 +294,19 @@ class NativeWeight:
         self.scales_and_zeros = sz.contiguous()
         self.dest = None if perm is None else perm.to(torch.int32).contiguous()
         self.packed = packed.contiguous()
-        # C indexes by these: a rows-long dest (values out of range are skipped there), whole groups
-        assert self.dest is None or self.dest.numel() >= self.rows
-        assert self.packed.numel() * 2 == K * N and self.scales_and_zeros.shape == (-(-K // group_size), N, 2)
+        # C indexes memory by these (a dest value out of range is skipped there): checked, not asserted
+        if (self.dest is not None and self.dest.numel() < self.rows) or self.rows > K or self.packed.numel() * 2 != K * N or \
+                self.scales_and_zeros.shape != (-(-K // group_size), N, 2) or block not in (32, 64) or N % 2:
+            raise ValueError(f"a packed int4 weight of {K}x{N} (block {block}, group {group_size}) does not match its tensors")
 
     def write(self, out: torch.Tensor, n_begin: int = 0, n_end: int | None = None) -> None:
         """Columns [n_begin, n_end) (n_begin on a block, n_end on a block or N) into out [rows,
         n_end - n_begin or more] (bfloat16 or float32, unit column stride), on torch's threads."""
         n_end = self.N if n_end is None else n_end
-        assert out.dtype in (torch.bfloat16, torch.float32) and out.stride(1) == 1 and out.shape[0] >= self.rows
-        assert n_begin % self.block == 0 and (n_end % self.block == 0 or n_end == self.N) and out.shape[1] >= n_end - n_begin
+        if out.dtype not in (torch.bfloat16, torch.float32) or out.stride(1) != 1 or out.shape[0] < self.rows or \
+                not 0 <= n_begin < n_end <= self.N or n_begin % self.block or (n_end % self.block and n_end != self.N) or \
+                out.shape[1] < n_end - n_begin or (self.rows > 1 and out.stride(0) < n_end - n_begin):
+            raise ValueError(f"columns [{n_begin}, {n_end}) of a {self.K}x{self.N} weight do not fit an output of {tuple(out.shape)}")
         sz = self.scales_and_zeros
         if self.fn(self.packed.data_ptr(), None if self.dest is None else self.dest.data_ptr(), sz.data_ptr(),
                    int(sz.dtype == torch.bfloat16), self.K, self.N, self.block, self.group_size, self.rows, n_begin, n_end,
