@@ -30,7 +30,7 @@ SHAPES = {"qkv": (1536, 2048), "o": (1536, 1536), "gate_up": (1536, 17920), "dow
 
 def portable_dequantizer():
     """NATIVE_DEQUANT_SOURCE without its AVX512-BF16 block: the compiler's loop alone (built as cpu.py builds it)."""
-    flags = ("-fopenmp",) if native.loaded("libgomp.so.1") else ()
+    flags = ("-fopenmp",) if native.torch_openmp() else ()
     lib = native.library(cpu.NATIVE_DEQUANT_SOURCE.replace("#define BF16_BLOCK64 1\n", ""), flags)
     fn = lib.dequant_int4_cpu
     fn.argtypes, fn.restype = cpu.native_dequantizer().argtypes, cpu.native_dequantizer().restype

@@ -135,8 +135,9 @@ NATIVE_DEQUANT_SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
+#if defined(_OPENMP) && defined(__GNUC__) && !defined(__clang__)
 #include <omp.h>
+#define GNU_OPENMP 1 /* libgomp's: the runtime native_dequantizer checked torch runs on */
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -177,7 +178,7 @@ ROW(float, AS_FLOAT)
 static int64_t row_bf16_block64(const uint8_t *restrict packed, int64_t k, int64_t K, int64_t N, const float *restrict s,
                                 const float *restrict z, int64_t n0, int64_t n1, uint16_t *restrict o) {
     const __m128i m15 = _mm_set1_epi8(15);
-    int stream = ((uintptr_t)(o + n0) & 31) == 0;  /* whole 32-byte stores (ldo is even in 16s) */
+    int stream = ((uintptr_t)(o + n0) & 31) == 0;  /* this row's; every store after it is 32 bytes on */
     int64_t stop = n1 < N / 64 * 64 ? n1 : N / 64 * 64;
     for (; n0 < stop; n0 += 64) {
         const uint8_t *p = packed + n0 * K / 2 + k * 32;
@@ -222,13 +223,16 @@ static void group_floats(const void *sz, int sz_bf16, int64_t g, int64_t N, int6
    of it to out + dest[k] * ldo + (n - n_begin). Each thread takes whole blocks of the columns.
    Returns 0, or -1 when a thread could not allocate its group's floats. */
 int dequant_int4_cpu(const uint8_t *packed, const int32_t *dest, const void *sz, int sz_bf16, int64_t K, int64_t N,
-                     int64_t block, int64_t gs, int64_t rows, int64_t n_begin, int64_t n_end, int64_t ldo, int bf16, void *out) {
+                     int64_t block, int64_t gs, int64_t rows, int64_t n_begin, int64_t n_end, int64_t ldo, int bf16, void *out,
+                     int threads) {
     int64_t blocks = (n_end - n_begin + block - 1) / block;
     int failed = 0;
-#pragma omp parallel reduction(| : failed)
+#ifdef GNU_OPENMP
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+#endif
     {
         int64_t t = 0, T = 1;
-#ifdef _OPENMP
+#ifdef GNU_OPENMP
         t = omp_get_thread_num(), T = omp_get_num_threads();
 #endif
         int64_t per = (blocks + T - 1) / T * block, c0 = n_begin + t * per, c1 = c0 + per < n_end ? c0 + per : n_end;
@@ -261,14 +265,14 @@ int dequant_int4_cpu(const uint8_t *packed, const int32_t *dest, const void *sz,
 @functools.cache
 def native_dequantizer():
     """`dequant_int4_cpu` from NATIVE_DEQUANT_SOURCE, or None (then the tensor ops). Built with
-    OpenMP only where the process has torch's libgomp.so.1 loaded: the library then binds to it (one
-    runtime, torch's threads, torch's thread count); elsewhere one thread per call."""
-    lib = native.library(NATIVE_DEQUANT_SOURCE, ("-fopenmp",)) if native.loaded("libgomp.so.1") else None
+    OpenMP (GCC's) only where torch's runtime is the libgomp.so.1 already loaded: the library then
+    binds to it (one runtime, torch's threads, torch's thread count); elsewhere one thread per call."""
+    lib = native.library(NATIVE_DEQUANT_SOURCE, ("-fopenmp",)) if native.torch_openmp() else None
     lib = lib or native.library(NATIVE_DEQUANT_SOURCE)
     if lib is None:
         return None
     fn = lib.dequant_int4_cpu
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_int64] * 8 + [ctypes.c_int, ctypes.c_void_p]
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_int64] * 8 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
 
@@ -295,7 +299,9 @@ class NativeWeight:
         self.dest = None if perm is None else perm.to(torch.int32).contiguous()
         self.packed = packed.contiguous()
         # C indexes memory by these (a dest value out of range is skipped there): checked, not asserted
-        if (self.dest is not None and self.dest.numel() < self.rows) or self.rows > K or self.packed.numel() * 2 != K * N or \
+        tensors = [self.packed, self.scales_and_zeros] + ([] if self.dest is None else [self.dest])
+        if any(t.device.type != "cpu" or not eager(t) for t in tensors) or self.packed.dtype != torch.uint8 or \
+                (self.dest is not None and self.dest.numel() < self.rows) or self.rows > K or self.packed.numel() * 2 != K * N or \
                 self.scales_and_zeros.shape != (-(-K // group_size), N, 2) or block not in (32, 64) or N % 2:
             raise ValueError(f"a packed int4 weight of {K}x{N} (block {block}, group {group_size}) does not match its tensors")
 
@@ -303,14 +309,15 @@ class NativeWeight:
         """Columns [n_begin, n_end) (n_begin on a block, n_end on a block or N) into out [rows,
         n_end - n_begin or more] (bfloat16 or float32, unit column stride), on torch's threads."""
         n_end = self.N if n_end is None else n_end
-        if out.dtype not in (torch.bfloat16, torch.float32) or out.stride(1) != 1 or out.shape[0] < self.rows or \
+        if out.dtype not in (torch.bfloat16, torch.float32) or out.device.type != "cpu" or not eager(out) or \
+                out.stride(1) != 1 or out.shape[0] < self.rows or \
                 not 0 <= n_begin < n_end <= self.N or n_begin % self.block or (n_end % self.block and n_end != self.N) or \
                 out.shape[1] < n_end - n_begin or (self.rows > 1 and out.stride(0) < n_end - n_begin):
             raise ValueError(f"columns [{n_begin}, {n_end}) of a {self.K}x{self.N} weight do not fit an output of {tuple(out.shape)}")
         sz = self.scales_and_zeros
         if self.fn(self.packed.data_ptr(), None if self.dest is None else self.dest.data_ptr(), sz.data_ptr(),
                    int(sz.dtype == torch.bfloat16), self.K, self.N, self.block, self.group_size, self.rows, n_begin, n_end,
-                   out.stride(0), int(out.dtype == torch.bfloat16), out.data_ptr()):
+                   out.stride(0), int(out.dtype == torch.bfloat16), out.data_ptr(), torch.get_num_threads()):
             raise MemoryError("the native dequantizer could not allocate a group's scales")
 
 
@@ -319,7 +326,7 @@ def dequantize_native(packed: torch.Tensor, scales_and_zeros: torch.Tensor, K: i
     """pack_int4's layout (K packed rows) -> w = (q - 8) * scale + zero in `dtype` (bfloat16 or float32):
     [K, N], or with `perm` (act-order: packed row k is input row perm[k]) the first `rows` packed
     rows in input order, [rows, N]. None without the native dequantizer or for another dtype."""
-    if native_dequantizer() is None or dtype not in (torch.bfloat16, torch.float32) or not eager(packed):
+    if not eager(packed) or dtype not in (torch.bfloat16, torch.float32) or native_dequantizer() is None:
         return None
     weight = NativeWeight(packed, scales_and_zeros, K, N, block, group_size, perm, rows)
     out = torch.empty(weight.rows, N, dtype=dtype)
@@ -331,10 +338,9 @@ def dequantize_native(packed: torch.Tensor, scales_and_zeros: torch.Tensor, K: i
 # whole weight first: each tile is written by torch's own threads (each its share of the columns)
 # with streaming stores, then multiplied on them. Writing through the cache cost more than the
 # dequantization (read-for-ownership of lines the other core had just read); the GEMM reads the tile
-# back from memory as the dense model reads its weight. At M = 512 the real 1.5B's prefill takes
-# 1.07x dense bf16's time this way, 1.10x with whole-weight tiles (BENCHMARKS.md, "Kernel plans";
-# benchmarks/cpu_dense_tiles.py). Tiles are a power of two of columns (>= the pack block) of at
-# most TILE_BYTES.
+# back from memory as the dense model reads its weight, and tiles did better than whole weights
+# (BENCHMARKS.md, "Kernel plans"; benchmarks/cpu_dense_tiles.py). Tiles are a power of two of
+# columns of at most TILE_BYTES, or one pack block where a block is larger.
 TILE_BYTES = 5 << 19
 _tile = threading.local()
 
@@ -450,8 +456,8 @@ class CpuInt4Linear(PackedLinear):
     def tiles(self, path: str) -> bool:
         """Whether `path` runs as tiled_matmul: a dense path, the native dequantizer, real data and
         no autograd (which would keep each tile for backward)."""
-        return path != "int4" and native_dequantizer() is not None and self.dense_dtype(path) in (torch.bfloat16, torch.float32) \
-            and eager(self.qweight) and not torch.is_grad_enabled()
+        return path != "int4" and eager(self.qweight) and not torch.is_grad_enabled() and \
+            self.dense_dtype(path) in (torch.bfloat16, torch.float32) and native_dequantizer() is not None
 
     def forward_split(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         """A fused projection's members written straight into their own outputs on the tiled
@@ -459,13 +465,13 @@ class CpuInt4Linear(PackedLinear):
         bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
         x2 = x.reshape(-1, self.in_features).to(self.act_dtype)
         path = self.path_for(x2.shape[0])
-        if not self.tiles(path) or any(b % self.pack_block_n for b in bounds[:-1]) or bounds[-1] != self.out_features:
-            return super().forward_split(x, sizes)
-        parts = tiled_matmul(x2.contiguous(), self.native_weight(), self.dense_dtype(path), tuple(bounds))
-        if self.bias is not None:
+        if not self.tiles(path) or any(b % self.pack_block_n for b in bounds[:-1]) or bounds[-1] != self.padded_out:
+            return super().forward_split(x, sizes)  # a member off a block, or padded columns at the end
+        parts = [y.to(self.act_dtype) for y in tiled_matmul(x2.contiguous(), self.native_weight(), self.dense_dtype(path), tuple(bounds))]
+        if self.bias is not None:  # in the activation dtype, as forward adds it
             for y, b in zip(parts, self.bias.split(sizes), strict=True):
                 y += b
-        return [y.to(self.act_dtype).reshape(*x.shape[:-1], y.shape[-1]) for y in parts]
+        return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in parts]
 
     def input_order(self, path: str) -> bool:
         return path != "int4"  # the dense paths dequantize straight into the activations' order

@@ -48,14 +48,19 @@ def cpuinfo(field: str) -> str | None:
     return next((line.partition(":")[2].strip() for line in text.splitlines() if line.partition(":")[0].strip() == field), None)
 
 
-def loaded(soname: str) -> bool:
-    """Whether this process has a library file of that name mapped (Linux): a library linked
-    against `soname` then binds to that one instead of loading another copy."""
+def torch_openmp() -> str | None:
+    """The OpenMP runtime torch's threads come from, as a library name to link against, when it is
+    GNU's libgomp.so.1 and already in this process (torch resolves omp_* to it): a library linked
+    against that soname binds to the same runtime and the same threads. None otherwise (another
+    runtime, or one this cannot tell)."""
     try:
-        with open("/proc/self/maps", "rb") as f:
-            return any(line.rstrip().endswith(b"/" + soname.encode()) for line in f)
+        gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)
     except OSError:
-        return False
+        return None
+    first = getattr(ctypes.CDLL(None), "omp_get_max_threads", None)  # the one torch's calls resolve to
+    if first is None or ctypes.cast(first, ctypes.c_void_p).value != ctypes.cast(gomp.omp_get_max_threads, ctypes.c_void_p).value:
+        return None
+    return "libgomp.so.1"
 
 
 @functools.cache

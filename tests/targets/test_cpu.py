@@ -253,13 +253,13 @@ def test_the_native_dequantizer_without_openmp_writes_the_same_weight(monkeypatc
     (one thread per call): the same bytes as the OpenMP build, act-order and a partial block."""
     from quantprep.targets import cpu, native
 
-    if not native.loaded("libgomp.so.1") or cpu.native_dequantizer() is None:
+    if native.torch_openmp() is None or cpu.native_dequantizer() is None:
         pytest.skip("the OpenMP build is not the one in use here")
     gen = torch.Generator().manual_seed(9)
     _, module, _ = _module_for(random_gptq_tensors(576, 208, 4, 128, False, True, True, generator=gen),
                                QuantConfig(4, 128, False, True, "gptq"), torch.bfloat16)
     with_openmp = module.dequantize()
-    monkeypatch.setattr(native, "loaded", lambda soname: False)
+    monkeypatch.setattr(native, "torch_openmp", lambda: None)
     cpu.native_dequantizer.cache_clear()
     try:
         assert cpu.native_dequantizer() is not None
@@ -303,11 +303,11 @@ def test_every_path_matches_the_dense_reference(K, gs, act_order, tile_bytes, mo
     assert module.padded_in > K or K != 80
 
 
-@pytest.mark.parametrize("sizes,direct", [([192, 64, 64], True), ([200, 60, 60], False)])
+@pytest.mark.parametrize("sizes,direct", [([192, 64, 64], True), ([200, 60, 60], False), ([128, 8], False)])  # 136: padded to 144
 def test_fused_members_are_written_into_their_own_outputs(sizes, direct, monkeypatch):
     """On the tiled path a fused projection's members (q/k/v, gate/up) come out as separate
-    contiguous tensors written in place, where each starts on a pack block; elsewhere the fused
-    output is split and copied. Same numbers either way, bias included."""
+    contiguous tensors written in place, where each starts on a pack block and no padded column
+    follows; elsewhere the fused output is split and copied. Same numbers either way, bias included."""
     from quantprep.targets import cpu
 
     if cpu.native_dequantizer() is None:
