@@ -328,6 +328,21 @@ def cpu_dense_tiles(*runs: dict) -> str:
     return "\n".join(out)
 
 
+def cpu_decode_profile(*runs: dict) -> str:
+    """A cpu artifact's decode op by op, and its lm_head in bf16 and per-channel int8 (benchmarks/cpu_decode_profile.py)."""
+    out = []
+    for r in runs:
+        h = r["lm_head"]
+        out += [f"{r['cpu']} ({r['cores']} cores, {r['cpu_capability']}, {r['threads']} threads), {r['date'][:10]}; decode "
+                f"{r['decode_tok_s']['median']:.2f} tok/s (median of {len(r['decode_tok_s']['runs'])}), {r['new_tokens']} tokens profiled "
+                f"({r['profiled_ms_per_token']:.1f} ms a token under the profiler); memory read {r['memory_read_gb_s']:.0f} GB/s", "",
+                "| op | calls | self time, ms | share |", "| --- | --- | --- | --- |"]
+        out += [f"| {o['op']} | {o['calls']} | {o['self_ms']:.1f} | {o['share'] * 100:.1f}% |" for o in r["ops"][:8]]
+        out += ["", f"lm_head {h['shape'][0]} x {h['shape'][1]} at one row: bf16 ({h['bf16_mb']:.0f} MB) {h['bf16_ms']:.2f} ms, "
+                f"per-channel int8 {h['int8_per_channel_ms']:.2f} ms"]
+    return "\n".join(out)
+
+
 def vs_llamacpp(*runs: dict) -> str:
     """llama.cpp on the recipe's GGUF beside quantprep's cpu artifact and GPTQModel (benchmarks/vs_llamacpp.py)."""
     names = {"llamacpp": "llama.cpp (the recipe's Q4_K_M GGUF)", "quantprep": "quantprep (cpu artifact)", "gptqmodel": "GPTQModel (TORCH backend)"}
@@ -726,6 +741,7 @@ RENDERERS = {
     "vs-gptqmodel-dense": vs_gptqmodel_dense,
     "vs-llamacpp": vs_llamacpp,
     "cpu-dense-tiles": cpu_dense_tiles,
+    "cpu-decode-profile": cpu_decode_profile,
     "plan-prefill": plan_prefill,
     "cuda-prefill": cuda_prefill,
     "target-ppl": target_ppl,
