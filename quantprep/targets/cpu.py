@@ -128,9 +128,9 @@ def native_packer():
 # rounded once to bfloat16 (to nearest even; the kernel's codes and scales are finite). A call
 # writes columns [n_begin, n_end) (whole blocks, or up to N) of every row, row k at
 # out + dest[k] * ldo, one output row at a time so the writes run along it. With AVX512-BF16 and the
-# AVX512 layout, 64 columns take a few vector instructions (1.8x the compiler's loop) and go to
-# memory by streaming stores where 32-byte aligned (see TILE_BYTES). Threads split the columns:
-# torch's own OpenMP threads, where the library links the libgomp torch loaded.
+# AVX512 layout, 64 columns take a few vector instructions (several times the compiler's loop,
+# benchmarks/cpu_dense_tiles.py). Threads split the columns: torch's own OpenMP threads, where the
+# library links the libgomp torch loaded.
 NATIVE_DEQUANT_SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
@@ -173,12 +173,10 @@ ROW(uint16_t, to_bf16)
 ROW(float, AS_FLOAT)
 #ifdef BF16_BLOCK64
 /* row_uint16_t's full 64-column blocks: 16 bytes -> 16 low and 16 high nibbles -> two 16-float
-   FMAs, rounded to bfloat16 by vcvtneps2bf16 (to nearest even, as to_bf16), stored past the cache
-   where aligned (the caller fences); returns where it stopped */
+   FMAs, rounded to bfloat16 by vcvtneps2bf16 (to nearest even, as to_bf16); returns where it stopped */
 static int64_t row_bf16_block64(const uint8_t *restrict packed, int64_t k, int64_t K, int64_t N, const float *restrict s,
                                 const float *restrict z, int64_t n0, int64_t n1, uint16_t *restrict o) {
     const __m128i m15 = _mm_set1_epi8(15);
-    int stream = ((uintptr_t)(o + n0) & 31) == 0;  /* this row's; every store after it is 32 bytes on */
     int64_t stop = n1 < N / 64 * 64 ? n1 : N / 64 * 64;
     for (; n0 < stop; n0 += 64) {
         const uint8_t *p = packed + n0 * K / 2 + k * 32;
@@ -189,13 +187,8 @@ static int64_t row_bf16_block64(const uint8_t *restrict packed, int64_t k, int64
             int64_t c = n0 + h;
             lo = _mm512_fmadd_ps(lo, _mm512_loadu_ps(s + c), _mm512_loadu_ps(z + c));
             hi = _mm512_fmadd_ps(hi, _mm512_loadu_ps(s + c + 32), _mm512_loadu_ps(z + c + 32));
-            if (stream) {
-                _mm256_stream_si256((__m256i *)(o + c), (__m256i)_mm512_cvtneps_pbh(lo));
-                _mm256_stream_si256((__m256i *)(o + c + 32), (__m256i)_mm512_cvtneps_pbh(hi));
-            } else {
-                _mm256_storeu_si256((__m256i *)(o + c), (__m256i)_mm512_cvtneps_pbh(lo));
-                _mm256_storeu_si256((__m256i *)(o + c + 32), (__m256i)_mm512_cvtneps_pbh(hi));
-            }
+            _mm256_storeu_si256((__m256i *)(o + c), (__m256i)_mm512_cvtneps_pbh(lo));
+            _mm256_storeu_si256((__m256i *)(o + c + 32), (__m256i)_mm512_cvtneps_pbh(hi));
         }
     }
     return n0;
@@ -253,9 +246,6 @@ int dequant_int4_cpu(const uint8_t *packed, const int32_t *dest, const void *sz,
             }
         }
         free(s);
-#ifdef BF16_BLOCK64
-        _mm_sfence();
-#endif
     }
     return failed ? -1 : 0;
 }
@@ -335,12 +325,11 @@ def dequantize_native(packed: torch.Tensor, scales_and_zeros: torch.Tensor, K: i
 
 
 # The dense path multiplies one column tile of the weight at a time instead of dequantizing the
-# whole weight first: each tile is written by torch's own threads (each its share of the columns)
-# with streaming stores, then multiplied on them. Writing through the cache cost more than the
-# dequantization (read-for-ownership of lines the other core had just read); the GEMM reads the tile
-# back from memory as the dense model reads its weight, and tiles did better than whole weights
-# (BENCHMARKS.md, "Kernel plans"; benchmarks/cpu_dense_tiles.py). Tiles are a power of two of
-# columns of at most TILE_BYTES, or one pack block where a block is larger.
+# whole weight first: each tile is written into a buffer that stays in cache by torch's own threads
+# (each its share of the columns), then multiplied on them. Whole weights written to memory and read
+# back, tiles written past the cache (streaming stores) and tiles written by one core for both to
+# read were each slower (BENCHMARKS.md, "Kernel plans"; benchmarks/cpu_dense_tiles.py). Tiles are a
+# power of two of columns of at most TILE_BYTES, or one pack block where a block is larger.
 TILE_BYTES = 5 << 19
 _tile = threading.local()
 
