@@ -335,7 +335,7 @@ _tile = threading.local()
 
 
 def tile_buffer(K: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
-    """[K, columns] of `dtype` in a buffer this thread reuses (at most TILE_BYTES plus a block's worth)."""
+    """[K, columns] of `dtype` in a buffer this thread reuses (as large as the largest tile it has needed)."""
     need = K * columns * dtype.itemsize
     buf = getattr(_tile, "buf", None)
     if buf is None or buf.numel() < need:
@@ -451,12 +451,12 @@ class CpuInt4Linear(PackedLinear):
     def forward_split(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         """A fused projection's members written straight into their own outputs on the tiled
         path (no copy of the fused output into contiguous parts), where each starts on a pack block."""
-        bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        x2 = x.reshape(-1, self.in_features).to(self.act_dtype)
-        path = self.path_for(x2.shape[0])
+        bounds = list(itertools.accumulate(sizes, initial=0))
+        path = self.path_for(x.numel() // self.in_features)  # decided before touching x: forward does the rest otherwise
         if not self.tiles(path) or any(b % self.pack_block_n for b in bounds[:-1]) or bounds[-1] != self.padded_out:
             return super().forward_split(x, sizes)  # a member off a block, or padded columns at the end
-        parts = [y.to(self.act_dtype) for y in tiled_matmul(x2.contiguous(), self.native_weight(), self.dense_dtype(path), tuple(bounds))]
+        x2 = x.reshape(-1, self.in_features).to(self.act_dtype).contiguous()
+        parts = [y.to(self.act_dtype) for y in tiled_matmul(x2, self.native_weight(), self.dense_dtype(path), tuple(bounds))]
         if self.bias is not None:  # in the activation dtype, as forward adds it
             for y, b in zip(parts, self.bias.split(sizes), strict=True):
                 y += b
