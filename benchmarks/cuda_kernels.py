@@ -88,7 +88,7 @@ def timings() -> list[dict]:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             xp = x[:, m.perm.long()].contiguous()
             t_tiny = do_bench(lambda: torch.ops.aten._weight_int4pack_mm(xp, m.qweight, m.kernel_group_size, m.scales_and_zeros))
-            t_deq = do_bench(lambda: F.linear(xp, m.dequantized_weight()))
+            t_deq = do_bench(lambda: F.linear(x, m.dequantized_weight()))  # its weight is in x's order
             t_triton = do_bench(lambda: cuda_mod.int4_kn_gemm(xp, m.qweight_kn, m.kernel_group_size, m.scales_and_zeros))
             t_mod = do_bench(lambda: m(x))
             t_dense = do_bench(lambda: F.linear(x, w))

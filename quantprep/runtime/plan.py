@@ -62,8 +62,10 @@ def planned_modules(model) -> dict[str, list[PackedLinear]]:
 def time_paths(module: PackedLinear, x: torch.Tensor, paths: tuple[str, ...]) -> dict[str, float]:
     """Milliseconds of the module's forward on x with each path forced (the act-order gather
     included where the path needs it): the fastest of REPS calls, the paths interleaved, so that
-    another process's load (noise only ever adds time) biases none of them."""
-    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    another process's load (noise only ever adds time) biases none of them. On a GPU each path's
+    forward is captured once as a CUDA graph and its replays are timed: the GPU's own work. Timed
+    from the host, a small layer's kernels (microseconds) hid behind Python's launches and the
+    winner flipped from run to run (BENCHMARKS.md, "Kernel plans")."""
     saved = {k: vars(module)[k] for k in ("plan", "plan_max_m") if k in vars(module)}
 
     def call(path: str) -> None:
@@ -74,18 +76,46 @@ def time_paths(module: PackedLinear, x: torch.Tensor, paths: tuple[str, ...]) ->
     try:
         for p in paths:
             call(p)  # untimed: first-call allocations, oneDNN primitives, Triton's compile
-        for _ in range(REPS):
-            for p in paths:
-                sync()
-                t0 = time.perf_counter()
-                call(p)
-                sync()
-                best[p] = min(best.get(p, float("inf")), time.perf_counter() - t0)
+        if x.is_cuda:
+            replays = {p: cuda_graph(lambda p=p: call(p)) for p in paths}
+            for _ in range(REPS):
+                for p in paths:
+                    best[p] = min(best.get(p, float("inf")), gpu_seconds(replays[p]))
+        else:
+            for _ in range(REPS):
+                for p in paths:
+                    t0 = time.perf_counter()
+                    call(p)
+                    best[p] = min(best.get(p, float("inf")), time.perf_counter() - t0)
     finally:  # as it was: AOT export's signature reads the module's own attributes
         for k in ("plan", "plan_max_m"):
             vars(module).pop(k, None)
         vars(module).update(saved)
     return {p: round(t * 1e3, 4) for p, t in best.items()}
+
+
+def cuda_graph(fn):
+    """fn captured as a CUDA graph (after a call on a side stream, as capture requires); its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def gpu_seconds(replay, calls: int = 5) -> float:
+    """Seconds of GPU time per replay, over `calls` replays back to back between two events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
 
 
 def decide_shape(module: PackedLinear, lengths: list[int], measure=time_paths) -> tuple[list[list], dict]:

@@ -10,7 +10,8 @@ k-super-tile ko holds 8 codes at k = ko*16*ikt + 32*j + 16*i1 + 8*i0 + 2*(t%4) +
 4*(4*h + 2*i1 + i0). The device run (benchmarks/cuda_kernels.py) checks it equals the op.
 
 int4, prefill (M > DECODE_MAX_M): tinygemm was measured 16x slower than dense bf16 at M=512, so
-the weight is dequantized to bf16 in one Triton pass and multiplied by cuBLAS (the fixed rule), or
+the weight is dequantized to bf16 in one Triton pass, each row where the activations have it (so
+no act-order gather of x), and multiplied by cuBLAS (the fixed rule), or
 a Triton GEMM dequantizes K-blocks in registers and multiplies on tensor cores (a path a kernel plan
 may pick: runtime/plan.py). Both read a second copy of the codes in GPTQ's [K/8, N] words
 (`qweight_kn`, coalesced along N; reading tinygemm's tiles from Triton was 10-50x slower, measured):
@@ -123,30 +124,47 @@ def int4_kn_gemm(x: torch.Tensor, qweight_kn: torch.Tensor, group_size: int, sca
 if triton is not None:
 
     @triton.jit
-    def _dequant_kn(w_ptr, sz_ptr, out_ptr, N, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-        """One pass: words [K/8, N] + scales_and_zeros [K/GROUP, N, 2] -> bf16 [K, N], w = (q - 8) * s + z
-        (BLOCK_K divides GROUP)."""
+    def _dequant_kn(w_ptr, sz_ptr, perm_ptr, out_ptr, N, K_IN, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr):
+        """One pass: words [Kp/8, N] + scales_and_zeros [Kp/GROUP, N, 2] -> bf16 [K_IN, N] in the
+        activations' order, w = (q - 8) * s + z (BLOCK_K divides GROUP). Packed row k is input row
+        perm[k] (act-order) and rows k >= K_IN are padding: writing each row where the activations
+        have it spares the matmul the gather of x's columns. Each of a word's 8 nibbles is stored
+        as its own slab of rows (5-25% faster than reshaping the codes to [BLOCK_K, BLOCK_N] in
+        registers: benchmarks/cuda_dequant.py)."""
         pid_k, pid_n = tl.program_id(0), tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         rows = pid_k * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
         words = tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
-        q = tl.reshape((words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
         g = pid_k * BLOCK_K // GROUP
         s = tl.load(sz_ptr + (g * N + offs_n) * 2, mask=n_ok, other=0.0)
         z = tl.load(sz_ptr + (g * N + offs_n) * 2 + 1, mask=n_ok, other=0.0)
-        k = (pid_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
-        tl.store(out_ptr + k[:, None] * N + offs_n[None, :], (q.to(tl.bfloat16) - 8.0) * s[None, :] + z[None, :], mask=n_ok[None, :])
+        for j in tl.static_range(8):
+            q = (words >> (4 * j)) & 0xF
+            k = rows * 8 + j
+            k_ok = k < K_IN
+            if HAS_PERM:
+                dest = tl.load(perm_ptr + k, mask=k_ok, other=0).to(tl.int64)
+            else:
+                dest = k.to(tl.int64)
+            tl.store(out_ptr + dest[:, None] * N + offs_n[None, :], (q.to(tl.bfloat16) - 8.0) * s[None, :] + z[None, :],
+                     mask=k_ok[:, None] & n_ok[None, :])
 
 
-def dequantize_kn(qweight_kn: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
-    """bf16 [K, N] from GPTQ's words [K/8, N] in one Triton pass: 9-12x faster than the tensor ops on
-    an H100 (benchmarks/results/cuda-prefill-h100.json, "dequant")."""
-    K, N = qweight_kn.shape[0] * 8, qweight_kn.shape[1]
-    out = torch.empty(K, N, dtype=torch.bfloat16, device=qweight_kn.device)
+def dequantize_kn(qweight_kn: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                  perm: torch.Tensor | None = None, in_features: int | None = None) -> torch.Tensor:
+    """bf16 [in_features, N] from GPTQ's words [Kp/8, N] in one Triton pass: 9-12x faster than the
+    tensor ops on an H100 (benchmarks/results/cuda-prefill-h100.json, "dequant"). With `perm`
+    (int32, a checked permutation: PackedLinear.check_loaded) packed row k lands at row perm[k];
+    rows from `in_features` on (K padding) are dropped."""
+    Kp, N = qweight_kn.shape[0] * 8, qweight_kn.shape[1]
+    k_in = Kp if in_features is None else in_features
+    out = torch.empty(k_in, N, dtype=torch.bfloat16, device=qweight_kn.device)
     block_k = min(group_size, 128)
-    _dequant_kn[(K // block_k, triton.cdiv(N, 128))](qweight_kn, scales_and_zeros, out, N, GROUP=group_size, BLOCK_K=block_k,
-                                                     BLOCK_N=128, num_warps=4)
+    _dequant_kn[(Kp // block_k, triton.cdiv(N, 128))](qweight_kn, scales_and_zeros, qweight_kn if perm is None else perm, out,
+                                                      N, k_in, GROUP=group_size, BLOCK_K=block_k, BLOCK_N=128,
+                                                      HAS_PERM=perm is not None, num_warps=4)
     return out
 
 
@@ -175,11 +193,16 @@ class CudaInt4Linear(PackedLinear):
         self.register_buffer("scales_and_zeros", torch.empty(n_groups, self.padded_out, 2, dtype=act_dtype, device=dev))
 
     def dequantized_weight(self) -> torch.Tensor:
-        """bf16 [N, K]: w = (q - 8) * scale + zero, as tinygemm computes it. One Triton pass on a GPU
-        in an eager call; the tensor ops elsewhere and while export or torch.compile trace (Inductor fuses them)."""
+        """bf16 [N, in_features] in the activations' order (act-order undone, K padding dropped):
+        w = (q - 8) * scale + zero, as tinygemm computes it. One Triton pass on a GPU in an eager
+        call; the tensor ops elsewhere and while export or torch.compile trace (Inductor fuses them)."""
         if self.qweight_kn.is_cuda and triton is not None and type(self.qweight_kn) is torch.Tensor and not torch.compiler.is_compiling():
-            return dequantize_kn(self.qweight_kn, self.scales_and_zeros, self.kernel_group_size).T
-        return dequantize_folded_int4(unpack_rows(self.qweight_kn, 4), self.scales_and_zeros, self.kernel_group_size).T
+            return dequantize_kn(self.qweight_kn, self.scales_and_zeros, self.kernel_group_size, self.perm, self.in_features).T
+        w = dequantize_folded_int4(unpack_rows(self.qweight_kn, 4), self.scales_and_zeros, self.kernel_group_size)
+        w = w[: self.in_features]
+        if self.perm is not None:  # packed row k is input row perm[k]
+            w = torch.empty_like(w).index_copy_(0, self.perm.long(), w)
+        return w.T
 
     def paths(self) -> tuple[str, ...]:
         return ("tinygemm", "triton", "dequant") if self.qweight.is_cuda and triton is not None else ()
@@ -189,6 +212,16 @@ class CudaInt4Linear(PackedLinear):
         Triton GEMM at every M from 64 on all eight 1.5B and 7B linears on an H100, and took the
         1.5B's 512-token prefill from 1.97x to 1.45x dense on an H200 (BENCHMARKS.md, "Kernel plans")."""
         return "tinygemm" if m <= DECODE_MAX_M else "dequant"
+
+    def input_order(self, path: str) -> bool:
+        return path == "dequant"  # its weight is dequantized straight into the activations' order
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """Off a GPU (verify, tests: no paths, so forward has gathered and padded x): the fixed
+        rule's path with each copy of the codes in the kernel's K order."""
+        if self.default_path(x.shape[0]) == "tinygemm":
+            return self.run(x, "tinygemm")
+        return F.linear(x, dequantize_folded_int4(unpack_rows(self.qweight_kn, 4), self.scales_and_zeros, self.kernel_group_size).T)
 
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
         if path == "tinygemm":

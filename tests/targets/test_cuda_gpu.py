@@ -41,6 +41,33 @@ def test_cuda_kernels_match_dense_at_every_path(bits, group_size, sym, act_order
             assert rel < 2e-2, f"{rows} rows, path {path}: rel err {rel:.2e}"
 
 
+@pytest.mark.parametrize("group_size", [-1, 32])
+def test_dequantize_path_writes_rows_in_the_activations_order(group_size):
+    """K = 200 pads to 224 for the kernel: the Triton dequantizer drops the padded rows and writes
+    packed row k at row perm[k], so x goes in ungathered and unpadded."""
+    layer, module = _module(4, group_size, False, True, K=200, N=136)
+    assert module.padded_in == 224 and module.input_order("dequant")
+    w = module.dequantized_weight().float().cpu()  # [N, K]
+    assert w.shape == (136, 200)
+    ref = layer.dequantize().T
+    rel = ((w - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, rel
+
+
+def test_plan_timing_is_the_gpus_work():
+    """At 512 rows of a 1536x1536 layer tinygemm takes about 6x the dequantize path's GPU time
+    (results/cuda-prefill-h100.json); timed from the host, behind Python's launches, a plan once
+    picked tinygemm there. time_paths times CUDA graph replays."""
+    from quantprep.runtime.plan import time_paths
+
+    _, module = _module(4, 128, True, True, K=1536, N=1536)
+    x = torch.randn(512, 1536, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        ms = time_paths(module, x, ("tinygemm", "dequant"))
+    assert ms["dequant"] * 2 < ms["tinygemm"], ms
+    assert not vars(module).get("plan"), "time_paths leaves the module's plan as it was"
+
+
 def test_a_kernel_plan_is_timed_on_the_gpu_and_applied(tmp_path):
     import json
 
