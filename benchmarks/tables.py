@@ -14,6 +14,7 @@ benchmarks/tables.py` rewrites every block; `--check` exits 1 when one differs f
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import statistics
@@ -379,6 +380,23 @@ def plan_prefill(*runs: dict) -> str:
     return "\n".join(out)
 
 
+def cuda_dequant(r: dict) -> str:
+    """The dequantize path's one Triton pass and its variants per fused linear, with the bytes they
+    move per second (benchmarks/cuda_dequant.py)."""
+    variants = list(dict.fromkeys(x["variant"] for x in r["rows"]))
+    out = [f"{_where(r)}, torch {r['torch']}, {r['date'][:10]}: microseconds (TB/s of int4 read + bf16 written); "
+           "every variant's output equal to the shipped one's", "",
+           "| model | linear | K x N | " + " | ".join(variants) + " |", "| --- | --- | --- |" + " --- |" * len(variants)]
+    for (model, linear), rows in itertools.groupby(r["rows"], key=lambda x: (x["model"], x["linear"])):
+        rows = {x["variant"]: x for x in rows}
+        if not all(x["equal_to_shipped"] in (True, None) for x in rows.values()):
+            raise SystemExit(f"{r['_file']}: a variant's output differs from the shipped kernel's ({model} {linear})")
+        first = next(iter(rows.values()))
+        out.append(f"| {model} | {linear} | {first['K']} x {first['N']} | "
+                   + " | ".join(f"{rows[v]['ms'] * 1e3:.1f} ({rows[v]['tb_per_s']:.2f})" for v in variants) + " |")
+    return "\n".join(out)
+
+
 def cuda_prefill(*runs: dict) -> str:
     """Per-linear kernel candidates on the GPU, the best per M against dense bf16 (benchmarks/cuda_prefill.py)."""
     out = []
@@ -668,7 +686,7 @@ SUMMARY = [
      lambda r: f"{r['decode_tok_s']['quantprep_over_gptqmodel']:.2f}x, {r['decode_tok_s']['quantprep_over_dense']:.2f}x"),
     ("GPU 512-token prefill with the kernel plan / dense bf16, Qwen2.5-1.5B shapes, CUDA graphs",
      "GPU prefill (<= 1.2x dense)", PLANS, ["plan-prefill-cuda-h200.json"],
-     lambda r: f"{r['models']['1.5b']['prefill512_over_dense']['plan']:.2f}x (the Triton GEMM, the rule before: "
+     lambda r: f"{r['models']['1.5b']['prefill512_over_dense']['plan']:.2f}x (the Triton GEMM alone: "
                f"{r['models']['1.5b']['prefill512_over_dense']['triton']:.2f}x); not met"),
     ("the same, one-row forward: dense bf16's time / the plan's", "GPU decode (>= dense)", PLANS, ["plan-prefill-cuda-h200.json"],
      lambda r: f"{r['models']['1.5b']['forward_m1_ms']['dense']['median'] / r['models']['1.5b']['forward_m1_ms']['plan']['median']:.2f}x the speed"),
@@ -744,6 +762,7 @@ RENDERERS = {
     "cpu-decode-profile": cpu_decode_profile,
     "plan-prefill": plan_prefill,
     "cuda-prefill": cuda_prefill,
+    "cuda-dequant": cuda_dequant,
     "target-ppl": target_ppl,
     "scale": scale,
     "first-load-hash": first_load_hash,
