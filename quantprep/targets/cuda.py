@@ -209,8 +209,8 @@ class CudaInt4Linear(PackedLinear):
 
     def default_path(self, m: int) -> str:
         """tinygemm up to DECODE_MAX_M rows, then dequantizing (one Triton pass) + cuBLAS: it beat the
-        Triton GEMM at every M from 64 on all eight 1.5B and 7B linears on an H100, and took the
-        1.5B's 512-token prefill from 1.97x to 1.45x dense on an H200 (BENCHMARKS.md, "Kernel plans")."""
+        Triton GEMM at every M from 64 on all eight 1.5B and 7B linears on an H100, and beats it on
+        the whole prefill (BENCHMARKS.md, "Kernel plans")."""
         return "tinygemm" if m <= DECODE_MAX_M else "dequant"
 
     def input_order(self, path: str) -> bool:
