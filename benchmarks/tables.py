@@ -397,6 +397,21 @@ def cuda_dequant(r: dict) -> str:
     return "\n".join(out)
 
 
+def cuda_dequant_tiles(r: dict) -> str:
+    """The dequantize path whole and in column tiles, per fused linear and M, time / dense bf16
+    (benchmarks/cuda_dequant_tiles.py)."""
+    variants = list(dict.fromkeys(x["variant"] for x in r["rows"]))
+    out = [f"{_where(r)}, torch {r['torch']}, {r['date'][:10]}: time / dense bf16, CUDA graph replays; max relative error to the "
+           f"shipped path {max(x['rel_err'] for x in r['rows']):.1e}", "",
+           "| model | linear | K x N | M | " + " | ".join(variants) + " |", "| --- | --- | --- | --- |" + " --- |" * len(variants)]
+    for (model, linear, m), rows in itertools.groupby(r["rows"], key=lambda x: (x["model"], x["linear"], x["M"])):
+        rows = {x["variant"]: x for x in rows}
+        dense = rows["dense"]["ms"]
+        out.append(f"| {model} | {linear} | {rows['dense']['K']} x {rows['dense']['N']} | {m} | "
+                   + " | ".join(f"{rows[v]['ms'] / dense:.2f}x" if v in rows else "" for v in variants) + " |")
+    return "\n".join(out)
+
+
 def cuda_prefill(*runs: dict) -> str:
     """Per-linear kernel candidates on the GPU, the best per M against dense bf16 (benchmarks/cuda_prefill.py)."""
     out = []
@@ -763,6 +778,7 @@ RENDERERS = {
     "plan-prefill": plan_prefill,
     "cuda-prefill": cuda_prefill,
     "cuda-dequant": cuda_dequant,
+    "cuda-dequant-tiles": cuda_dequant_tiles,
     "target-ppl": target_ppl,
     "scale": scale,
     "first-load-hash": first_load_hash,
