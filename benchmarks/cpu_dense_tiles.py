@@ -4,7 +4,7 @@ Per linear shape of Qwen2.5-1.5B (random act-order GPTQ weights: the time does n
 values) at M rows: the dense bf16 model's F.linear ([N, K] weight), the whole weight dequantized
 (every core) then one matmul, the tiled path (CpuInt4Linear's "dequant") and the int4 kernel;
 then the dequantization alone, tile by tile, with the AVX512-BF16 block and with the compiler's
-portable loop. One process, interleaved rounds, medians. `benchmarks/tables.py`
+portable loop, and the tiles' GEMMs alone. One process, interleaved rounds, medians. `benchmarks/tables.py`
 renders the JSON into BENCHMARKS.md ("Kernel plans").
 
     python benchmarks/cpu_dense_tiles.py [--m 512] [--out benchmarks/results/cpu-dequant-tiles-avx512-epyc.json]
@@ -62,11 +62,18 @@ def main() -> int:
         x = torch.randn(args.m, K).bfloat16()
         dense_w = m.dequantize().T.contiguous()  # the dense model's [N, K] weight
         weight = m.native_weight()
-        tile = cpu.tile_buffer(K, min(N, 512), torch.bfloat16)
+        tile = cpu.tile_buffer(K, cpu.tile_columns(weight, torch.bfloat16, N), torch.bfloat16)  # the tiled path's width
 
         def dequant_tiles():  # the tiled path's tiles alone
             for n0 in range(0, N, tile.shape[1]):
                 weight.write(tile, n0, min(n0 + tile.shape[1], N))
+
+        y = torch.empty(args.m, N, dtype=torch.bfloat16)
+
+        def tiles_gemm_only():  # the tiled path's GEMMs alone, on a tile dequantized once
+            for n0 in range(0, N, tile.shape[1]):
+                n1 = min(n0 + tile.shape[1], N)
+                torch.mm(x, tile[:, : n1 - n0], out=y[:, n0:n1])
 
         def dequant_tiles_portable():
             weight.fn = portable
@@ -80,6 +87,7 @@ def main() -> int:
                  "tiled": lambda: m.run(x, "dequant"),
                  "int4_kernel": lambda: m.run(x, "int4"),
                  "dequant_tiles": dequant_tiles,
+                 "tiles_gemm_only": tiles_gemm_only,
                  "dequant_tiles_portable": dequant_tiles_portable}
         times = {k: [] for k in paths}
         with torch.inference_mode():

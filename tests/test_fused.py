@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import random_cpu_artifact
+from conftest import prepacked_module, random_cpu_artifact
 
 import quantprep
 from quantprep.build.prepack import fusion_plan
@@ -93,7 +93,11 @@ def test_two_threads_sharing_a_group_get_their_own_slices():
     The matmuls release the GIL, so the threads interleave inside `output`."""
     import threading
 
-    fused = torch.nn.Linear(256, 96, bias=False)
+    from quantprep.build.source import QuantConfig
+    from quantprep.build.synthetic import random_gptq_tensors
+
+    raw = random_gptq_tensors(256, 96, 4, 64, True, True, True, generator=torch.Generator().manual_seed(0))
+    _, fused, _ = prepacked_module("cpu", raw, QuantConfig(4, 64, True, True, "gptq"), torch.bfloat16)
     group = FusedGroup(fused, [32, 32, 32])
     members = [FusedMember(group, i, 256) for i in range(3)]
     errors = []
@@ -101,7 +105,7 @@ def test_two_threads_sharing_a_group_get_their_own_slices():
     def serve(seed):
         gen = torch.Generator().manual_seed(seed)
         for _ in range(300):
-            x = torch.randn(64, 256, generator=gen)
+            x = torch.randn(64, 256, generator=gen).bfloat16()
             with torch.no_grad():
                 want = fused(x).split([32, 32, 32], -1)
                 got = [m(x) for m in members]

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from quantprep.targets.common import PackedLinear
+
 
 class FusedGroup:
     """Holds the fused module (not registered on the members: its tensors are registered once,
@@ -21,7 +23,7 @@ class FusedGroup:
     replaces whole, so a thread only ever takes slices computed from its own input; two threads
     serving one model interleave at worst into extra fused matmuls."""
 
-    def __init__(self, fused: nn.Module, sizes: list[int]):
+    def __init__(self, fused: PackedLinear, sizes: list[int]):
         self.fused, self.sizes = fused, sizes
         self.state: tuple[torch.Tensor, list[torch.Tensor | None]] | None = None
 
@@ -30,8 +32,7 @@ class FusedGroup:
         if state is None or state[0] is not x or state[1][index] is None:
             # Contiguous, like any Linear's output: attention kernels take slower paths for strided
             # q/k/v (measured on an H200), and model code may .view() them.
-            split = getattr(self.fused, "forward_split", None)
-            state = (x, split(x, self.sizes) if split else [o.contiguous() for o in self.fused(x).split(self.sizes, -1)])
+            state = (x, self.fused.forward_split(x, self.sizes))
             self.state = state
         outputs = state[1]
         y, outputs[index] = outputs[index], None
@@ -55,7 +56,7 @@ class FusedMember(nn.Module):
         return f"slice {self.index} of a fused projection, in={self.in_features}, out={self.out_features}"
 
 
-def install(parent: nn.Module, fused_name: str, fused: nn.Module, members: list[str], sizes: list[int]) -> None:
+def install(parent: nn.Module, fused_name: str, fused: PackedLinear, members: list[str], sizes: list[int]) -> None:
     group = FusedGroup(fused, sizes)
     parent.add_module(fused_name, fused)
     for i, member in enumerate(members):

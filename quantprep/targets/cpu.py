@@ -128,8 +128,8 @@ def native_packer():
 # rounded once to bfloat16 (to nearest even; the kernel's codes and scales are finite). A call
 # writes columns [n_begin, n_end) (whole blocks, or up to N) of every row, row k at
 # out + dest[k] * ldo, one output row at a time so the writes run along it. With AVX512-BF16 and the
-# AVX512 layout, 64 columns take a few vector instructions (several times the compiler's loop,
-# benchmarks/cpu_dense_tiles.py). Threads split the columns: torch's own OpenMP threads, where the
+# AVX512 layout, 64 columns take a few vector instructions (faster than the compiler's loop on
+# the 1.5B's shapes but down_proj's, whose tiles are two blocks wide: benchmarks/cpu_dense_tiles.py). Threads split the columns: torch's own OpenMP threads, where the
 # library links the libgomp torch loaded.
 NATIVE_DEQUANT_SOURCE = r"""
 #include <stdint.h>
@@ -343,15 +343,20 @@ def tile_buffer(K: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
     return buf[:need].view(dtype).view(K, columns)
 
 
+def tile_columns(weight: NativeWeight, dtype: torch.dtype, widest: int) -> int:
+    """A tile's columns: pack blocks doubled while the tile fits TILE_BYTES and the widest range."""
+    columns = weight.block
+    while columns * 2 * weight.rows * dtype.itemsize <= TILE_BYTES and columns * 2 <= widest:
+        columns *= 2
+    return columns
+
+
 def tiled_matmul(x: torch.Tensor, weight: NativeWeight, dtype: torch.dtype, bounds: tuple[int, ...] | None = None) -> list[torch.Tensor]:
     """x [M, rows] @ the dequantized weight [rows, N] in `dtype`, tile by tile (see TILE_BYTES),
     without autograd (out= writes): one contiguous output per column range [bounds[i], bounds[i+1])
     (default: (0, N); each bound on a pack block, or N)."""
     bounds = (0, weight.N) if bounds is None else bounds
-    widest = max(b - a for a, b in itertools.pairwise(bounds))
-    columns = weight.block
-    while columns * 2 * weight.rows * dtype.itemsize <= TILE_BYTES and columns * 2 <= widest:
-        columns *= 2
+    columns = tile_columns(weight, dtype, max(b - a for a, b in itertools.pairwise(bounds)))
     w = tile_buffer(weight.rows, columns, dtype)
     x = x.to(dtype)
     outputs = []
