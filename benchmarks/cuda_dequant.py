@@ -59,6 +59,13 @@ def launch(kernel, qkn, sz, perm, k_in, block_n, warps, **extra):
     return out
 
 
+def random_weight(K: int, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random int4 words [K/8, N], (scale, folded zero) pairs [K/GS, N, 2] and an act-order perm, on the GPU."""
+    qkn = torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, device="cuda")
+    sz = (torch.rand(K // GS, N, 2, device="cuda") * 0.01).bfloat16()
+    return qkn, sz, torch.randperm(K, device="cuda").to(torch.int32)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out")
@@ -66,9 +73,7 @@ def main() -> None:
     res = machine() | {"device": torch.cuda.get_device_name(), "rows": []}
     for model, shapes in SHAPES.items():
         for name, (K, N) in shapes.items():
-            qkn = torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, device="cuda")
-            sz = (torch.rand(K // GS, N, 2, device="cuda") * 0.01).bfloat16()
-            perm = torch.randperm(K, device="cuda").to(torch.int32)
+            qkn, sz, perm = random_weight(K, N)
             src, dst = torch.empty(K * N // 4, dtype=torch.bfloat16, device="cuda"), torch.empty(K * N, dtype=torch.bfloat16, device="cuda")
             moved = K * N // 2 + K * N * 2  # bytes: int4 words read, bf16 weight written
             ref = dequantize_kn(qkn, sz, GS, perm, K)

@@ -18,13 +18,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from common import machine, save
+from cuda_dequant import GS, SHAPES, random_weight
 from triton.testing import do_bench
 
+from quantprep.runtime.plan import cuda_graph
 from quantprep.targets.cuda import dequantize_kn
 
-GS = 128
-SHAPES = {"1.5b": {"qkv": (1536, 2048), "o": (1536, 1536), "gate_up": (1536, 17920), "down": (8960, 1536)},
-          "7b": {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}}
 TILE_N = (1024, 2048, 4096, 8192)
 
 
@@ -61,15 +60,7 @@ def tiled(x, qkn, sz, perm, tile_n, buf, out):
 
 
 def graph_ms(fn) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return do_bench(g.replay, warmup=25, rep=100, return_mode="median")
+    return do_bench(cuda_graph(fn), warmup=25, rep=100, return_mode="median")
 
 
 def main() -> None:
@@ -80,9 +71,7 @@ def main() -> None:
     res = machine() | {"device": torch.cuda.get_device_name(), "rows": []}
     for model, shapes in SHAPES.items():
         for name, (K, N) in shapes.items():
-            qkn = torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, device="cuda")
-            sz = (torch.rand(K // GS, N, 2, device="cuda") * 0.01).bfloat16()
-            perm = torch.randperm(K, device="cuda").to(torch.int32)
+            qkn, sz, perm = random_weight(K, N)
             w_dense = dequantize_kn(qkn, sz, GS, perm, K).T.contiguous()  # [N, K], as a dense model holds it
             buf = torch.empty(K * max(TILE_N), dtype=torch.bfloat16, device="cuda")
             for M in map(int, args.rows.split(",")):
