@@ -287,6 +287,10 @@ class Int4Linear(nn.Module):
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def forward_split(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        """What a fused group calls (runtime/fused.py), as PackedLinear does it."""
+        return [y.contiguous() for y in self(x).split(sizes, -1)]
+
 
 def graphed(model, ids):
     """A CUDA graph of one prefill forward; returns its replay (or raises)."""

@@ -343,7 +343,8 @@ def cpu_decode_profile(*runs: dict) -> str:
                 "| op | calls | self time, ms | share |", "| --- | --- | --- | --- |"]
         out += [f"| {o['op']} | {o['calls']} | {o['self_ms']:.1f} | {o['share'] * 100:.1f}% |" for o in r["ops"][:8]]
         out += ["", f"lm_head {h['shape'][0]} x {h['shape'][1]} at one row: bf16 ({h['bf16_mb']:.0f} MB) {h['bf16_ms']:.2f} ms, "
-                f"per-channel int8 {h['int8_per_channel_ms']:.2f} ms"]
+                f"per-channel int8 {h['int8_per_channel_ms']:.2f} ms"
+                + (f", int4 in groups of 128 {h['int4_g128_ms']:.2f} ms" if "int4_g128_ms" in h else "")]
     return "\n".join(out)
 
 

@@ -135,19 +135,20 @@ if triton is not None:
         pid_k, pid_n = tl.program_id(0), tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        rows = pid_k * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+        rows = (pid_k * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)).to(tl.int64)
         words = tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
-        g = pid_k * BLOCK_K // GROUP
+        g = (pid_k * BLOCK_K // GROUP).to(tl.int64)
         s = tl.load(sz_ptr + (g * N + offs_n) * 2, mask=n_ok, other=0.0)
         z = tl.load(sz_ptr + (g * N + offs_n) * 2 + 1, mask=n_ok, other=0.0)
         for j in tl.static_range(8):
             q = (words >> (4 * j)) & 0xF
             k = rows * 8 + j
             k_ok = k < K_IN
-            if HAS_PERM:
-                dest = tl.load(perm_ptr + k, mask=k_ok, other=0).to(tl.int64)
+            if HAS_PERM:  # load checked perm is a permutation (PackedLinear.check_loaded); the mask holds anyway
+                dest = tl.load(perm_ptr + k, mask=k_ok, other=-1).to(tl.int64)
+                k_ok = k_ok & (dest >= 0) & (dest < K_IN)
             else:
-                dest = k.to(tl.int64)
+                dest = k
             tl.store(out_ptr + dest[:, None] * N + offs_n[None, :], (q.to(tl.bfloat16) - 8.0) * s[None, :] + z[None, :],
                      mask=k_ok[:, None] & n_ok[None, :])
 

@@ -73,6 +73,31 @@ def test_prepacked_linear_matches_dense_on_cpu(bits, group_size, sym, act_order,
         assert rel < 2e-2, f"dequant path, x in its own order: rel err {rel:.2e}"
 
 
+@pytest.mark.parametrize("group_size,act_order", list(itertools.product([-1, 32], [True, False])))
+def test_forward_gives_each_path_x_in_its_order(group_size, act_order):
+    """K = 200 pads to 224: forward gathers and pads x for tinygemm, and hands the dequantize path x
+    as it comes (its weight is in x's order, padding dropped). Off a GPU paths() is empty, so the
+    two paths are listed here to run forward's choice as it runs on a GPU (with the CPU stand-ins
+    of each kernel)."""
+    K, N = 200, 136
+    gen = torch.Generator().manual_seed(group_size + act_order)
+    raw = random_gptq_tensors(K, N, 4, group_size, False, act_order, True, bias=True, generator=gen)
+    layer = prepare_layer(_validate_layer("m", raw, QuantConfig(4, group_size, False, act_order, "gptq")))
+    tensors, meta = CUDA.pack(layer, torch.bfloat16)
+    module = CUDA.make_module(meta, torch.bfloat16)
+    module.load_state_dict(tensors, assign=True)
+    assert module.padded_in == 224
+    module.paths = lambda: ("tinygemm", "dequant")
+    x = torch.randn(3, 40, K, generator=gen)
+    ref = x @ layer.dequantize() + layer.bias.float()
+    for path in ("tinygemm", "dequant"):
+        module.plan, module.plan_max_m = ((1, path),), 1 << 20
+        with torch.no_grad():
+            y = module(x.bfloat16()).float()
+        rel = ((y - ref).norm() / ref.norm()).item()
+        assert rel < 2e-2, f"{path}: rel err {rel:.2e}"
+
+
 def test_cuda_target_needs_bf16():
     from quantprep.errors import RecipeError
 

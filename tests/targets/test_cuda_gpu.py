@@ -41,11 +41,11 @@ def test_cuda_kernels_match_dense_at_every_path(bits, group_size, sym, act_order
             assert rel < 2e-2, f"{rows} rows, path {path}: rel err {rel:.2e}"
 
 
-@pytest.mark.parametrize("group_size", [-1, 32])
-def test_dequantize_path_writes_rows_in_the_activations_order(group_size):
+@pytest.mark.parametrize("group_size,act_order", list(itertools.product([-1, 32], [True, False])))
+def test_dequantize_path_writes_rows_in_the_activations_order(group_size, act_order):
     """K = 200 pads to 224 for the kernel: the Triton dequantizer drops the padded rows and writes
     packed row k at row perm[k], so x goes in ungathered and unpadded."""
-    layer, module = _module(4, group_size, False, True, K=200, N=136)
+    layer, module = _module(4, group_size, False, act_order, K=200, N=136)
     assert module.padded_in == 224 and module.input_order("dequant")
     w = module.dequantized_weight().float().cpu()  # [N, K]
     assert w.shape == (136, 200)
