@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantprep.format import gptq
 from quantprep.format.gptq import PrepackLayer, pack_rows, unpack_rows
 from quantprep.targets.common import (
     PackedLinear,
@@ -204,6 +205,15 @@ class CudaInt4Linear(PackedLinear):
         if self.perm is not None:  # packed row k is input row perm[k]
             w = torch.empty_like(w).index_copy_(0, self.perm.long(), w)
         return w.T
+
+    def check_loaded(self) -> str | None:
+        """Also: the two copies of the codes agree (decode reads tinygemm's, prefill qweight_kn's),
+        so no artifact runs one model for short prompts and another for long ones."""
+        if problem := super().check_loaded():
+            return problem
+        if not torch.equal(pack_tinygemm(gptq.unpack_rows(self.qweight_kn, 4), self.qweight.shape[-1] * 2), self.qweight):
+            return "qweight: its codes differ from qweight_kn's (the decode and prefill copies of one weight)"
+        return None
 
     def paths(self) -> tuple[str, ...]:
         return ("tinygemm", "triton", "dequant") if self.qweight.is_cuda and triton is not None else ()

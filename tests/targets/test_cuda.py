@@ -98,6 +98,35 @@ def test_forward_gives_each_path_x_in_its_order(group_size, act_order):
         assert rel < 2e-2, f"{path}: rel err {rel:.2e}"
 
 
+def test_an_artifact_whose_two_copies_of_the_codes_differ_is_refused(tmp_path):
+    """Decode reads tinygemm's copy of the codes, prefill qweight_kn's: an artifact whose copies
+    differ (one model for short prompts, another for long ones) is refused at load and verify."""
+    from conftest import relist
+    from safetensors.torch import load_file, save_file
+
+    import quantprep
+    from quantprep.build.pipeline import prepack
+    from quantprep.build.synthetic import write_random_checkpoint
+    from quantprep.errors import ArtifactError
+    from quantprep.format.artifact import read_manifest
+    from quantprep.tools.verify import verify_artifact
+
+    cfg = {"model_type": "llama", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "tie_word_embeddings": False}
+    art = tmp_path / "art"
+    prepack(write_random_checkpoint(tmp_path / "gptq", cfg, group_size=64), "cuda", art)
+    quantprep.load(art, device="cpu")  # as built: both copies agree
+    shard = read_manifest(art)["shards"][0]
+    tensors = load_file(art / shard)
+    name = next(k for k in tensors if k.endswith(".qweight_kn"))
+    tensors[name] = tensors[name] ^ 1  # one code in every word of the prefill copy
+    save_file(tensors, art / shard, metadata={"format": "pt"})
+    relist(art, shard)
+    for run in (lambda: quantprep.load(art, device="cpu"), lambda: verify_artifact(art)):
+        with pytest.raises(ArtifactError, match="codes differ from qweight_kn"):
+            run()
+
+
 def test_cuda_target_needs_bf16():
     from quantprep.errors import RecipeError
 
