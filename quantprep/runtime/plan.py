@@ -81,6 +81,7 @@ def time_paths(module: PackedLinear, x: torch.Tensor, paths: tuple[str, ...]) ->
             try:
                 replays = {p: cuda_graph(lambda p=p: call(p)) for p in paths}
             except RuntimeError:  # a path that cannot be captured: every path timed from the host
+                torch.cuda.synchronize()
                 replays = None
         sync = {"cuda": torch.cuda.synchronize, "xpu": torch.xpu.synchronize}.get(x.device.type, lambda: None)  # kernels run async
         for _ in range(REPS):
@@ -102,15 +103,16 @@ def time_paths(module: PackedLinear, x: torch.Tensor, paths: tuple[str, ...]) ->
 
 
 def cuda_graph(fn):
-    """fn captured as a CUDA graph (after a call on a side stream, as capture requires); its replay."""
+    """fn captured as a CUDA graph on a side stream (after a call there, as capture requires); its
+    replay. The outer stream context restores the current stream even when the capture fails."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
         fn()
+        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+            fn()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
     return graph.replay
 
 

@@ -47,6 +47,7 @@ KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 N_ALIGN = 8
 DECODE_MAX_M = 16  # tinygemm up to here: measured crossover on an H200 (BENCHMARKS.md)
 PREFILL_CONFIG = (64, 64, 128, 4, 3)  # Triton tiles, picked by benchmarks/cuda_kernels.py --sweep
+CHECK_CODES = 1 << 23  # codes compared at a time when load checks the two copies (about 18 bytes each while packing)
 
 
 def inner_k_tiles(padded_in: int) -> int:
@@ -211,8 +212,12 @@ class CudaInt4Linear(PackedLinear):
         so no artifact runs one model for short prompts and another for long ones."""
         if problem := super().check_loaded():
             return problem
-        if not torch.equal(pack_tinygemm(gptq.unpack_rows(self.qweight_kn, 4), self.qweight.shape[-1] * 2), self.qweight):
-            return "qweight: its codes differ from qweight_kn's (the decode and prefill copies of one weight)"
+        ikt, N = self.qweight.shape[-1] * 2, self.padded_out
+        step = max(8, (CHECK_CODES // self.padded_in) // 8 * 8)  # columns at a time: pack_tinygemm's int64s stay bounded
+        for n0 in range(0, N, step):
+            n1 = min(n0 + step, N)
+            if not torch.equal(pack_tinygemm(gptq.unpack_rows(self.qweight_kn[:, n0:n1], 4), ikt), self.qweight[n0 // 8 : n1 // 8]):
+                return "qweight: its codes differ from qweight_kn's (the decode and prefill copies of one weight)"
         return None
 
     def paths(self) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from quantprep.errors import ArtifactError
 from quantprep.format.artifact import PROBES_FILE, read_checked
 from quantprep.format.verified import hash_and_mark
-from quantprep.runtime.load import make_module
+from quantprep.runtime.load import check_tensors, make_module
 
 # Relative error bounds vs the float32 reference. The kernels round the activations and the
 # folded zero (8 - z) * s to the activation dtype (bf16 has 8 mantissa bits: ~0.4% per element)
@@ -52,6 +52,7 @@ def run_probes(path: Path, manifest: dict, target, device: str | None = None) ->
                 if h is None:
                     raise ArtifactError(f"{path}: tensor {key} is missing from the artifact; rebuild it")
                 state[part] = h.get_tensor(key)
+            check_tensors(path, module, {part: (t.dtype, t.shape) for part, t in state.items()})  # as load checks the model's
             module.load_state_dict(state, assign=True)
             if problem := module.check_loaded():
                 raise ArtifactError(f"{path}: tensor {name}.{problem}; the artifact is corrupt: rebuild it")

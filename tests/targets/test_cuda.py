@@ -98,9 +98,14 @@ def test_forward_gives_each_path_x_in_its_order(group_size, act_order):
         assert rel < 2e-2, f"{path}: rel err {rel:.2e}"
 
 
-def test_an_artifact_whose_two_copies_of_the_codes_differ_is_refused(tmp_path):
+@pytest.mark.parametrize("check_codes", [1 << 23, 1])
+def test_an_artifact_whose_two_copies_of_the_codes_differ_is_refused(tmp_path, monkeypatch, check_codes):
     """Decode reads tinygemm's copy of the codes, prefill qweight_kn's: an artifact whose copies
-    differ (one model for short prompts, another for long ones) is refused at load and verify."""
+    differ (one model for short prompts, another for long ones) is refused at load and verify,
+    compared whole or 8 columns at a time (CHECK_CODES); a copy of another dtype, by verify too."""
+    from quantprep.targets import cuda
+
+    monkeypatch.setattr(cuda, "CHECK_CODES", check_codes)
     from conftest import relist
     from safetensors.torch import load_file, save_file
 
@@ -124,6 +129,12 @@ def test_an_artifact_whose_two_copies_of_the_codes_differ_is_refused(tmp_path):
     relist(art, shard)
     for run in (lambda: quantprep.load(art, device="cpu"), lambda: verify_artifact(art)):
         with pytest.raises(ArtifactError, match="codes differ from qweight_kn"):
+            run()
+    tensors[name] = tensors[name].float()  # the same shape, another dtype
+    save_file(tensors, art / shard, metadata={"format": "pt"})
+    relist(art, shard)
+    for run in (lambda: quantprep.load(art, device="cpu"), lambda: verify_artifact(art)):
+        with pytest.raises(ArtifactError, match="torch.float32"):
             run()
 
 
