@@ -242,20 +242,22 @@ def install_modules(model, path: Path, art: OpenedArtifact) -> None:
             setattr(parent, child, module)
 
 
-def check_tensors(path: Path, model, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], skip: set[str] = frozenset()) -> None:
+def check_tensors(path: Path, model, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], skip: set[str] = frozenset(),
+                  prefix: str = "") -> None:
     """Every artifact tensor is one of the model's, with its dtype and shape; every model tensor is in
     the artifact (`skip`: names the model ties to another). `tensors`: name -> (dtype, shape), as
-    the model will receive them."""
+    the model will receive them; `prefix`: where `model` sits in the artifact (one module: verify)."""
     expected = model.state_dict(keep_vars=True)  # meta tensors: the dtype and shape each name must have
     for name, (dt, shape) in tensors.items():
         want = expected.get(name)
         if want is None:
-            raise ArtifactError(f"{path}: tensor {name} is not part of the model; the artifact is inconsistent: rebuild it")
+            raise ArtifactError(f"{path}: tensor {prefix}{name} is not part of the model; the artifact is inconsistent: rebuild it")
         if want.dtype != dt or tuple(want.shape) != tuple(shape):
-            raise ArtifactError(f"{path}: tensor {name} is {dt} {tuple(shape)}, the model needs {want.dtype} {tuple(want.shape)}; the artifact is corrupt: rebuild it")
+            raise ArtifactError(f"{path}: tensor {prefix}{name} is {dt} {tuple(shape)}, the model needs {want.dtype} {tuple(want.shape)}; "
+                                "the artifact is corrupt: rebuild it")
     for name in expected:
         if name not in tensors and name not in skip:
-            raise ArtifactError(f"{path}: tensor {name} is missing from the artifact; rebuild it")
+            raise ArtifactError(f"{path}: tensor {prefix}{name} is missing from the artifact; rebuild it")
 
 
 def check_modules(path: Path, model) -> None:

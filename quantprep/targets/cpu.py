@@ -129,8 +129,9 @@ def native_packer():
 # writes columns [n_begin, n_end) (whole blocks, or up to N) of every row, row k at
 # out + dest[k] * ldo, one output row at a time so the writes run along it. With AVX512-BF16 and the
 # AVX512 layout, 64 columns take a few vector instructions (faster than the compiler's loop on
-# the 1.5B's shapes but down_proj's, whose tiles are two blocks wide: benchmarks/cpu_dense_tiles.py). Threads split the columns: torch's own OpenMP threads, where the
-# library links the libgomp torch loaded.
+# the 1.5B's shapes but down_proj's, whose tiles are two blocks wide: benchmarks/cpu_dense_tiles.py).
+# Threads split the columns: torch's own OpenMP threads, where the library links the libgomp torch
+# loaded.
 NATIVE_DEQUANT_SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>

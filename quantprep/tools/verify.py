@@ -52,7 +52,7 @@ def run_probes(path: Path, manifest: dict, target, device: str | None = None) ->
                 if h is None:
                     raise ArtifactError(f"{path}: tensor {key} is missing from the artifact; rebuild it")
                 state[part] = h.get_tensor(key)
-            check_tensors(path, module, {part: (t.dtype, t.shape) for part, t in state.items()})  # as load checks the model's
+            check_tensors(path, module, {part: (t.dtype, t.shape) for part, t in state.items()}, prefix=f"{name}.")  # as load does
             module.load_state_dict(state, assign=True)
             if problem := module.check_loaded():
                 raise ArtifactError(f"{path}: tensor {name}.{problem}; the artifact is corrupt: rebuild it")
