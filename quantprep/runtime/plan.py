@@ -82,7 +82,6 @@ def time_paths(module: PackedLinear, x: torch.Tensor, paths: tuple[str, ...]) ->
                 replays = {p: cuda_graph(lambda p=p: call(p)) for p in paths}
             except RuntimeError:  # a path that cannot be captured: every path timed from the host
                 torch.cuda.synchronize()
-                replays = None
         sync = {"cuda": torch.cuda.synchronize, "xpu": torch.xpu.synchronize}.get(x.device.type, lambda: None)  # kernels run async
         for _ in range(REPS):
             for p in paths:

@@ -201,17 +201,22 @@ class CudaInt4Linear(PackedLinear):
         call; the tensor ops elsewhere and while export or torch.compile trace (Inductor fuses them)."""
         if self.qweight_kn.is_cuda and triton is not None and type(self.qweight_kn) is torch.Tensor and not torch.compiler.is_compiling():
             return dequantize_kn(self.qweight_kn, self.scales_and_zeros, self.kernel_group_size, self.perm, self.in_features).T
-        w = dequantize_folded_int4(unpack_rows(self.qweight_kn, 4), self.scales_and_zeros, self.kernel_group_size)
-        w = w[: self.in_features]
+        w = self.packed_order_weight()[: self.in_features]
         if self.perm is not None:  # packed row k is input row perm[k]
             w = torch.empty_like(w).index_copy_(0, self.perm.long(), w)
         return w.T
+
+    def packed_order_weight(self) -> torch.Tensor:
+        """[Kp, N] from qweight_kn with tensor ops, rows in the packed (kernel's K) order."""
+        return dequantize_folded_int4(unpack_rows(self.qweight_kn, 4), self.scales_and_zeros, self.kernel_group_size)
 
     def check_loaded(self) -> str | None:
         """Also: the two copies of the codes agree (decode reads tinygemm's, prefill qweight_kn's),
         so no artifact runs one model for short prompts and another for long ones."""
         if problem := super().check_loaded():
             return problem
+        # gptq.unpack_rows and pack_tinygemm: not the unpackers the kernel paths use, so a fault in
+        # those shows in verify's probes rather than here
         ikt, N = self.qweight.shape[-1] * 2, self.padded_out
         step = max(8, (CHECK_CODES // self.padded_in) // 8 * 8)  # columns at a time: pack_tinygemm's int64s stay bounded
         for n0 in range(0, N, step):
@@ -237,7 +242,7 @@ class CudaInt4Linear(PackedLinear):
         rule's path with each copy of the codes in the kernel's K order."""
         if self.default_path(x.shape[0]) == "tinygemm":
             return self.run(x, "tinygemm")
-        return F.linear(x, dequantize_folded_int4(unpack_rows(self.qweight_kn, 4), self.scales_and_zeros, self.kernel_group_size).T)
+        return F.linear(x, self.packed_order_weight().T)
 
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
         if path == "tinygemm":

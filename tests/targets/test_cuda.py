@@ -9,6 +9,7 @@ import itertools
 
 import pytest
 import torch
+from conftest import prepacked_module
 
 from quantprep.build.prepack import prepare_layer
 from quantprep.build.source import QuantConfig, _validate_layer
@@ -82,10 +83,7 @@ def test_forward_gives_each_path_x_in_its_order(group_size, act_order):
     K, N = 200, 136
     gen = torch.Generator().manual_seed(group_size + act_order)
     raw = random_gptq_tensors(K, N, 4, group_size, False, act_order, True, bias=True, generator=gen)
-    layer = prepare_layer(_validate_layer("m", raw, QuantConfig(4, group_size, False, act_order, "gptq")))
-    tensors, meta = CUDA.pack(layer, torch.bfloat16)
-    module = CUDA.make_module(meta, torch.bfloat16)
-    module.load_state_dict(tensors, assign=True)
+    layer, module, _ = prepacked_module("cuda", raw, QuantConfig(4, group_size, False, act_order, "gptq"), torch.bfloat16)
     assert module.padded_in == 224
     module.paths = lambda: ("tinygemm", "dequant")
     x = torch.randn(3, 40, K, generator=gen)
@@ -103,10 +101,7 @@ def test_an_artifact_whose_two_copies_of_the_codes_differ_is_refused(tmp_path, m
     """Decode reads tinygemm's copy of the codes, prefill qweight_kn's: an artifact whose copies
     differ (one model for short prompts, another for long ones) is refused at load and verify,
     compared whole or 8 columns at a time (CHECK_CODES); a copy of another dtype, by verify too."""
-    from quantprep.targets import cuda
-
-    monkeypatch.setattr(cuda, "CHECK_CODES", check_codes)
-    from conftest import relist
+    from conftest import TINY_LLAMA, relist
     from safetensors.torch import load_file, save_file
 
     import quantprep
@@ -114,12 +109,12 @@ def test_an_artifact_whose_two_copies_of_the_codes_differ_is_refused(tmp_path, m
     from quantprep.build.synthetic import write_random_checkpoint
     from quantprep.errors import ArtifactError
     from quantprep.format.artifact import read_manifest
+    from quantprep.targets import cuda
     from quantprep.tools.verify import verify_artifact
 
-    cfg = {"model_type": "llama", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1,
-           "num_attention_heads": 2, "num_key_value_heads": 1, "tie_word_embeddings": False}
+    monkeypatch.setattr(cuda, "CHECK_CODES", check_codes)
     art = tmp_path / "art"
-    prepack(write_random_checkpoint(tmp_path / "gptq", cfg, group_size=64), "cuda", art)
+    prepack(write_random_checkpoint(tmp_path / "gptq", TINY_LLAMA, group_size=64), "cuda", art)
     quantprep.load(art, device="cpu")  # as built: both copies agree
     shard = read_manifest(art)["shards"][0]
     tensors = load_file(art / shard)
