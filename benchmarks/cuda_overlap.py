@@ -1,5 +1,10 @@
 """Experiments on the cuda target's 512-token prefill gap to dense bf16 (BENCHMARKS.md, "Kernel plans").
 
+Variants of the whole model ("fixed rule" is the shipped code as it runs; the recorded runs
+predate the split, so there "fixed rule" is `copies` and `split_mm` the split that now ships:
+results/cuda-overlap-h200.json and cuda-split-h200.json, from commit 6bc16ae's script):
+0. `copies`: a fused projection (q/k/v, gate/up) as one GEMM, then a contiguous copy of each part
+   (before); `split_pairs`: the shipped split for gate/up only; `views`: no copies (reference).
 1. `ahead`: each dequantize-path linear's weight dequantized on a side stream, `depth` linears
    before it multiplies, so the memory-bound pass overlaps the compute-bound GEMMs (the 1.5B's
    GEMMs at M = 512 fill under half the SMs). Whole model, CUDA graph replays and eager.
@@ -62,23 +67,14 @@ class DequantAhead:
         return CudaInt4Linear.dequantized_weight(mod)
 
 
-def split_mm(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """A fused projection's parts as one GEMM each on column slices of the once-dequantized weight:
-    each output is contiguous without a copy, and the bias add rides in addmm."""
-    lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features).to(self.act_dtype)
-    if not (self.paths() and self.path_for(x2.shape[0]) == "dequant"):
-        return PackedLinear.forward_split(self, x, sizes)
-    w, outs, a = self.dequantized_weight().T, [], 0
-    for n in sizes:
-        y = x2 @ w[:, a:a + n] if self.bias is None else torch.addmm(self.bias[a:a + n], x2, w[:, a:a + n])
-        outs.append(y.reshape(*lead, n))
-        a += n
-    return outs
+def copies(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """The code before: one GEMM over the fused projection, then a contiguous copy of each part."""
+    return PackedLinear.forward_split(self, x, sizes)
 
 
-def split_mm_pairs(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """split_mm for gate/up (two parts) only; q/k/v keep one GEMM and copies."""
-    return (split_mm if len(sizes) == 2 else PackedLinear.forward_split)(self, x, sizes)
+def split_pairs(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """The shipped split (one GEMM per part) for gate/up (two parts) only; q/k/v one GEMM and copies."""
+    return (CudaInt4Linear.forward_split if len(sizes) == 2 else PackedLinear.forward_split)(self, x, sizes)
 
 
 def views(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
@@ -86,10 +82,10 @@ def views(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return list(self(x).split(sizes, -1))
 
 
-SPLITS = {"split_mm": split_mm, "split_mm_pairs": split_mm_pairs, "views": views}
+SPLITS = {"copies": copies, "split_pairs": split_pairs, "views": views}
 
 
-def whole_model(name: str, runs: int, root: Path, depths: list[int]) -> dict:
+def whole_model(name: str, runs: int, root: Path, variants: list[str]) -> dict:
     import quantprep
     from quantprep.build.pipeline import prepack
     from quantprep.build.synthetic import write_random_checkpoint_sharded
@@ -114,7 +110,6 @@ def whole_model(name: str, runs: int, root: Path, depths: list[int]) -> dict:
             for m in mods:
                 m.dequantized_weight = lambda m=m: ahead.weight(m)
 
-    variants = ["fixed rule", *[f"ahead_{d}" for d in depths], *SPLITS, "dense"]
     graph, eager, same = {v: [] for v in variants}, {v: [] for v in variants}, {}
     with torch.inference_mode():
         use("fixed rule")
@@ -230,7 +225,7 @@ def per_linear(rows: list[int]) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="1.5b,7b")
-    p.add_argument("--depths", default="1,2,4,8")
+    p.add_argument("--variants", default="fixed rule,ahead_1,ahead_2,ahead_4,ahead_8,copies,split_pairs,views,dense")
     p.add_argument("--rows", default="512")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--skip", default="")
@@ -244,7 +239,7 @@ def main() -> None:
         res["models"] = {}
         with tempfile.TemporaryDirectory() as tmp:
             for name in args.models.split(","):
-                res["models"][name] = whole_model(name, args.runs, Path(tmp), [int(d) for d in args.depths.split(",")])
+                res["models"][name] = whole_model(name, args.runs, Path(tmp), args.variants.split(","))
                 save(res, args.out)
     print(save(res, args.out))
 

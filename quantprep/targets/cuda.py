@@ -237,6 +237,21 @@ class CudaInt4Linear(PackedLinear):
     def input_order(self, path: str) -> bool:
         return path == "dequant"  # its weight is dequantized straight into the activations' order
 
+    def forward_split(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        """A fused projection's parts on the dequantize path: one GEMM per part on column slices of
+        the weight dequantized once, so each part comes out contiguous without a copy of the fused
+        output (for the 1.5B's gate/up, 18 MB read and written per layer), and a bias rides in
+        addmm. Measured on the whole prefill: BENCHMARKS.md, "Kernel plans"."""
+        x2 = x.reshape(-1, self.in_features).to(self.act_dtype)
+        if not self.paths() or self.path_for(x2.shape[0]) != "dequant":
+            return super().forward_split(x, sizes)
+        w, parts, n0 = self.dequantized_weight().T, [], 0  # [in_features, padded_out], row-major
+        for n in sizes:
+            part = x2 @ w[:, n0 : n0 + n] if self.bias is None else torch.addmm(self.bias[n0 : n0 + n], x2, w[:, n0 : n0 + n])
+            parts.append(part.reshape(*x.shape[:-1], n))
+            n0 += n
+        return parts
+
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """Off a GPU (verify, tests: no paths, so forward has gathered and padded x): the fixed
         rule's path with each copy of the codes in the kernel's K order."""

@@ -54,6 +54,24 @@ def test_dequantize_path_writes_rows_in_the_activations_order(group_size, act_or
     assert rel < 1e-2, rel
 
 
+@pytest.mark.parametrize("act_order", [True, False])
+def test_fused_parts_are_one_gemm_each_on_the_dequantize_path(act_order):
+    """A fused projection's parts (q/k/v, gate/up) at prefill: one GEMM per part on column slices of
+    the weight, each part contiguous and equal to its columns of the reference, bias included."""
+    layer, module = _module(4, 128, False, act_order)
+    ref_w, sizes = layer.dequantize(), [136, 24, 40]
+    for rows in (16, 17, 512):  # tinygemm (one GEMM, then copies), then the split
+        x = torch.randn(1, rows, layer.in_features, generator=torch.Generator().manual_seed(rows))
+        ref = x @ ref_w + layer.bias.float()
+        with torch.no_grad():
+            parts = module.forward_split(x.cuda().bfloat16(), sizes)
+        assert [tuple(p.shape) for p in parts] == [(1, rows, n) for n in sizes]
+        for i, (part, r) in enumerate(zip(parts, ref.split(sizes, -1), strict=True)):
+            assert part.is_contiguous()
+            rel = ((part.float().cpu() - r).norm() / r.norm()).item()
+            assert rel < 2e-2, f"{rows} rows, part {i}: rel err {rel:.2e}"
+
+
 def test_plan_timing_is_the_gpus_work():
     """At 512 rows of a 1536x1536 layer tinygemm takes about 6x the dequantize path's GPU time
     (results/cuda-prefill-h100.json); timed from the host, behind Python's launches, a plan once
