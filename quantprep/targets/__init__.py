@@ -27,5 +27,5 @@ def act_dtype_problem(target, dtype) -> str | None:
     if dtype in target.act_dtypes:
         return None
     names = " or ".join(str(d).removeprefix("torch.") for d in target.act_dtypes)
-    return f"the {target.name} target runs {names} activations only, not {str(dtype).removeprefix('torch.')}" + (
-        " (oneDNN has no float32 int4 matmul; docs/xpu.md)" if target.name == "xpu" else "")
+    why = {"xpu": " (oneDNN has no float32 int4 matmul; docs/xpu.md)", "cuda": " (tinygemm, its decode kernel, is bf16-only)"}
+    return f"the {target.name} target runs {names} activations only, not {str(dtype).removeprefix('torch.')}" + why.get(target.name, "")

@@ -275,7 +275,7 @@ class CudaTarget(Target):
     name = "cuda"
     device = "cuda"
     default_act_dtype = torch.bfloat16
-    act_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    act_dtypes = (torch.bfloat16,)
     layout_version = 1
     cpu_emulator = True  # off a GPU the modules dequantize each copy of the codes with tensor ops (verify, tests)
 
@@ -289,10 +289,12 @@ class CudaTarget(Target):
         return "aten._weight_int4pack_mm+dequant-bf16-matmul" if bits == 4 else "dequant-int8-matmul"
 
     def pack(self, layer: PrepackLayer, act_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
-        if act_dtype != torch.bfloat16:
+        from quantprep.targets import act_dtype_problem
+
+        if problem := act_dtype_problem(self, act_dtype):  # build checks first; this guards direct callers
             from quantprep.errors import RecipeError
 
-            raise RecipeError(f"the cuda target needs bfloat16 activations (tinygemm is bf16-only), got {act_dtype}")
+            raise RecipeError(problem)
         meta, tensors = base_meta(layer), optional_tensors(layer, act_dtype)
         K, N = layer.in_features, layer.out_features
         if layer.bits == 8:

@@ -139,3 +139,20 @@ def test_cuda_target_needs_bf16():
     layer = prepare_layer(_validate_layer("m", random_gptq_tensors(128, 64, 4, 32, True, False, True), QuantConfig(4, 32, True, False, "gptq")))
     with pytest.raises(RecipeError, match="bfloat16"):
         CUDA.pack(layer, torch.float16)
+
+
+def test_cuda_artifacts_refuse_other_activation_dtypes_at_load(tmp_path):
+    """tinygemm is bf16-only, so a cuda artifact loaded with dtype=float16 is refused up front with
+    one line that names the reason, not at the first decode step."""
+    from conftest import TINY_LLAMA
+
+    import quantprep
+    from quantprep.build.pipeline import prepack
+    from quantprep.build.synthetic import write_random_checkpoint
+    from quantprep.errors import ArtifactMismatch
+
+    art = tmp_path / "art"
+    prepack(write_random_checkpoint(tmp_path / "gptq", TINY_LLAMA, group_size=64), "cuda", art)
+    for dtype in (torch.float16, torch.float32):
+        with pytest.raises(ArtifactMismatch, match=r"runs bfloat16 activations only, not float.*tinygemm"):
+            quantprep.load(art, device="cpu", dtype=dtype)
