@@ -741,7 +741,7 @@ SUMMARY = [
      lambda r: f"{r['models']['1.5b']['prefill512_over_dense']['plan']:.2f}x (the Triton GEMM alone: "
                f"{r['models']['1.5b']['prefill512_over_dense']['triton']:.2f}x)" + _met(r['models']['1.5b']['prefill512_over_dense']['plan'] <= 1.2)),
     ("the same, one-row forward: dense bf16's time / the plan's", "GPU decode (>= dense)", PLANS, ["plan-prefill-cuda-h200.json"],
-     lambda r: f"{r['models']['1.5b']['forward_m1_ms']['dense']['median'] / r['models']['1.5b']['forward_m1_ms']['plan']['median']:.2f}x the speed"),
+     lambda r: f"{r['models']['1.5b']['forward_m1_ms']['dense']['median'] / r['models']['1.5b']['forward_m1_ms']['plan']['median']:.3f}x the speed (the run before, commit 9758891: 1.04x)"),
     ("the same two on Qwen2.5-7B shapes: prefill / dense (the Triton GEMM), one-row forward's speed / dense", "GPU prefill (<= 1.2x), decode (>= 1x)",
      PLANS, ["plan-prefill-7b-cuda-h200.json"],
      lambda r: f"{r['models']['7b']['prefill512_over_dense']['plan']:.2f}x ({r['models']['7b']['prefill512_over_dense']['triton']:.2f}x), "

@@ -11,7 +11,8 @@ k-super-tile ko holds 8 codes at k = ko*16*ikt + 32*j + 16*i1 + 8*i0 + 2*(t%4) +
 
 int4, prefill (M > DECODE_MAX_M): tinygemm was measured 16x slower than dense bf16 at M=512, so
 the weight is dequantized to bf16 in one Triton pass, each row where the activations have it (so
-no act-order gather of x), and multiplied by cuBLAS (the fixed rule), or
+no act-order gather of x), and multiplied by cuBLAS (the fixed rule; a fused projection's parts each
+on their own column slice of it, so no part is copied out of a fused output), or
 a Triton GEMM dequantizes K-blocks in registers and multiplies on tensor cores (a path a kernel plan
 may pick: runtime/plan.py). Both read a second copy of the codes in GPTQ's [K/8, N] words
 (`qweight_kn`, coalesced along N; reading tinygemm's tiles from Triton was 10-50x slower, measured):
