@@ -241,3 +241,23 @@ def test_the_shard_index_lists_every_tensor_of_every_shard(random_gptq, tmp_path
             with safe_open(shard, "pt") as f:
                 where.update(dict.fromkeys(f.keys(), shard.name))
         assert json.loads((art / WEIGHTS_INDEX).read_text())["weight_map"] == where
+
+
+@pytest.mark.parametrize("fused", [
+    "x",
+    {"members": ["gate_proj", "up_proj"], "sizes": [64.0, 64.0]},
+    {"members": ["gate_proj", "up_proj"], "sizes": [True, 127]},
+    {"members": ["gate_proj", "up_proj"], "sizes": [128]},
+    {"members": "gate_proj", "sizes": [64, 64]},
+    {"members": ["gate_proj", 3], "sizes": [64, 64]},
+    {"members": ["gate_proj", "up_proj"], "sizes": [0, 128]},
+    {"members": ["gate_proj", "up_proj"], "sizes": [64, 64], "extra": 1},
+])
+def test_malformed_fused_metadata_is_refused_in_one_line(random_artifact, fused):
+    """A manifest's `fused` entry is shaped before anything reads it: a hostile one (a float or bool
+    size, a string for a list) was a TypeError traceback at load or at the first forward."""
+    name = next(n for n, m in read_manifest(random_artifact)["modules"].items() if "fused" in m)
+    _rewrite_manifest(random_artifact, lambda m: m["modules"][name].update(fused=fused))
+    for run in (lambda: quantprep.load(random_artifact), lambda: verify_artifact(random_artifact)):
+        with pytest.raises(ArtifactError, match=rf"module {name!r} has malformed metadata"):
+            run()

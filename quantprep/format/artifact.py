@@ -370,7 +370,7 @@ def read_manifest(path: Path) -> dict:
     for name, mod in m["modules"].items():
         ok = isinstance(mod, dict) and mod.get("bits") in (4, 8) and all(
             isinstance(mod.get(k), int) and not isinstance(mod.get(k), bool) and mod[k] > 0 for k in ("in_features", "out_features", "group_size")
-        ) and all(isinstance(mod.get(k), bool) for k in ("act_order", "bias"))
+        ) and all(isinstance(mod.get(k), bool) for k in ("act_order", "bias")) and ("fused" not in mod or _valid_fused(mod["fused"]))
         if not ok:
             raise ArtifactError(f"{mpath}: module {name!r} has malformed metadata; the artifact is corrupt: rebuild it")
     for shard in m["shards"]:
@@ -386,6 +386,15 @@ def read_manifest(path: Path) -> dict:
     if "kcache" in m and not _valid_kcache(m["kcache"]):
         raise ArtifactError(f"{mpath}: field 'kcache' is malformed; the artifact is corrupt: rebuild it or re-run `quantprep warm`")
     return m
+
+
+def _valid_fused(fused) -> bool:
+    """{"members": [names], "sizes": [positive ints]}, one size per member (load checks them against the model)."""
+    if not (isinstance(fused, dict) and fused.keys() == {"members", "sizes"}):
+        return False
+    members, sizes = fused["members"], fused["sizes"]
+    return isinstance(members, list) and isinstance(sizes, list) and 2 <= len(members) == len(sizes) and \
+        all(isinstance(x, str) and x for x in members) and all(type(n) is int and n > 0 for n in sizes)
 
 
 AOT_FORMATS = {"aoti": ".pt2", "inductor": ".bin"}  # kcache.aot entry format: file suffix, in the order warm tries them

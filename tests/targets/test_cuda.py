@@ -156,3 +156,27 @@ def test_cuda_artifacts_refuse_other_activation_dtypes_at_load(tmp_path):
     for dtype in (torch.float16, torch.float32):
         with pytest.raises(ArtifactMismatch, match=r"runs bfloat16 activations only, not float.*tinygemm"):
             quantprep.load(art, device="cpu", dtype=dtype)
+
+
+@pytest.mark.parametrize("act_order", [True, False])
+def test_fused_parts_on_the_dequantize_path_equal_the_split_forward(act_order):
+    """forward_split's dequantize path (one GEMM per column slice, bias in addmm) against the
+    fallback (forward, then each part copied out) and the float32 reference: same shapes, each
+    part contiguous, equal within bf16 rounding. The GPU's paths are stood in for here (CI has
+    no GPU); the dequantized weight comes from the tensor-op fallback."""
+    from conftest import rel_err
+
+    from quantprep.targets.common import PackedLinear
+
+    gen = torch.Generator().manual_seed(0)
+    raw = random_gptq_tensors(576, 200, 4, 128, False, act_order, True, bias=True, generator=gen)
+    layer, module, _ = prepacked_module("cuda", raw, QuantConfig(4, 128, False, act_order, "gptq"), torch.bfloat16)
+    module.paths = lambda: ("tinygemm", "triton", "dequant")  # as on a GPU; run() computes "dequant" off one too
+    sizes, x = [136, 24, 40], torch.randn(2, 40, 576, generator=gen).bfloat16()
+    assert module.path_for(80) == "dequant"
+    ref = (x.float() @ layer.dequantize() + layer.bias.float()).split(sizes, -1)
+    with torch.no_grad():
+        parts, fallback = module.forward_split(x, sizes), PackedLinear.forward_split(module, x, sizes)
+    for part, other, r in zip(parts, fallback, ref, strict=True):
+        assert part.shape == other.shape == r.shape and part.is_contiguous() and part.dtype == torch.bfloat16
+        assert rel_err(part, other) < 1e-2 and rel_err(part, r) < 1e-2
