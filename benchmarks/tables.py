@@ -667,7 +667,8 @@ def _fusion(groups: dict, model: dict) -> str:
 
 
 def _met(met: bool, what: str = "") -> str:
-    return f"; {what} {'met' if met else 'not met'}".replace(";  ", "; ")
+    """'; met' or '; not met' after a summary figure, naming `what` where a row has several goals."""
+    return "; " + " ".join(filter(None, [what, "met" if met else "not met"]))
 
 
 def _m1_speed(r: dict, model: str) -> float:

@@ -96,25 +96,35 @@ def test_forward_gives_each_path_x_in_its_order(group_size, act_order):
         assert rel < 2e-2, f"{path}: rel err {rel:.2e}"
 
 
+@pytest.fixture(scope="module")
+def cuda_artifact(tmp_path_factory):
+    """A random TINY_LLAMA cuda artifact (group 64), built once here: tests that edit it use copy_of."""
+    from conftest import TINY_LLAMA
+
+    from quantprep.build.pipeline import prepack
+    from quantprep.build.synthetic import write_random_checkpoint
+
+    root = tmp_path_factory.mktemp("cuda-art")
+    prepack(write_random_checkpoint(root / "gptq", TINY_LLAMA, group_size=64), "cuda", root / "art")
+    return root / "art"
+
+
 @pytest.mark.parametrize("check_codes", [1 << 23, 1])
-def test_an_artifact_whose_two_copies_of_the_codes_differ_is_refused(tmp_path, monkeypatch, check_codes):
+def test_an_artifact_whose_two_copies_of_the_codes_differ_is_refused(cuda_artifact, copy_of, monkeypatch, check_codes):
     """Decode reads tinygemm's copy of the codes, prefill qweight_kn's: an artifact whose copies
     differ (one model for short prompts, another for long ones) is refused at load and verify,
     compared whole or 8 columns at a time (CHECK_CODES); a copy of another dtype, by verify too."""
-    from conftest import TINY_LLAMA, relist
+    from conftest import relist
     from safetensors.torch import load_file, save_file
 
     import quantprep
-    from quantprep.build.pipeline import prepack
-    from quantprep.build.synthetic import write_random_checkpoint
     from quantprep.errors import ArtifactError
     from quantprep.format.artifact import read_manifest
     from quantprep.targets import cuda
     from quantprep.tools.verify import verify_artifact
 
     monkeypatch.setattr(cuda, "CHECK_CODES", check_codes)
-    art = tmp_path / "art"
-    prepack(write_random_checkpoint(tmp_path / "gptq", TINY_LLAMA, group_size=64), "cuda", art)
+    art = copy_of(cuda_artifact)
     quantprep.load(art, device="cpu")  # as built: both copies agree
     shard = read_manifest(art)["shards"][0]
     tensors = load_file(art / shard)
@@ -141,21 +151,15 @@ def test_cuda_target_needs_bf16():
         CUDA.pack(layer, torch.float16)
 
 
-def test_cuda_artifacts_refuse_other_activation_dtypes_at_load(tmp_path):
+def test_cuda_artifacts_refuse_other_activation_dtypes_at_load(cuda_artifact):
     """tinygemm is bf16-only, so a cuda artifact loaded with dtype=float16 is refused up front with
     one line that names the reason, not at the first decode step."""
-    from conftest import TINY_LLAMA
-
     import quantprep
-    from quantprep.build.pipeline import prepack
-    from quantprep.build.synthetic import write_random_checkpoint
     from quantprep.errors import ArtifactMismatch
 
-    art = tmp_path / "art"
-    prepack(write_random_checkpoint(tmp_path / "gptq", TINY_LLAMA, group_size=64), "cuda", art)
     for dtype in (torch.float16, torch.float32):
         with pytest.raises(ArtifactMismatch, match=r"runs bfloat16 activations only, not float.*tinygemm"):
-            quantprep.load(art, device="cpu", dtype=dtype)
+            quantprep.load(cuda_artifact, device="cpu", dtype=dtype)
 
 
 @pytest.mark.parametrize("act_order", [True, False])
