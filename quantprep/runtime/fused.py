@@ -58,6 +58,7 @@ class FusedMember(nn.Module):
 
 def install(parent: nn.Module, fused_name: str, fused: PackedLinear, members: list[str], sizes: list[int]) -> None:
     group = FusedGroup(fused, sizes)
+    fused.parts = tuple(sizes)
     parent.add_module(fused_name, fused)
     for i, member in enumerate(members):
         setattr(parent, member, FusedMember(group, i, fused.in_features))

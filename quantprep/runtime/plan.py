@@ -75,6 +75,7 @@ def time_paths(module: PackedLinear, x: torch.Tensor, paths: tuple[str, ...]) ->
     best = {}
     try:
         for p in paths:
+            module.prepare(p)
             call(p)  # untimed: first-call allocations, oneDNN primitives, Triton's compile
         replays = None
         if x.is_cuda:
@@ -131,6 +132,8 @@ def gpu_seconds(replay, calls: int = 5) -> float:
 def decide_shape(module: PackedLinear, lengths: list[int], measure=time_paths) -> tuple[list[list], dict]:
     """[[first_m, path], ...] for one module over `lengths` (ascending), and the timings taken
     (measure(module, x, paths) -> {path: ms})."""
+    for p in module.paths():
+        module.prepare(p)  # a path whose build fails its own check drops out of paths()
     paths, timings, winner = module.paths(), {}, {}
     device = module.qweight.device
     gen = torch.Generator(device=device).manual_seed(0)
@@ -231,4 +234,6 @@ def apply(model, plan: dict, device_type: str) -> int:
         chosen += [(m, tuple((first, path) for first, path in ranges)) for m in modules]
     for m, ranges in chosen:
         m.plan, m.plan_max_m = ranges, plan["max_m"]
+        for _, path in ranges:
+            m.prepare(path)
     return len(chosen)

@@ -143,6 +143,7 @@ class PackedLinear(nn.Module):
 
     plan: tuple[tuple[int, str], ...] = ()
     plan_max_m: int = 0
+    parts: tuple[int, ...] = ()  # a fused projection's member sizes (runtime/fused.py sets them)
 
     def paths(self) -> tuple[str, ...]:
         return ()  # one path: kernel() is all there is
@@ -157,6 +158,14 @@ class PackedLinear(nn.Module):
         """Whether `path` takes the activations as they come (its weight is in their order), so
         forward skips the act-order gather and the K padding."""
         return False
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in_features] into the kernel's K order (act-order gather, K padding)."""
+        return gather_and_pad(x, self.perm, self.padded_in)
+
+    def prepare(self, path: str) -> None:
+        """Build whatever `path` needs beyond the artifact's tensors, before it is timed or captured
+        (load calls it for each path of the applied plan). Most paths need nothing."""
 
     def path_for(self, m: int) -> str:
         if not 1 <= m <= self.plan_max_m:
@@ -197,7 +206,7 @@ class PackedLinear(nn.Module):
         x = x.reshape(-1, self.in_features).to(self.act_dtype)
         path = self.path_for(x.shape[0]) if self.paths() else None
         if path is None or not self.input_order(path):
-            x = gather_and_pad(x, self.perm, self.padded_in)
+            x = self.gather(x)
         x = x.contiguous()
         y = self.kernel(x) if path is None else self.run(x, path)
         if self.padded_out != self.out_features:

@@ -13,8 +13,11 @@ int4, prefill (M > DECODE_MAX_M): tinygemm was measured 16x slower than dense bf
 the weight is dequantized to bf16 in one Triton pass, each row where the activations have it (so
 no act-order gather of x), and multiplied by cuBLAS (the fixed rule; a fused projection's parts each
 on their own column slice of it, so no part is copied out of a fused output), or
-a Triton GEMM dequantizes K-blocks in registers and multiplies on tensor cores (a path a kernel plan
-may pick: runtime/plan.py). Both read a second copy of the codes in GPTQ's [K/8, N] words
+a Triton GEMM dequantizes K-blocks in registers and multiplies on tensor cores, or, where the
+optional `mslk-cuda` package is installed, its CUTLASS mixed-input GEMM (`bf16i4bf16_shuffled`,
+the kernel torchao's preshuffled int4 calls) dequantizes in registers: paths a kernel plan may pick
+(runtime/plan.py). mslk's weight layout is built on the GPU from `qweight_kn` when a path needs it
+(+0.5 byte per weight in GPU memory), never read from the artifact. Both read a second copy of the codes in GPTQ's [K/8, N] words
 (`qweight_kn`, coalesced along N; reading tinygemm's tiles from Triton was 10-50x slower, measured):
 +0.5 byte per weight. Off a GPU and while torch.compile or export trace (verify on CPU, tests), the
 weight is dequantized with tensor ops instead.
@@ -173,6 +176,70 @@ def dequantize_kn(qweight_kn: torch.Tensor, scales_and_zeros: torch.Tensor, grou
 
 
 if triton is not None:
+
+    @triton.jit(do_not_specialize=["M"])
+    def _gather_pad(x_ptr, perm_ptr, out_ptr, M, K, KP, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[m, k] = x[m, perm[k]] for k < K, 0 for K <= k < KP: the act-order gather and the K
+        padding in one pass (torch's index_select along the last dim ran at about 0.5 TB/s on an H100)."""
+        pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+        offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok, m_ok = offs_k < K, offs_m < M
+        src = tl.load(perm_ptr + offs_k, mask=k_ok, other=0).to(tl.int64)
+        vals = tl.load(x_ptr + offs_m[:, None] * K + src[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        tl.store(out_ptr + offs_m[:, None] * KP + offs_k[None, :], vals, mask=m_ok[:, None] & (offs_k < KP)[None, :])
+
+
+GATHER_BLOCKS = (4, 512)  # (BLOCK_M, BLOCK_K)
+
+
+def gather_pad(x: torch.Tensor, perm: torch.Tensor, padded_in: int) -> torch.Tensor:
+    """`common.gather_and_pad` in one Triton pass: x [M, K] contiguous, perm int32 [K] (a checked
+    permutation: PackedLinear.check_loaded) -> [M, padded_in]."""
+    M, K = x.shape
+    out = torch.empty(M, padded_in, dtype=x.dtype, device=x.device)
+    bm, bk = GATHER_BLOCKS
+    _gather_pad[(triton.cdiv(M, bm), triton.cdiv(padded_in, bk))](x, perm, out, M, K, padded_in, BLOCK_M=bm, BLOCK_K=bk, num_warps=4)
+    return out
+
+
+MSLK_MIN_GROUP = 128  # mslk's preshuffled int4 takes groups of 128 and more (mslk/quantize/shuffle.py)
+MSLK_N_ALIGN = 64
+
+
+def mslk_available() -> bool:
+    """Whether the optional mslk-cuda package (CUTLASS mixed-input GEMMs) is installed and loads."""
+    global _MSLK
+    if _MSLK is None:
+        try:
+            import mslk  # noqa: F401 (registers torch.ops.mslk)
+
+            _MSLK = hasattr(torch.ops.mslk, "bf16i4bf16_shuffled") and hasattr(torch.ops.mslk, "preshuffle_i4")
+        except Exception:  # not installed, or built for another torch/CUDA: the path is not offered
+            _MSLK = False
+    return _MSLK
+
+
+_MSLK: bool | None = None
+
+
+def mslk_layout(qweight_kn: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """GPTQ's words [Kp/8, n] + [Kp/g, n, 2] -> mslk's (weight, scales, zeros) for `bf16i4bf16_shuffled`.
+    mslk computes w = q_signed * s + z with q_signed = q - 8, two codes a byte, even k in the low
+    nibble, [n, Kp/2]: the bytes of qweight_kn (two codes a byte, low nibble first) transposed,
+    each nibble XOR 8. Then its own shuffle of weight and scales."""
+    wq, s = torch.ops.mslk.preshuffle_i4(mslk_codes(qweight_kn), scales_and_zeros[..., 0].contiguous())
+    return wq, s, scales_and_zeros[..., 1].contiguous()
+
+
+def mslk_codes(qweight_kn: torch.Tensor) -> torch.Tensor:
+    """GPTQ's words [Kp/8, n] -> mslk's unshuffled int4 [n, Kp/2] (int8 bytes): tensor ops, any device."""
+    Kp8, n = qweight_kn.shape
+    b = qweight_kn.contiguous().view(torch.uint8).view(Kp8, n, 4).permute(0, 2, 1).reshape(Kp8 * 4, n)
+    return (b ^ 0x88).T.contiguous().view(torch.int8)
+
+
+if triton is not None:
     # The same GEMM as a custom op that torch.compile and torch.export trace into (a raw Triton
     # launch cannot run on export's fake tensors): AOTInductor packages (aot.py) need it.
     @torch.library.triton_op("quantprep::int4_kn_gemm", mutates_args=())
@@ -181,6 +248,9 @@ if triton is not None:
 
 
 class CudaInt4Linear(PackedLinear):
+    mslk_weights: list[tuple[torch.Tensor, ...]] | None = None  # mslk's layout per part, built by prepare
+    mslk_failed: str | None = None
+
     def __init__(self, meta: dict, act_dtype: torch.dtype):
         super().__init__(meta, act_dtype)
         self.kernel_group_size, ikt = meta["kernel_group_size"], meta["inner_k_tiles"]
@@ -227,7 +297,47 @@ class CudaInt4Linear(PackedLinear):
         return None
 
     def paths(self) -> tuple[str, ...]:
-        return ("tinygemm", "triton", "dequant") if self.qweight.is_cuda and triton is not None else ()
+        if not self.qweight.is_cuda or triton is None:
+            return ()
+        return ("tinygemm", "triton", "dequant", "mslk") if self.mslk_fits() else ("tinygemm", "triton", "dequant")
+
+    def mslk_fits(self) -> bool:
+        """mslk installed, groups it takes, and each part (a fused module's members) a width it tiles."""
+        parts = self.parts or (self.padded_out,)
+        return self.kernel_group_size >= MSLK_MIN_GROUP and all(n % MSLK_N_ALIGN == 0 for n in parts) and \
+            self.mslk_failed is None and mslk_available()
+
+    def prepare(self, path: str) -> None:
+        """mslk: its layout of each part, built once on the GPU, then checked against the dequantize
+        path on random rows; a build that computes something else (another mslk version's layout)
+        is dropped and the path no longer offered, with the reason in `mslk_failed`."""
+        if path != "mslk" or self.mslk_weights is not None or self.mslk_failed is not None:
+            return
+        with torch.no_grad():
+            self._build_mslk()
+
+    def _build_mslk(self) -> None:
+        parts, n0, weights = self.parts or (self.padded_out,), 0, []
+        for n in parts:
+            weights.append(mslk_layout(self.qweight_kn[:, n0 : n0 + n], self.scales_and_zeros[:, n0 : n0 + n]))
+            n0 += n
+        self.mslk_weights = weights
+        x = torch.randn(16, self.in_features, generator=torch.Generator(self.qweight.device).manual_seed(0),
+                        device=self.qweight.device).to(self.act_dtype)
+        ref = self.run(x, "dequant")[:, : n0].float()
+        got = self.run(self.gather(x), "mslk").float()
+        if (rel := float((got - ref).norm() / ref.norm().clamp_min(1e-30))) > 1e-2:
+            self.mslk_weights, self.mslk_failed = None, f"mslk's output differs from the dequantize path's by {rel:.1e}"
+            if any(p == "mslk" for _, p in self.plan):
+                self.plan, self.plan_max_m = (), 0  # the fixed rule instead
+            import warnings
+
+            warnings.warn(f"{self.mslk_failed}: path not used", stacklevel=2)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is None or not x.is_cuda or triton is None or torch.compiler.is_compiling():
+            return super().gather(x)  # traced: Inductor fuses the gather into its producer
+        return gather_pad(x, self.perm, self.padded_in)
 
     def default_path(self, m: int) -> str:
         """tinygemm up to DECODE_MAX_M rows, then dequantizing (one Triton pass) + cuBLAS: it beat the
@@ -244,7 +354,14 @@ class CudaInt4Linear(PackedLinear):
         output (for the 1.5B's gate/up, 18 MB read and written per layer), and a bias rides in
         addmm. Measured on the whole prefill: BENCHMARKS.md, "Kernel plans"."""
         x2 = x.reshape(-1, self.in_features).to(self.act_dtype)
-        if not self.paths() or self.path_for(x2.shape[0]) != "dequant":
+        path = self.path_for(x2.shape[0]) if self.paths() else None
+        if path == "mslk" and tuple(sizes) == self.parts:  # mslk's layout is one per part already
+            xg = self.gather(x2).contiguous()
+            parts = [self.mslk_part(xg, i) for i in range(len(sizes))]
+            if self.bias is not None:
+                parts = [p + b for p, b in zip(parts, self.bias.split(sizes), strict=True)]
+            return [p.reshape(*x.shape[:-1], n) for p, n in zip(parts, sizes, strict=True)]
+        if path != "dequant":
             return super().forward_split(x, sizes)
         w, parts, n0 = self.dequantized_weight().T, [], 0  # [in_features, padded_out], row-major
         for n in sizes:
@@ -269,7 +386,17 @@ class CudaInt4Linear(PackedLinear):
             return F.linear(x, dequantize_folded_int4(codes, self.scales_and_zeros, self.kernel_group_size).T)
         if path == "triton":
             return int4_kn_gemm_op(x, self.qweight_kn, self.scales_and_zeros, self.kernel_group_size)
+        if path == "mslk":
+            parts = [self.mslk_part(x, i) for i in range(len(self.parts or (0,)))]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
         return F.linear(x, self.dequantized_weight())
+
+    def mslk_part(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """Part i's output [M, n] from x in the kernel's K order [M, Kp]."""
+        self.prepare("mslk")  # no-op once built: load and warm build it before any timing or capture
+        if self.mslk_weights is None:
+            raise RuntimeError(f"{self.mslk_failed}: the mslk path cannot run")
+        return torch.ops.mslk.bf16i4bf16_shuffled(x, *self.mslk_weights[i])
 
 
 class CudaTarget(Target):

@@ -184,3 +184,18 @@ def test_fused_parts_on_the_dequantize_path_equal_the_split_forward(act_order):
     for part, other, r in zip(parts, fallback, ref, strict=True):
         assert part.shape == other.shape == r.shape and part.is_contiguous() and part.dtype == torch.bfloat16
         assert rel_err(part, other) < 1e-2 and rel_err(part, r) < 1e-2
+
+
+def test_mslk_codes_are_the_signed_codes_two_a_byte():
+    """mslk's int4 (before its own shuffle): [N, K/2] bytes, k even in the low nibble, each the code
+    minus 8 as a signed nibble; decoded here by arithmetic, independently of the XOR it uses."""
+    from quantprep.format.gptq import pack_rows
+    from quantprep.targets.cuda import mslk_codes
+
+    codes = torch.randint(0, 16, (256, 24), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    b = mslk_codes(pack_rows(codes, 4)).to(torch.int16)  # [N, K/2], each byte as -128..127
+    assert b.shape == (24, 128)
+    low, high = b & 0xF, (b >> 4) & 0xF  # two's complement nibbles
+    signed = lambda n: torch.where(n >= 8, n - 16, n)  # noqa: E731
+    assert torch.equal(signed(low), codes[0::2].T.to(torch.int16) - 8)
+    assert torch.equal(signed(high), codes[1::2].T.to(torch.int16) - 8)

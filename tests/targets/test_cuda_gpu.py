@@ -148,3 +148,69 @@ def test_selftest_cuda_passes(capsys):
     assert main(["selftest", "--device", "cuda"]) == 0
     out = capsys.readouterr().out
     assert "FAIL" not in out and out.count("PASS") == 24
+
+
+@pytest.mark.parametrize("K,rows", [(200, 1), (200, 17), (3584, 512), (18944, 64)])
+def test_gather_pad_is_index_select_then_pad(K, rows):
+    """The act-order gather and K padding in one Triton pass, against torch's ops: equal bit for bit."""
+    from quantprep.targets.common import gather_and_pad, round_up
+    from quantprep.targets.cuda import gather_pad
+
+    gen = torch.Generator().manual_seed(K + rows)
+    x = torch.randn(rows, K, generator=gen).bfloat16().cuda()
+    perm = torch.randperm(K, generator=gen).to(torch.int32).cuda()
+    kp = round_up(K, 128)
+    assert torch.equal(gather_pad(x, perm, kp), gather_and_pad(x, perm, kp))
+
+
+mslk_only = pytest.mark.skipif(not __import__("quantprep.targets.cuda", fromlist=["x"]).mslk_available(),
+                               reason="needs the optional mslk-cuda package (CUTLASS mixed-input GEMMs)")
+
+
+@mslk_only
+@pytest.mark.parametrize("sym,act_order", list(itertools.product([True, False], [True, False])))
+def test_mslk_path_matches_dense(sym, act_order):
+    """mslk's layout built at prepare from qweight_kn: the whole output, and a fused module's parts
+    (one mslk GEMM each, contiguous, bias included), against the dense float32 reference."""
+    layer, module = _module(4, 128, sym, act_order, K=1024, N=384)
+    assert "mslk" in module.paths() and module.mslk_weights is None
+    ref_w = layer.dequantize()
+    module.prepare("mslk")
+    assert module.mslk_failed is None and len(module.mslk_weights) == 1
+    module.plan, module.plan_max_m = ((1, "mslk"),), 1 << 20
+    for rows in (1, 16, 64, 512):
+        x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(rows))
+        ref = x @ ref_w + layer.bias.float()
+        with torch.no_grad():
+            y = module(x.cuda().bfloat16())
+        assert rel_err(y.cpu(), ref) < 2e-2, rows
+    sizes = [256, 64, 64]
+    _, fused = _module(4, 128, sym, act_order, K=1024, N=384)
+    fused.parts = tuple(sizes)
+    fused.plan, fused.plan_max_m = ((1, "mslk"),), 1 << 20
+    fused.prepare("mslk")
+    assert len(fused.mslk_weights) == 3
+    x = torch.randn(1, 512, layer.in_features, generator=torch.Generator().manual_seed(1))
+    ref = x @ ref_w + layer.bias.float()
+    with torch.no_grad():
+        parts = fused.forward_split(x.cuda().bfloat16(), sizes)
+        whole = fused(x.cuda().bfloat16())
+    for part, r in zip(parts, ref.split(sizes, -1), strict=True):
+        assert part.is_contiguous() and rel_err(part.cpu(), r) < 2e-2
+    assert rel_err(whole.cpu(), ref) < 2e-2
+
+
+@mslk_only
+def test_a_wrong_mslk_layout_is_caught_and_the_path_dropped(monkeypatch):
+    """prepare checks mslk's output against the dequantize path: a layout without the XOR 8 (codes
+    read unsigned) is refused with a warning, the path leaves paths(), and a plan naming it falls
+    back to the fixed rule."""
+    from quantprep.targets import cuda
+
+    real = cuda.mslk_codes
+    monkeypatch.setattr(cuda, "mslk_codes", lambda w: real(w) ^ torch.tensor(-120, dtype=torch.int8))  # undo the XOR 0x88
+    _, module = _module(4, 128, False, True, K=1024, N=384)
+    module.plan, module.plan_max_m = ((1, "mslk"),), 1 << 20
+    with pytest.warns(UserWarning, match="mslk's output differs"):
+        module.prepare("mslk")
+    assert module.mslk_failed and "mslk" not in module.paths() and module.plan == ()

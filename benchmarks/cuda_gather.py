@@ -1,0 +1,53 @@
+"""The act-order gather in front of an int4 GEMM on the GPU: torch's `index_select` (+ `F.pad` for
+K padding), as `common.gather_and_pad` runs it, against the cuda target's one Triton pass
+(`cuda.gather_pad`) at several tile shapes. Every output is compared with torch's, bit for bit.
+Timed as CUDA graph replays (`runtime.plan.gpu_seconds`), medians of 5; TB/s of x read + out written.
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/cuda_gather.py --out benchmarks/results/cuda-gather-h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from common import machine, save
+
+from quantprep.runtime.plan import cuda_graph, gpu_seconds
+from quantprep.targets import cuda
+from quantprep.targets.common import gather_and_pad
+
+SHAPES = {"1.5b qkv/gate_up": 1536, "1.5b down": 8960, "7b qkv/o/gate_up": 3584, "7b down": 18944}
+BLOCKS = [(1, 1024), (2, 1024), (4, 512), (8, 256), (16, 128), (8, 512), (16, 256)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out")
+    args = p.parse_args()
+    res = machine() | {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shipped": list(cuda.GATHER_BLOCKS), "rows": []}
+    for name, K in SHAPES.items():
+        perm = torch.randperm(K, generator=torch.Generator().manual_seed(K)).to(torch.int32).cuda()
+        for M in (1, 16, 512, 2048):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            ref = gather_and_pad(x, perm, K)
+            row = {"shape": name, "K": K, "M": M, "us": {}, "equal": {}}
+            variants = {"index_select": lambda: gather_and_pad(x, perm, K)}
+            for bm, bk in BLOCKS:
+                def run(bm=bm, bk=bk):
+                    cuda.GATHER_BLOCKS = (bm, bk)
+                    return cuda.gather_pad(x, perm, K)
+                variants[f"triton_{bm}_{bk}"] = run
+            for v, fn in variants.items():
+                row["equal"][v] = bool(torch.equal(fn(), ref))
+                replay = cuda_graph(fn)
+                row["us"][v] = statistics.median(gpu_seconds(replay, calls=20) for _ in range(5)) * 1e6
+            row["tb_s"] = {v: 2 * x.numel() * 2 / (us * 1e-6) / 1e12 for v, us in row["us"].items()}
+            res["rows"].append(row)
+            print(name, M, {v: round(us, 1) for v, us in row["us"].items()}, flush=True)
+    print(save(res, args.out))
+
+
+if __name__ == "__main__":
+    main()
