@@ -190,7 +190,8 @@ if triton is not None:
         tl.store(out_ptr + offs_m[:, None] * KP + offs_k[None, :], vals, mask=m_ok[:, None] & (offs_k < KP)[None, :])
 
 
-GATHER_BLOCKS = (4, 512)  # (BLOCK_M, BLOCK_K)
+GATHER_BLOCKS = (1, 1024)  # (BLOCK_M, BLOCK_K): the fastest of 7 on an H100 (results/cuda-gather-h100.json)
+GATHER_MAX_ELEMENTS = 1 << 24  # above it (the 7B's down_proj at 2048 rows) torch's index_select was faster
 
 
 def gather_pad(x: torch.Tensor, perm: torch.Tensor, padded_in: int) -> torch.Tensor:
@@ -335,7 +336,7 @@ class CudaInt4Linear(PackedLinear):
             warnings.warn(f"{self.mslk_failed}: path not used", stacklevel=2)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        if self.perm is None or not x.is_cuda or triton is None or torch.compiler.is_compiling():
+        if self.perm is None or not x.is_cuda or triton is None or torch.compiler.is_compiling() or x.numel() > GATHER_MAX_ELEMENTS:
             return super().gather(x)  # traced: Inductor fuses the gather into its producer
         return gather_pad(x, self.perm, self.padded_in)
 
