@@ -180,7 +180,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M"])
     def _gather_pad(x_ptr, perm_ptr, out_ptr, M, K, KP, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         """out[m, k] = x[m, perm[k]] for k < K, 0 for K <= k < KP: the act-order gather and the K
-        padding in one pass (torch's index_select along the last dim ran at about 0.5 TB/s on an H100)."""
+        padding in one pass, in tiles of BLOCK_M rows (decode: more programs than rows)."""
         pid_m, pid_k = tl.program_id(0), tl.program_id(1)
         offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -189,9 +189,23 @@ if triton is not None:
         vals = tl.load(x_ptr + offs_m[:, None] * K + src[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         tl.store(out_ptr + offs_m[:, None] * KP + offs_k[None, :], vals, mask=m_ok[:, None] & (offs_k < KP)[None, :])
 
+    @triton.jit(do_not_specialize=["M"])
+    def _gather_pad_rows(x_ptr, perm_ptr, out_ptr, M, K, KP, BLOCK_K: tl.constexpr):
+        """The same, one program per row and the whole row at once: the row's random reads meet in
+        one SM's L1 instead of pulling a 32-byte sector from L2 for each 2-byte value."""
+        row = tl.program_id(0).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        src = tl.load(perm_ptr + offs_k, mask=k_ok, other=0)
+        vals = tl.load(x_ptr + row * K + src, mask=k_ok, other=0.0)
+        tl.store(out_ptr + row * KP + offs_k, vals, mask=offs_k < KP)
 
-GATHER_BLOCKS = (1, 1024)  # (BLOCK_M, BLOCK_K): the fastest of 7 on an H100 (results/cuda-gather-h100.json)
-GATHER_MAX_ELEMENTS = 1 << 24  # above it (the 7B's down_proj at 2048 rows) torch's index_select was faster
+
+# Measured on an H100 (results/cuda-gather-h100.json): torch's index_select along the last dim ran
+# at 0.1-0.6 TB/s; tiles of (1, 1024) were fastest up to 16 rows, whole rows (8 warps) from 512,
+# 2.7x index_select's speed on the 7B's down_proj at 512 rows.
+GATHER_BLOCKS = (1, 1024)  # (BLOCK_M, BLOCK_K) up to DECODE_MAX_M rows
+GATHER_ROW_MAX_K = 1 << 15  # whole rows up to here (registers); tiles beyond
 
 
 def gather_pad(x: torch.Tensor, perm: torch.Tensor, padded_in: int) -> torch.Tensor:
@@ -199,8 +213,11 @@ def gather_pad(x: torch.Tensor, perm: torch.Tensor, padded_in: int) -> torch.Ten
     permutation: PackedLinear.check_loaded) -> [M, padded_in]."""
     M, K = x.shape
     out = torch.empty(M, padded_in, dtype=x.dtype, device=x.device)
-    bm, bk = GATHER_BLOCKS
-    _gather_pad[(triton.cdiv(M, bm), triton.cdiv(padded_in, bk))](x, perm, out, M, K, padded_in, BLOCK_M=bm, BLOCK_K=bk, num_warps=4)
+    if M > DECODE_MAX_M and padded_in <= GATHER_ROW_MAX_K:
+        _gather_pad_rows[(M,)](x, perm, out, M, K, padded_in, BLOCK_K=triton.next_power_of_2(padded_in), num_warps=8)
+    else:
+        bm, bk = GATHER_BLOCKS
+        _gather_pad[(triton.cdiv(M, bm), triton.cdiv(padded_in, bk))](x, perm, out, M, K, padded_in, BLOCK_M=bm, BLOCK_K=bk, num_warps=4)
     return out
 
 
@@ -336,7 +353,7 @@ class CudaInt4Linear(PackedLinear):
             warnings.warn(f"{self.mslk_failed}: path not used", stacklevel=2)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        if self.perm is None or not x.is_cuda or triton is None or torch.compiler.is_compiling() or x.numel() > GATHER_MAX_ELEMENTS:
+        if self.perm is None or not x.is_cuda or triton is None or torch.compiler.is_compiling():
             return super().gather(x)  # traced: Inductor fuses the gather into its producer
         return gather_pad(x, self.perm, self.padded_in)
 

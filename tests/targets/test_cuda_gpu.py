@@ -150,7 +150,7 @@ def test_selftest_cuda_passes(capsys):
     assert "FAIL" not in out and out.count("PASS") == 24
 
 
-@pytest.mark.parametrize("K,rows", [(200, 1), (200, 17), (3584, 512), (18944, 64)])
+@pytest.mark.parametrize("K,rows", [(200, 1), (200, 17), (3584, 512), (18944, 64), (40000, 20)])  # tiles, then whole rows
 def test_gather_pad_is_index_select_then_pad(K, rows):
     """The act-order gather and K padding in one Triton pass, against torch's ops: equal bit for bit."""
     from quantprep.targets.common import gather_and_pad, round_up
