@@ -103,7 +103,12 @@ def main() -> None:
     args = p.parse_args()
     res = machine() | {"target": args.target, "threads": torch.get_num_threads(), "models": {}}
     if args.target == "cuda":
+        import importlib.metadata
+
+        from quantprep.targets.cuda import mslk_available
+
         res["device"] = torch.cuda.get_device_name()
+        res["mslk"] = importlib.metadata.version("mslk-cuda") if mslk_available() else None  # its path is a variant where installed
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             res["models"][name] = one_model(name, args.target, args.runs, Path(tmp))

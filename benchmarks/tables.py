@@ -384,6 +384,20 @@ def plan_prefill(*runs: dict) -> str:
     return "\n".join(out)
 
 
+def cuda_gather(r: dict) -> str:
+    """The act-order gather per K and M: torch's index_select, the shipped Triton pass and the tile
+    shapes tried, microseconds (benchmarks/cuda_gather.py)."""
+    variants = list(r["rows"][0]["us"])
+    if not all(all(x["equal"].values()) for x in r["rows"]):
+        raise SystemExit(f"{r['_file']}: a gather's output differs from index_select's")
+    out = [f"{_where(r)}, torch {r['torch']}, {r['date'][:10]}: microseconds, CUDA graph replays; every output equal to "
+           "index_select's; `triton_BM_BK`: tiles, `rows_W`: one program per row with W warps", "",
+           "| K (layer) | M | " + " | ".join(variants) + " |", "| --- | --- |" + " --- |" * len(variants)]
+    for x in r["rows"]:
+        out.append(f"| {x['K']} ({x['shape']}) | {x['M']} | " + " | ".join(f"{x['us'][v]:.1f}" for v in variants) + " |")
+    return "\n".join(out)
+
+
 def cuda_dequant(r: dict) -> str:
     """The dequantize path's one Triton pass and its variants per fused linear, with the bytes they
     move per second (benchmarks/cuda_dequant.py)."""
@@ -743,18 +757,19 @@ SUMMARY = [
     ("the same runs: decode speed / GPTQModel's, / dense bf16's", "CPU decode (>= 10x GPTQModel)", PLANS,
      ["vs-gptqmodel-dense-qwen2.5-coder-1.5b-cpu-avx512.json", "vs-gptqmodel-dense-qwen2.5-coder-1.5b-cpu-avx512-run2.json"],
      _each(lambda r: f"{r['decode_tok_s']['quantprep_over_gptqmodel']:.2f}x, {r['decode_tok_s']['quantprep_over_dense']:.2f}x")),
-    ("GPU 512-token prefill with the kernel plan / dense bf16, Qwen2.5-1.5B shapes, CUDA graphs",
-     "GPU prefill (<= 1.2x dense)", PLANS, ["plan-prefill-cuda-h200.json"],
-     lambda r: f"{r['models']['1.5b']['prefill512_over_dense']['plan']:.2f}x (the Triton GEMM alone: "
-               f"{r['models']['1.5b']['prefill512_over_dense']['triton']:.2f}x)" + _met(r['models']['1.5b']['prefill512_over_dense']['plan'] <= 1.2)),
-    ("the same, one-row forward: dense bf16's time / the plan's", "GPU decode (>= dense)", PLANS, ["plan-prefill-cuda-h200.json"],
-     lambda r: f"{_m1_speed(r, '1.5b'):.3f}x the speed" + _met(_m1_speed(r, '1.5b') >= 1)),
-    ("the same two on Qwen2.5-7B shapes: prefill / dense (the Triton GEMM), one-row forward's speed / dense", "GPU prefill (<= 1.2x), decode (>= 1x)",
-     PLANS, ["plan-prefill-7b-cuda-h200.json"],
-     lambda r: f"{r['models']['7b']['prefill512_over_dense']['plan']:.2f}x ({r['models']['7b']['prefill512_over_dense']['triton']:.2f}x), "
-               f"{_m1_speed(r, '7b'):.2f}x" + _met(r['models']['7b']['prefill512_over_dense']['plan'] <= 1.2, "prefill")
-               + _met(_m1_speed(r, '7b') >= 1, "decode")),
-    ("best GPU kernel per linear (mslk-cuda's bf16i4 shuffled GEMM from M=64, not shipped) / dense, one layer at M=512",
+    ("GPU 512-token prefill with the kernel plan / dense bf16, Qwen2.5-1.5B shapes, CUDA graphs (H100: mslk-cuda installed)",
+     "GPU prefill (<= 1.2x dense)", PLANS, ["plan-prefill-cuda-h200.json", "plan-prefill-cuda-h100.json"],
+     _each(lambda r: f"{r['models']['1.5b']['prefill512_over_dense']['plan']:.2f}x (the Triton GEMM alone: "
+                     f"{r['models']['1.5b']['prefill512_over_dense']['triton']:.2f}x)" + _met(r['models']['1.5b']['prefill512_over_dense']['plan'] <= 1.2))),
+    ("the same, one-row forward: dense bf16's time / the plan's", "GPU decode (>= dense)", PLANS,
+     ["plan-prefill-cuda-h200.json", "plan-prefill-cuda-h100.json"],
+     _each(lambda r: f"{_m1_speed(r, '1.5b'):.3f}x the speed" + _met(_m1_speed(r, '1.5b') >= 1))),
+    ("the same two on Qwen2.5-7B shapes: prefill / dense (the fixed rule), one-row forward's speed / dense", "GPU prefill (<= 1.2x), decode (>= 1x)",
+     PLANS, ["plan-prefill-7b-cuda-h200.json", "plan-prefill-7b-cuda-h100.json"],
+     _each(lambda r: f"{r['models']['7b']['prefill512_over_dense']['plan']:.2f}x ({r['models']['7b']['prefill512_over_dense']['fixed rule']:.2f}x), "
+                     f"{_m1_speed(r, '7b'):.2f}x" + _met(r['models']['7b']['prefill512_over_dense']['plan'] <= 1.2, "prefill")
+                     + _met(_m1_speed(r, '7b') >= 1, "decode"))),
+    ("best GPU kernel per linear (mslk-cuda's bf16i4 shuffled GEMM from M=64: now the optional `mslk` path) / dense, one layer at M=512",
      "GPU prefill (<= 1.2x dense)", PLANS, ["cuda-prefill-h100.json"],
      lambda r: ", ".join(f"{x['plan_over_dense']:.2f}x ({x['model']})" for x in r["plan"]["summary"] if x["M"] == 512)),
     ("quantprep (cpu artifact, kernel plan) / llama.cpp on the recipe's Q4_K_M GGUF, real Qwen2.5-Coder-1.5B: decode speed, "
@@ -801,6 +816,7 @@ def summary(*runs: dict) -> str:
 
 RENDERERS = {
     "summary": summary,
+    "cuda-gather": cuda_gather,
     "cuda-linears": cuda_linears,
     "load-to-first-token": load_to_first_token,
     "fusion-groups": fusion_groups,
