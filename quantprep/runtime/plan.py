@@ -228,7 +228,7 @@ def apply(model, plan: dict, device_type: str) -> int:
         ranges = plan["shapes"].get(shape)
         if ranges is None:
             continue
-        if unknown := {p for _, p in ranges} - set(modules[0].paths()):
+        if unknown := {p for _, p in ranges} - set.intersection(*(set(m.paths()) for m in modules)):
             raise ArtifactError(f"kernel plan for {shape} names path {sorted(unknown)[0]!r}, which {shape.split(':')[0]} "
                                 f"does not have here ({', '.join(modules[0].paths())})")
         chosen += [(m, tuple((first, path) for first, path in ranges)) for m in modules]

@@ -39,6 +39,7 @@ from quantprep.targets.common import (
     Target,
     base_meta,
     dequantize_folded_int4,
+    gather_and_pad,
     make_int8_module,
     optional_tensors,
     pack_int8,
@@ -186,6 +187,7 @@ if triton is not None:
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok, m_ok = offs_k < K, offs_m < M
         src = tl.load(perm_ptr + offs_k, mask=k_ok, other=0).to(tl.int64)
+        k_ok = k_ok & (src >= 0) & (src < K)  # load checked perm is a permutation; the mask holds anyway
         vals = tl.load(x_ptr + offs_m[:, None] * K + src[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         tl.store(out_ptr + offs_m[:, None] * KP + offs_k[None, :], vals, mask=m_ok[:, None] & (offs_k < KP)[None, :])
 
@@ -197,24 +199,28 @@ if triton is not None:
         offs_k = tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         src = tl.load(perm_ptr + offs_k, mask=k_ok, other=0)
+        k_ok = k_ok & (src >= 0) & (src < K)
         vals = tl.load(x_ptr + row * K + src, mask=k_ok, other=0.0)
         tl.store(out_ptr + row * KP + offs_k, vals, mask=offs_k < KP)
 
 
-# Measured on an H100 (results/cuda-gather-h100.json): torch's index_select along the last dim ran
-# at 0.1-0.6 TB/s; tiles of (1, 1024) were fastest up to 16 rows, whole rows (8 warps) from 512,
-# 2.7x index_select's speed on the 7B's down_proj at 512 rows.
+# Measured on an H100 (results/cuda-gather-h100.json): at decode, tiles of (1, 1024) took about half
+# index_select's time; from 512 rows whole rows (16 warps: the fastest row variant on the down_proj
+# shapes) took 0.36-0.4x of it on the down_proj shapes. Beyond GATHER_ROW_MAX_K (registers) torch's own.
 GATHER_BLOCKS = (1, 1024)  # (BLOCK_M, BLOCK_K) up to DECODE_MAX_M rows
-GATHER_ROW_MAX_K = 1 << 15  # whole rows up to here (registers); tiles beyond
+GATHER_ROW_MAX_K = 1 << 15
 
 
 def gather_pad(x: torch.Tensor, perm: torch.Tensor, padded_in: int) -> torch.Tensor:
-    """`common.gather_and_pad` in one Triton pass: x [M, K] contiguous, perm int32 [K] (a checked
-    permutation: PackedLinear.check_loaded) -> [M, padded_in]."""
+    """`common.gather_and_pad` in one Triton pass: x [M, K], perm int32 [K] (a checked permutation:
+    PackedLinear.check_loaded) -> [M, padded_in]."""
     M, K = x.shape
+    if M > DECODE_MAX_M and padded_in > GATHER_ROW_MAX_K:
+        return gather_and_pad(x, perm, padded_in)
+    x = x.contiguous()  # the kernels index rows by K: a strided view (a batch's last positions) would be misread
     out = torch.empty(M, padded_in, dtype=x.dtype, device=x.device)
-    if M > DECODE_MAX_M and padded_in <= GATHER_ROW_MAX_K:
-        _gather_pad_rows[(M,)](x, perm, out, M, K, padded_in, BLOCK_K=triton.next_power_of_2(padded_in), num_warps=8)
+    if M > DECODE_MAX_M:
+        _gather_pad_rows[(M,)](x, perm, out, M, K, padded_in, BLOCK_K=triton.next_power_of_2(padded_in), num_warps=16)
     else:
         bm, bk = GATHER_BLOCKS
         _gather_pad[(triton.cdiv(M, bm), triton.cdiv(padded_in, bk))](x, perm, out, M, K, padded_in, BLOCK_M=bm, BLOCK_K=bk, num_warps=4)
@@ -325,14 +331,31 @@ class CudaInt4Linear(PackedLinear):
         return self.kernel_group_size >= MSLK_MIN_GROUP and all(n % MSLK_N_ALIGN == 0 for n in parts) and \
             self.mslk_failed is None and mslk_available()
 
+    def plan_shape(self) -> str:
+        """Also the parts: whether mslk fits depends on them, so modules of one shape share a plan
+        only when they agree on it."""
+        return super().plan_shape() + (f":parts{'+'.join(map(str, self.parts))}" if self.parts else "")
+
     def prepare(self, path: str) -> None:
-        """mslk: its layout of each part, built once on the GPU, then checked against the dequantize
-        path on random rows; a build that computes something else (another mslk version's layout)
-        is dropped and the path no longer offered, with the reason in `mslk_failed`."""
+        """mslk: its layout of each part, built once on the GPU, then checked part by part against
+        the dequantize path on random rows; a build that fails or computes something else (another
+        mslk version's layout) is dropped and the path no longer offered, with the reason in
+        `mslk_failed`, and a plan naming it falls back to the fixed rule."""
         if path != "mslk" or self.mslk_weights is not None or self.mslk_failed is not None:
             return
-        with torch.no_grad():
-            self._build_mslk()
+        try:
+            if not self.mslk_fits():
+                raise ValueError("mslk does not fit this module's groups or parts")
+            with torch.no_grad():
+                self._build_mslk()
+        except Exception as e:  # a shape mslk rejects, out of GPU memory: the other paths still run
+            self.mslk_weights, self.mslk_failed = None, f"mslk's build failed ({type(e).__name__}: {str(e)[:200]})"
+        if self.mslk_failed is not None:
+            if any(p == "mslk" for _, p in self.plan):
+                self.plan, self.plan_max_m = (), 0  # the fixed rule instead
+            import warnings
+
+            warnings.warn(f"{self.mslk_failed}: path not used", stacklevel=2)
 
     def _build_mslk(self) -> None:
         parts, n0, weights = self.parts or (self.padded_out,), 0, []
@@ -342,15 +365,17 @@ class CudaInt4Linear(PackedLinear):
         self.mslk_weights = weights
         x = torch.randn(16, self.in_features, generator=torch.Generator(self.qweight.device).manual_seed(0),
                         device=self.qweight.device).to(self.act_dtype)
-        ref = self.run(x, "dequant")[:, : n0].float()
-        got = self.run(self.gather(x), "mslk").float()
-        if (rel := float((got - ref).norm() / ref.norm().clamp_min(1e-30))) > 1e-2:
+        ref = self.run(x, "dequant")[:, :n0].float().split(list(parts), -1)
+        got = self.run(self.gather(x), "mslk").float().split(list(parts), -1)
+        rel = max(float((g - r).norm() / r.norm().clamp_min(1e-30)) for g, r in zip(got, ref, strict=True))
+        if not rel <= 1e-2:  # NaN fails too
             self.mslk_weights, self.mslk_failed = None, f"mslk's output differs from the dequantize path's by {rel:.1e}"
-            if any(p == "mslk" for _, p in self.plan):
-                self.plan, self.plan_max_m = (), 0  # the fixed rule instead
-            import warnings
 
-            warnings.warn(f"{self.mslk_failed}: path not used", stacklevel=2)
+    def path_for(self, m: int) -> str:
+        """mslk's layout is not a buffer: export (AOT packages shared across layers) would bake one
+        layer's into its graph, so traced code takes the dequantize path instead."""
+        path = super().path_for(m)
+        return "dequant" if path == "mslk" and torch.compiler.is_compiling() else path
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is None or not x.is_cuda or triton is None or torch.compiler.is_compiling():

@@ -150,7 +150,7 @@ def test_selftest_cuda_passes(capsys):
     assert "FAIL" not in out and out.count("PASS") == 24
 
 
-@pytest.mark.parametrize("K,rows", [(200, 1), (200, 17), (3584, 512), (18944, 64), (40000, 20)])  # tiles, then whole rows
+@pytest.mark.parametrize("K,rows", [(200, 1), (200, 17), (3584, 512), (18944, 64), (40000, 8), (40000, 20)])  # tiles, rows, torch
 def test_gather_pad_is_index_select_then_pad(K, rows):
     """The act-order gather and K padding in one Triton pass, against torch's ops: equal bit for bit."""
     from quantprep.targets.common import gather_and_pad, round_up
@@ -161,6 +161,11 @@ def test_gather_pad_is_index_select_then_pad(K, rows):
     perm = torch.randperm(K, generator=gen).to(torch.int32).cuda()
     kp = round_up(K, 128)
     assert torch.equal(gather_pad(x, perm, kp), gather_and_pad(x, perm, kp))
+    # strided views, as a batch's last positions reach a layer, and a broadcast row
+    last = torch.randn(rows, 3, K, generator=gen).bfloat16().cuda()[:, -1]
+    wide = x[:1].expand(rows, K)
+    for v in (last, wide):
+        assert torch.equal(gather_pad(v, perm, kp), gather_and_pad(v, perm, kp))
 
 
 mslk_only = pytest.mark.skipif(not __import__("quantprep.targets.cuda", fromlist=["x"]).mslk_available(),
