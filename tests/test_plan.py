@@ -267,3 +267,14 @@ def test_zero_rows_and_autograd(monkeypatch):
     assert tiled == [1]
     assert rel_err(x.grad.float(), m.dequantize().float().sum(1).expand(8, -1)) < 1e-2  # d(sum x @ w)/dx
     assert rel_err(y_grad.detach().float(), y.float()) < 1e-2
+
+
+def test_apply_prepares_each_planned_path(planned, monkeypatch):
+    """load builds what a planned path needs before the first forward (cuda's mslk layout; a no-op
+    on the CPU's paths): every module is prepared for every path its ranges name."""
+    art, _ = planned
+    seen = []
+    monkeypatch.setattr(CpuInt4Linear, "prepare", lambda self, path: seen.append((id(self), path)))
+    model = quantprep.load(art)
+    modules = [m for m in model.modules() if isinstance(m, CpuInt4Linear) and m.plan]
+    assert modules and set(seen) == {(id(m), p) for m in modules for _, p in m.plan}

@@ -75,8 +75,7 @@ def time_paths(module: PackedLinear, x: torch.Tensor, paths: tuple[str, ...]) ->
     best = {}
     try:
         for p in paths:
-            module.prepare(p)
-            call(p)  # untimed: first-call allocations, oneDNN primitives, Triton's compile
+            call(p)  # untimed: first-call allocations, a path's prepare (mslk's layout), oneDNN primitives, Triton's compile
         replays = None
         if x.is_cuda:
             try:

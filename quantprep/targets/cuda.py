@@ -16,8 +16,9 @@ on their own column slice of it, so no part is copied out of a fused output), or
 a Triton GEMM dequantizes K-blocks in registers and multiplies on tensor cores, or, where the
 optional `mslk-cuda` package is installed, its CUTLASS mixed-input GEMM (`bf16i4bf16_shuffled`,
 the kernel torchao's preshuffled int4 calls) dequantizes in registers: paths a kernel plan may pick
-(runtime/plan.py). mslk's weight layout is built on the GPU from `qweight_kn` when a path needs it
-(+0.5 byte per weight in GPU memory), never read from the artifact. Both read a second copy of the codes in GPTQ's [K/8, N] words
+(runtime/plan.py). mslk's weight layout is built on the GPU from `qweight_kn` when a plan names it
+(+0.5 byte per weight in GPU memory), never read from the artifact. The dequantize pass and the
+Triton GEMM read a second copy of the codes in GPTQ's [K/8, N] words
 (`qweight_kn`, coalesced along N; reading tinygemm's tiles from Triton was 10-50x slower, measured):
 +0.5 byte per weight. Off a GPU and while torch.compile or export trace (verify on CPU, tests), the
 weight is dequantized with tensor ops instead.
@@ -212,8 +213,8 @@ GATHER_ROW_MAX_K = 1 << 15
 
 
 def gather_pad(x: torch.Tensor, perm: torch.Tensor, padded_in: int) -> torch.Tensor:
-    """`common.gather_and_pad` in one Triton pass: x [M, K], perm int32 [K] (a checked permutation:
-    PackedLinear.check_loaded) -> [M, padded_in]."""
+    """`common.gather_and_pad` in one Triton pass (torch's own at prefill beyond GATHER_ROW_MAX_K):
+    x [M, K], perm int32 [K] (a checked permutation: PackedLinear.check_loaded) -> [M, padded_in]."""
     M, K = x.shape
     if M > DECODE_MAX_M and padded_in > GATHER_ROW_MAX_K:
         return gather_and_pad(x, perm, padded_in)
@@ -325,10 +326,13 @@ class CudaInt4Linear(PackedLinear):
             return ()
         return ("tinygemm", "triton", "dequant", "mslk") if self.mslk_fits() else ("tinygemm", "triton", "dequant")
 
+    def mslk_parts(self) -> tuple[int, ...]:
+        """The column widths mslk runs one GEMM each for: a fused module's members, else the whole."""
+        return self.parts or (self.padded_out,)
+
     def mslk_fits(self) -> bool:
-        """mslk installed, groups it takes, and each part (a fused module's members) a width it tiles."""
-        parts = self.parts or (self.padded_out,)
-        return self.kernel_group_size >= MSLK_MIN_GROUP and all(n % MSLK_N_ALIGN == 0 for n in parts) and \
+        """mslk installed, groups it takes, and each part a width it tiles."""
+        return self.kernel_group_size >= MSLK_MIN_GROUP and all(n % MSLK_N_ALIGN == 0 for n in self.mslk_parts()) and \
             self.mslk_failed is None and mslk_available()
 
     def plan_shape(self) -> str:
@@ -358,7 +362,7 @@ class CudaInt4Linear(PackedLinear):
             warnings.warn(f"{self.mslk_failed}: path not used", stacklevel=2)
 
     def _build_mslk(self) -> None:
-        parts, n0, weights = self.parts or (self.padded_out,), 0, []
+        parts, n0, weights = self.mslk_parts(), 0, []
         for n in parts:
             weights.append(mslk_layout(self.qweight_kn[:, n0 : n0 + n], self.scales_and_zeros[:, n0 : n0 + n]))
             n0 += n
@@ -430,7 +434,7 @@ class CudaInt4Linear(PackedLinear):
         if path == "triton":
             return int4_kn_gemm_op(x, self.qweight_kn, self.scales_and_zeros, self.kernel_group_size)
         if path == "mslk":
-            parts = [self.mslk_part(x, i) for i in range(len(self.parts or (0,)))]
+            parts = [self.mslk_part(x, i) for i in range(len(self.mslk_parts()))]
             return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
         return F.linear(x, self.dequantized_weight())
 

@@ -199,3 +199,14 @@ def test_mslk_codes_are_the_signed_codes_two_a_byte():
     signed = lambda n: torch.where(n >= 8, n - 16, n)  # noqa: E731
     assert torch.equal(signed(low), codes[0::2].T.to(torch.int16) - 8)
     assert torch.equal(signed(high), codes[1::2].T.to(torch.int16) - 8)
+
+
+def test_a_fused_modules_parts_are_in_its_plan_shape():
+    """Whether mslk fits a module depends on its parts (each a multiple of 64), so two fused modules
+    of one packed size but other parts must not share a plan entry."""
+    raw = random_gptq_tensors(1024, 2112, 4, 128, True, True, True, bias=False, generator=torch.Generator().manual_seed(0))
+    _, a, _ = prepacked_module("cuda", raw, QuantConfig(4, 128, True, True, "gptq"), torch.bfloat16)
+    _, b, _ = prepacked_module("cuda", raw, QuantConfig(4, 128, True, True, "gptq"), torch.bfloat16)
+    plain = a.plan_shape()
+    a.parts, b.parts = (1088, 512, 512), (1056, 1056)
+    assert a.plan_shape() == plain + ":parts1088+512+512" and b.plan_shape() == plain + ":parts1056+1056"
