@@ -325,6 +325,191 @@ def dequantize_native(packed: torch.Tensor, scales_and_zeros: torch.Tensor, K: i
     return out
 
 
+# The "int4_a8" path, for decode: activations quantized to int8 per kernel group (absmax / 127, as
+# llama.cpp's Q8 blocks and OpenVINO's CPU plugin do) and multiplied by the 4-bit codes with
+# AVX512-VNNI's u8 x s8 dot products, in pack_int4's AVX512 layout as stored. Per group g of
+# packed rows: y += a_g * (scale * sum(q * xq) + (zero - 8 * scale) * sum(xq)), exactly the
+# kernel's w = (q - 8) * scale + zero times x = a_g * xq. Four packed rows of a 64-column block are
+# 128 contiguous bytes; one VBMI byte permute per 16 columns turns them into dwords of four
+# consecutive rows' codes, which vpdpbusd wants. The act-order gather is folded into the
+# quantization (packed row k reads x[perm[k]]). Its error is the int8 rounding of the activations
+# (tests/targets/test_cpu.py states the tolerance; BENCHMARKS.md, "llama.cpp, the CPU anchor",
+# measures it on the real model). Without AVX512-VNNI and VBMI the library has no kernel and the
+# path is not offered.
+NATIVE_A8_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(_OPENMP) && defined(__GNUC__) && !defined(__clang__)
+#include <omp.h>
+#define GNU_OPENMP 1
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+static inline float from_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t to_bf16(float f) { uint32_t u; memcpy(&u, &f, 4); return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16); }
+/* Row m's packed row k = x[m, perm[k]] (perm NULL: k; k >= K_in or a perm value out of range: 0),
+   per group of gs: xq = round(x / a), a = max|x| / 127; xs = a, xsum = sum of xq. */
+static void quantize(const uint16_t *x, int64_t ldx, const int32_t *perm, int64_t K_in, int64_t Kp, int64_t gs, int64_t M,
+                     int8_t *xq, float *xs, float *xsum, float *tmp) {
+    int64_t G = Kp / gs;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            float amax = 0.f;
+            for (int64_t i = 0; i < gs; i++) {
+                int64_t k = g * gs + i, src = perm && k < K_in ? perm[k] : k;
+                float v = k < K_in && src >= 0 && src < K_in ? from_bf16(x[m * ldx + src]) : 0.f;
+                tmp[i] = v, amax = fmaxf(amax, fabsf(v));
+            }
+            float inv = amax > 0.f ? 127.f / amax : 0.f;
+            int32_t sum = 0;
+            for (int64_t i = 0; i < gs; i++) {
+                float r = nearbyintf(tmp[i] * inv);
+                int32_t q = r > 127.f ? 127 : r < -127.f ? -127 : (int32_t)r; /* NaN: -127 */
+                xq[m * Kp + g * gs + i] = (int8_t)q, sum += q;
+            }
+            xs[m * G + g] = amax / 127.f, xsum[m * G + g] = (float)sum;
+        }
+}
+/* Columns n0..n0+63 (a full block, `blk`: [Kp, 32] bytes) for rows r0..r0+MR-1 into acc [MR][64] */
+#define BLOCK(MR)                                                                                                  \
+    static void block_##MR(const uint8_t *blk, const uint32_t *sz, int64_t N, int64_t n0, int64_t Kp, int64_t gs,    \
+                           const int8_t *xq, const float *xs, const float *xsum, float *acc) {                       \
+        const __m512i m15 = _mm512_set1_epi8(15), hi16 = _mm512_set1_epi32((int)0xFFFF0000u);                      \
+        /* dword i of the permutes of rows k..k+3 (a: rows k, k+1; b: k+2, k+3): byte i, or 16 + i, of each */  \
+        __m512i ix0, ix1;                                                                                          \
+        {                                                                                                          \
+            uint8_t i0[64], i1[64];                                                                                \
+            for (int i = 0; i < 16; i++)                                                                           \
+                for (int r = 0; r < 4; r++) {                                                                      \
+                    i0[4 * i + r] = (uint8_t)((r >> 1) * 64 + (r & 1) * 32 + i);                                   \
+                    i1[4 * i + r] = (uint8_t)((r >> 1) * 64 + (r & 1) * 32 + 16 + i);                              \
+                }                                                                                                  \
+            ix0 = _mm512_loadu_si512(i0), ix1 = _mm512_loadu_si512(i1);                                             \
+        }                                                                                                          \
+        int64_t G = Kp / gs;                                                                                       \
+        for (int64_t g = 0; g < G; g++) {                                                                          \
+            __m512i ia[MR][4];                                                                                     \
+            for (int r = 0; r < MR; r++)                                                                           \
+                for (int c = 0; c < 4; c++) ia[r][c] = _mm512_setzero_si512();                                    \
+            for (int64_t k = g * gs; k < (g + 1) * gs; k += 4) {                                                   \
+                const uint8_t *p = blk + k * 32;                                                                   \
+                __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64);                                  \
+                __m512i t0 = _mm512_permutex2var_epi8(a, ix0, b), t1 = _mm512_permutex2var_epi8(a, ix1, b);        \
+                __m512i d[4] = {_mm512_and_si512(t0, m15), _mm512_and_si512(t1, m15),                               \
+                                _mm512_and_si512(_mm512_srli_epi16(t0, 4), m15), _mm512_and_si512(_mm512_srli_epi16(t1, 4), m15)}; \
+                for (int r = 0; r < MR; r++) {                                                                     \
+                    int32_t w4;                                                                                    \
+                    memcpy(&w4, xq + r * Kp + k, 4);                                                               \
+                    __m512i xv = _mm512_set1_epi32(w4);                                                            \
+                    for (int c = 0; c < 4; c++) ia[r][c] = _mm512_dpbusd_epi32(ia[r][c], d[c], xv);                \
+                }                                                                                                  \
+            }                                                                                                      \
+            for (int c = 0; c < 4; c++) {                                                                          \
+                __m512i w = _mm512_loadu_si512(sz + g * N + n0 + 16 * c); /* (scale, zero) bfloat16 pairs */       \
+                __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));                                          \
+                __m512 zs = _mm512_fmadd_ps(s, _mm512_set1_ps(-8.f), _mm512_castsi512_ps(_mm512_and_si512(w, hi16))); \
+                for (int r = 0; r < MR; r++) {                                                                     \
+                    __m512 t = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(ia[r][c]), _mm512_mul_ps(zs, _mm512_set1_ps(xsum[r * G + g]))); \
+                    float *o = acc + r * 64 + 16 * c;                                                              \
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(t, _mm512_set1_ps(xs[r * G + g]), _mm512_loadu_ps(o)));   \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+    }
+BLOCK(1)
+BLOCK(2)
+BLOCK(3)
+BLOCK(4)
+/* The last, partial block (width columns, adjacent columns paired in each byte), one row */
+static void tail_columns(const uint8_t *blk, const uint32_t *sz, int64_t N, int64_t n0, int64_t width, int64_t Kp, int64_t gs,
+                         const int8_t *xq, const float *xs, const float *xsum, float *acc) {
+    int64_t G = Kp / gs;
+    for (int64_t j = 0; j < width; j++) {
+        float y = 0.f;
+        for (int64_t g = 0; g < G; g++) {
+            int32_t dot = 0;
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++)
+                dot += ((blk[k * (width / 2) + j / 2] >> (4 * (j & 1))) & 15) * xq[k];
+            uint32_t w = sz[g * N + n0 + j];
+            float s = from_bf16((uint16_t)w), z = from_bf16((uint16_t)(w >> 16));
+            y += xs[g] * (s * (float)dot + (z - 8.f * s) * xsum[g]);
+        }
+        acc[j] = y;
+    }
+}
+#endif
+/* x [M, >= K_in] bfloat16 (row stride ldx) @ pack_int4's AVX512 layout (Kp packed rows, N columns,
+   blocks of 64) with (scale, zero) bfloat16 pairs sz [Kp / gs, N] -> out [M, N] bfloat16 (row
+   stride ldo). Returns 0; -1 when out of memory; -2 when this library has no kernel (no
+   AVX512-VNNI/VBMI at compile time). */
+int int4_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int32_t *perm, int64_t K_in, const uint8_t *packed,
+                const uint32_t *sz, int64_t Kp, int64_t N, int64_t gs, uint16_t *out, int64_t ldo, int threads) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+    int64_t G = Kp / gs, blocks = N / 64, n_full = blocks * 64;
+    int8_t *xq = malloc(M * Kp + 64);
+    float *xs = malloc((2 * M * G + gs) * sizeof(float));
+    if (xq == NULL || xs == NULL) return free(xq), free(xs), -1;
+    float *xsum = xs + M * G;
+    quantize(x, ldx, perm, K_in, Kp, gs, M, xq, xs, xsum, xsum + M * G);
+#ifdef GNU_OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+    {
+        int64_t t = 0, T = 1;
+#ifdef GNU_OPENMP
+        t = omp_get_thread_num(), T = omp_get_num_threads();
+#endif
+        float acc[4 * 64];
+        int64_t per = (blocks + T - 1) / T, b1 = (t + 1) * per < blocks ? (t + 1) * per : blocks;
+        for (int64_t b = t * per; b < b1; b++)
+            for (int64_t r0 = 0; r0 < M; r0 += 4) {
+                int64_t mr = M - r0 < 4 ? M - r0 : 4;
+                memset(acc, 0, sizeof(acc));
+                const uint8_t *blk = packed + b * 64 * Kp / 2;
+                const int8_t *q = xq + r0 * Kp;
+                const float *s = xs + r0 * G, *sum = xsum + r0 * G;
+                if (mr == 4) block_4(blk, sz, N, b * 64, Kp, gs, q, s, sum, acc);
+                else if (mr == 3) block_3(blk, sz, N, b * 64, Kp, gs, q, s, sum, acc);
+                else if (mr == 2) block_2(blk, sz, N, b * 64, Kp, gs, q, s, sum, acc);
+                else block_1(blk, sz, N, b * 64, Kp, gs, q, s, sum, acc);
+                for (int64_t r = 0; r < mr; r++)
+                    for (int j = 0; j < 64; j++) out[(r0 + r) * ldo + b * 64 + j] = to_bf16(acc[r * 64 + j]);
+            }
+        if (t == T - 1 && n_full < N)
+            for (int64_t m = 0; m < M; m++) {
+                tail_columns(packed + n_full * Kp / 2, sz, N, n_full, N - n_full, Kp, gs, xq + m * Kp, xs + m * G, xsum + m * G, acc);
+                for (int64_t j = 0; j < N - n_full; j++) out[m * ldo + n_full + j] = to_bf16(acc[j]);
+            }
+    }
+    free(xq), free(xs);
+    return 0;
+#else
+    (void)x, (void)M, (void)ldx, (void)perm, (void)K_in, (void)packed, (void)sz, (void)Kp, (void)N, (void)gs, (void)out, (void)ldo, (void)threads;
+    return -2;
+#endif
+}
+"""
+
+
+@functools.cache
+def native_int4_a8():
+    """`int4_a8_cpu` from NATIVE_A8_SOURCE, or None: no compiler, or a CPU without AVX512-VNNI and
+    VBMI (the library then has no kernel). OpenMP as native_dequantizer."""
+    lib = native.library(NATIVE_A8_SOURCE, ("-fopenmp",)) if native.torch_openmp() else None
+    lib = lib or native.library(NATIVE_A8_SOURCE)
+    if lib is None:
+        return None
+    fn = lib.int4_a8_cpu
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    if fn(None, 0, 0, None, 0, None, None, 0, 0, 1, None, 0, 1) == -2:  # M = 0: only asks whether it has a kernel
+        return None
+    return fn
+
+
 # The dense path multiplies one column tile of the weight at a time instead of dequantizing the
 # whole weight first: each tile is written into a buffer that stays in cache by torch's own threads
 # (each its share of the columns), then multiplied on them. Whole weights written to memory and read
@@ -433,7 +618,16 @@ class CpuInt4Linear(PackedLinear):
         self.register_buffer("scales_and_zeros", torch.empty(n_groups, self.padded_out, 2, dtype=act_dtype, device=dev))
 
     def paths(self) -> tuple[str, ...]:
-        return ("int4", dense_path(self.act_dtype, "cpu")) if self.pack_block_n else ()
+        if not self.pack_block_n:
+            return ()
+        a8 = ("int4_a8",) if self.pack_block_n == 64 and self.act_dtype == torch.bfloat16 and native_int4_a8() else ()
+        return ("int4", dense_path(self.act_dtype, "cpu"), *a8)
+
+    def path_for(self, m: int) -> str:
+        """A plan's path, but traced code (export, torch.compile) takes the int4 kernel for int4_a8,
+        whose C call needs real data."""
+        path = super().path_for(m)
+        return "int4" if path == "int4_a8" and torch.compiler.is_compiling() else path
 
     def default_path(self, m: int) -> str:
         return dense_path(self.act_dtype, "cpu") if self.pack_block_n and m >= self.DEQUANT_MIN_M else "int4"
@@ -441,6 +635,8 @@ class CpuInt4Linear(PackedLinear):
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
         if path == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
+        if path == "int4_a8":
+            return self.int4_a8(x)
         if self.tiles(path):
             return tiled_matmul(x, self.native_weight(), self.dense_dtype(path))[0].to(x.dtype)
         return dense_matmul(x, self.dequantize(self.dense_dtype(path)), path)
@@ -451,7 +647,7 @@ class CpuInt4Linear(PackedLinear):
     def tiles(self, path: str) -> bool:
         """Whether `path` runs as tiled_matmul: a dense path, the native dequantizer, real data and
         no autograd (which would keep each tile for backward)."""
-        return path != "int4" and eager(self.qweight) and not torch.is_grad_enabled() and \
+        return path in ("dequant", "dequant_f32") and eager(self.qweight) and not torch.is_grad_enabled() and \
             self.dense_dtype(path) in (torch.bfloat16, torch.float32) and native_dequantizer() is not None
 
     def forward_split(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
@@ -469,7 +665,37 @@ class CpuInt4Linear(PackedLinear):
         return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in parts]
 
     def input_order(self, path: str) -> bool:
-        return path != "int4"  # the dense paths dequantize straight into the activations' order
+        return path != "int4"  # the dense paths dequantize into the activations' order; int4_a8 gathers as it quantizes
+
+    def int4_a8(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in_features] (activations' order) through NATIVE_A8_SOURCE's kernel."""
+        x = x.to(torch.bfloat16).contiguous()
+        if not eager(x) or x.device.type != "cpu" or x.shape[1] != self.in_features:
+            raise ValueError(f"int4_a8 takes real cpu activations of {self.in_features} columns, not {tuple(x.shape)}")
+        out = torch.empty(x.shape[0], self.padded_out, dtype=torch.bfloat16)
+        perm, qweight, sz, K, N, gs = self.int4_a8_weight()
+        if native_int4_a8()(x.data_ptr(), x.shape[0], x.stride(0), perm, self.in_features, qweight, sz, K, N, gs,
+                            out.data_ptr(), out.stride(0), torch.get_num_threads()):
+            raise MemoryError("int4_a8 could not allocate its quantized activations")
+        return out
+
+    def int4_a8_weight(self) -> tuple:
+        """The kernel's weight arguments (perm, qweight, scales_and_zeros addresses; K, N, group),
+        checked once per set of buffers: C indexes memory by them."""
+        buffers = (self.perm, self.qweight, self.scales_and_zeros)
+        cached = vars(self).get("_int4_a8")
+        if cached is not None and all(a is b for a, b in zip(cached[0], buffers, strict=True)):
+            return cached[1]
+        perm, qweight, sz = buffers
+        if any(t is not None and (not eager(t) or t.device.type != "cpu" or not t.is_contiguous()) for t in buffers) or \
+                sz.dtype != torch.bfloat16 or sz.shape != (self.padded_in // self.kernel_group_size, self.padded_out, 2) or \
+                self.pack_block_n != 64 or qweight.dtype != torch.uint8 or qweight.numel() * 2 != self.padded_in * self.padded_out or \
+                (perm is not None and (perm.numel() != self.in_features or perm.dtype != torch.int32)):
+            raise ValueError(f"int4_a8 cannot run a {self.in_features}x{self.out_features} module with these tensors")
+        args = (None if perm is None else perm.data_ptr(), qweight.data_ptr(), sz.data_ptr(), self.padded_in, self.padded_out,
+                self.kernel_group_size)
+        self._int4_a8 = (buffers, args)
+        return args
 
     def native_weight(self) -> NativeWeight:
         return NativeWeight(self.qweight, self.scales_and_zeros, self.padded_in, self.padded_out, self.pack_block_n,

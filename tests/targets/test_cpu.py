@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import prepacked_module, rel_err
+from conftest import prepacked_module, rel_err, top1
 
 from quantprep.build.source import QuantConfig
 from quantprep.build.synthetic import random_gptq_tensors
@@ -328,3 +328,58 @@ def test_fused_members_are_written_into_their_own_outputs(sizes, direct, monkeyp
     for part, ref in zip(parts, whole.split(sizes, -1), strict=True):
         assert part.is_contiguous() and part.shape == ref.shape
         assert rel_err(part, ref) < 1e-2
+
+
+def _int4_a8_or_skip():
+    from quantprep.targets import cpu
+
+    if cpu.native_int4_a8() is None:
+        pytest.skip("no C compiler, or this CPU lacks AVX512-VNNI/VBMI: no int4_a8 path")
+
+
+@pytest.mark.parametrize("K,N,gs,act_order", [(576, 208, 128, True), (80, 80, 64, True), (1536, 256, 128, False),
+                                              (200, 48, 32, True), (512, 64, 256, False)])
+@pytest.mark.parametrize("M", [1, 3, 4, 9])  # the kernel takes rows four at a time
+def test_int4_a8_is_the_kernel_s_weight_times_int8_activations(K, N, gs, act_order, M):
+    """int4_a8 against tensor ops in float64: the activations gathered into act-order, quantized per
+    kernel group to round(x / a), a = max|x| / 127, clamped to +-127, times the module's own dequantized
+    weight. Only the bfloat16 output rounds (relative 2^-9 per element, ~1.1e-3 RMS): 2.5e-3. Full 64-column
+    blocks, a partial last block (208, 80, 48), K padding (80 -> 96, 200 -> 224) and groups 32-256."""
+    _int4_a8_or_skip()
+    gen = torch.Generator().manual_seed(K * N + M)
+    _, module, _ = _module_for(random_gptq_tensors(K, N, 4, gs, False, act_order, True, generator=gen),
+                               QuantConfig(4, gs, False, act_order, "gptq"), torch.bfloat16)
+    assert "int4_a8" in module.paths()
+    x = torch.randn(M, K, generator=gen).bfloat16()
+    c, Kp = module.kernel_group_size, module.padded_in
+    perm = module.perm.long() if module.perm is not None else torch.arange(K)
+    xp = torch.zeros(M, Kp, dtype=torch.float64)
+    xp[:, :K] = x.double()[:, perm]  # packed row k is input row perm[k]
+    groups = xp.view(M, Kp // c, c)
+    a = groups.abs().amax(-1, keepdim=True) / 127
+    xq = torch.where(a > 0, (groups / a).round().clamp(-127, 127), 0) * a
+    x_hat = torch.empty(M, K, dtype=torch.float64)
+    x_hat[:, perm] = xq.view(M, Kp)[:, :K]
+    ref = x_hat @ module.dequantize(torch.float32).double()
+    module.plan, module.plan_max_m = ((1, "int4_a8"),), 64
+    with torch.no_grad():
+        y = module(x).double()
+    assert rel_err(y, ref) < 2.5e-3
+    assert top1(y, ref) == 1.0 or M > 1 and top1(y, ref) >= 0.75  # a near-tie may flip in bf16
+
+
+def test_int4_a8_writes_a_fused_module_s_parts():
+    """A fused projection's members on int4_a8 (forward_split: the split of forward's output, not
+    the tiled path's writer) equal forward's columns."""
+    _int4_a8_or_skip()
+    gen = torch.Generator().manual_seed(7)
+    sizes = [192, 64, 64]
+    _, module, _ = _module_for(random_gptq_tensors(256, sum(sizes), 4, 64, False, True, True, bias=True, generator=gen),
+                               QuantConfig(4, 64, False, True, "gptq"), torch.bfloat16)
+    module.plan, module.plan_max_m = ((1, "int4_a8"),), 64
+    x = torch.randn(1, 1, 256, generator=gen).bfloat16()
+    with torch.no_grad():
+        parts, whole = module.forward_split(x, sizes), module(x)
+    assert module.path_for(1) == "int4_a8"
+    for part, ref in zip(parts, whole.split(sizes, -1), strict=True):
+        assert torch.equal(part, ref)
