@@ -53,7 +53,7 @@ def cmd_build(args) -> int:
     serving = {"shapes": recipe.warm_shapes, "compile": recipe.warm_compile, "aot": recipe.warm_aot}
     results = build_artifacts(gptq_dir, identity, targets, lambda t: out_root / t, recipe.act_dtype,
                               progress=not args.json, serving=serving, warm_here=args.warm and recipe.warm_enabled,
-                              fuse=args.fuse, force=args.force, shard_bytes=shard_bytes)
+                              fuse=args.fuse, force=args.force, shard_bytes=shard_bytes, lm_head=args.lm_head or recipe.lm_head)
     if args.check:
         for r in results:
             if get_target(r["target"]).runtime_problem() is None:
@@ -122,6 +122,8 @@ def _fresh_process_generate(path: Path, prompt: str, max_new_tokens: int, quiet:
     return result
 
 
+LM_HEAD_HELP = ("int8: round the float lm_head to int8 per output channel (quantprep's rounding, not GPTQ's: it changes "
+                "the model; decode reads 4x fewer bytes for it; docs/usage.md)")
 SHARD_HELP = ("safetensors shard size (default 512, artifact.SHARD_BYTES): the build holds one layer and one shard per "
               "target in memory (the one filling, and what is not yet written of the last), whatever the model's size")
 
@@ -145,7 +147,7 @@ def cmd_prepack(args) -> int:
         raise QuantprepError(f"{src}: no such directory; pass a GPTQ checkpoint directory")
     if not is_gptq_dir(src):
         raise QuantprepError(f"{src}: not a GPTQ checkpoint (no quantize_config.json or quantization_config); use `quantprep build RECIPE --source {src}` to quantize a float model")
-    r = prepack(src, args.target, args.out, args.act_dtype, fuse=args.fuse, force=args.force, progress=not args.json,
+    r = prepack(src, args.target, args.out, args.act_dtype, fuse=args.fuse, force=args.force, progress=not args.json, lm_head=args.lm_head,
                 shard_bytes=_shard_bytes(args))
     _print_json_or(args, r, f"wrote {r['path']} ({r['bytes'] / 2**20:.1f} MiB, {r['layers']} layers, prepack {r['prepack_s']:.2f} s)")
     return 0
@@ -354,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="warm each artifact whose device is present, openvino excepted (see `warm`; default: on)")
     b.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
                    help="prepack q/k/v and gate/up as one matmul where their act-order matches (default: on)")
+    b.add_argument("--lm-head", metavar="{float,int8}", help=LM_HEAD_HELP + " (default: the recipe's build.lm_head, else float)")
     b.add_argument("--calibration", metavar="SPEC", help="builtin, a .txt/.jsonl file or a dataset id from the local datasets "
                                                          "cache (default: the recipe's)")
     b.add_argument("--samples", type=int, help="calibration samples (default: the recipe's)")
@@ -374,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--act-dtype", choices=["bfloat16", "float16", "float32"], help="default: the target's")
     pp.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
                     help="prepack q/k/v and gate/up as one matmul where their act-order matches (default: on)")
+    pp.add_argument("--lm-head", metavar="{float,int8}", default="float", help=LM_HEAD_HELP + " (default: float)")
     pp.add_argument("--force", action="store_true", help="replace an --out dir that is not an artifact (never the source)")
     pp.add_argument("--shard-size", type=int, metavar="MIB", default=None, help=SHARD_HELP)
     pp.add_argument("--json", action="store_true")

@@ -206,6 +206,8 @@ def test_a_shard_frees_each_tensor_once_written(tmp_path):
     assert released == kept and given == {}
     assert all(r() is None for r in alive)  # nothing else held them
     assert all(torch.equal(v, tensors[k]) for k, v in load_file(tmp_path / "released.safetensors").items())
+    header_len = int.from_bytes((tmp_path / "kept.safetensors").read_bytes()[:8], "little")
+    assert (8 + header_len) % 64 == 0  # the data starts 64-byte aligned: so does a mapped tensor at such an offset
 
 
 def test_the_digest_is_the_written_files_sha256_across_write_chunks(tmp_path):

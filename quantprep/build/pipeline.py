@@ -18,6 +18,7 @@ import torch
 from quantprep import settings
 from quantprep._io.jsonfile import read_json_object
 from quantprep._io.staging import check_replaceable
+from quantprep.build.lm_head import CHOICES
 from quantprep.build.prepack import prepack_stream
 from quantprep.build.recipes import Recipe
 from quantprep.build.source import (
@@ -218,12 +219,17 @@ def writer(target: str, ckpt: GPTQCheckpoint, out: Path, force: bool, shard_byte
 @one_torch_thread()
 def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for, act_dtype: str | None = None,
                     progress: bool = True, serving: dict | None = None, warm_here: bool = False,
-                    fuse: bool = True, force: bool = False, shard_bytes: int = SHARD_BYTES) -> list[dict]:
+                    fuse: bool = True, force: bool = False, shard_bytes: int = SHARD_BYTES, lm_head: str = "float") -> list[dict]:
     """Prepack every target in one pass over the checkpoint, layer by layer, each artifact written
     shard by shard as it streams (memory: one layer + about one shard per target, ShardWriter). `out_for(target)` -> dir.
     serving: the shapes (and compile flag) `warm` will run; warm_here: warm each artifact whose
     device is present on this machine; fuse: prepack q/k/v and gate/up as one matmul where exact;
-    force: replace an output directory that is not an artifact (never the source)."""
+    force: replace an output directory that is not an artifact (never the source); lm_head: "float"
+    as the checkpoint has it, or "int8" (build/lm_head.py: quantprep's rounding, opted into)."""
+    if lm_head not in CHOICES:
+        raise RecipeError(f"lm_head {lm_head!r} (--lm-head or a recipe's build.lm_head): expected one of {', '.join(CHOICES)}")
+    if lm_head != "float" and "openvino" in targets:
+        raise RecipeError("--lm-head int8: the openvino target keeps the checkpoint's lm_head; build it without --lm-head")
     build_time()  # a malformed SOURCE_DATE_EPOCH fails before any work
     resolved = [get_target(t) for t in targets]  # unknown target names fail before any work
     for target in resolved:  # as do activation dtypes a target's kernels cannot run
@@ -253,7 +259,7 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
     with contextlib.ExitStack() as stack:  # every target in one pass over the source, each written as it streams
         writers = [stack.enter_context(writer(t.name, ckpt, out_for(t.name), force, shard_bytes)) for t in resolved]
         modules, probes = prepack_stream(ckpt, list(zip(resolved, dtypes, strict=True)), lambda i, t: writers[i].add(t),
-                                         progress=progress, fuse=fuse)
+                                         progress=progress, fuse=fuse, lm_head=lm_head)
         t1 = time.perf_counter()
         outs = [w.finish(build_manifest(ckpt, t, dt, m, identity, serving), probes)
                 for w, t, dt, m in zip(writers, resolved, dtypes, modules, strict=True)]
@@ -275,10 +281,10 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
 
 
 def prepack(src: str | os.PathLike, target: str, out: str | os.PathLike, act_dtype: str | None = None, fuse: bool = True,
-            force: bool = False, progress: bool = False, shard_bytes: int = SHARD_BYTES) -> dict:
+            force: bool = False, progress: bool = False, shard_bytes: int = SHARD_BYTES, lm_head: str = "float") -> dict:
     """An existing GPTQ checkpoint directory -> one artifact for `target` at `out` (what `quantprep
     prepack` does; build_artifacts writes several targets in one pass). Returns its summary."""
     src = Path(src)
     [result] = build_artifacts(src, {"path": str(src.absolute())}, [target], lambda t: Path(out), act_dtype, progress=progress,
-                               fuse=fuse, force=force, shard_bytes=shard_bytes)
+                               fuse=fuse, force=force, shard_bytes=shard_bytes, lm_head=lm_head)
     return result

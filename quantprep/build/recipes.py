@@ -28,7 +28,7 @@ SCHEMA: dict[str, dict[str, type | tuple]] = {
                "path": str},
     "quantize": {"bits": int, "group_size": int, "desc_act": bool, "sym": bool, "calibration": str,
                  "samples": int, "seq_len": int, "seed": int},
-    "build": {"targets": list, "act_dtype": str, "prompt": str, "max_new_tokens": int},
+    "build": {"targets": list, "act_dtype": str, "prompt": str, "max_new_tokens": int, "lm_head": str},
     "warm": {"shapes": list, "compile": bool, "aot": bool, "enabled": bool},
 }
 
@@ -50,6 +50,7 @@ class Recipe:
     act_dtype: str | None = None
     prompt: str = "What is the capital of France?"
     max_new_tokens: int = 16
+    lm_head: str = "float"  # or "int8": build/lm_head.py (checked there)
     warm_shapes: list[int] = field(default_factory=lambda: list(DEFAULT_SHAPES))
     warm_compile: bool = False
     warm_aot: bool = True  # with compile: also ship compiled packages of the MLPs (aot.py)

@@ -107,7 +107,7 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str], relea
         header[k] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    raw += b" " * (-(8 + len(raw)) % 64)  # the data starts 64-byte aligned in the file (and in its mapped pages)
 
     def chunks() -> Iterator[memoryview | bytes]:
         yield len(raw).to_bytes(8, "little") + raw

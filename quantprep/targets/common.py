@@ -270,7 +270,12 @@ class Int8PerChannelLinear(PackedLinear):
 
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
         if path == "int8":
-            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+            w = self.qweight
+            if w.device.type == "cpu" and type(w) is torch.Tensor and not torch.compiler.is_compiling() and w.data_ptr() % 64:
+                # torch's cpu kernel reads the weight with aligned vector loads: one mapped from a file at
+                # an offset off 16 bytes crashed the process (tests/test_lm_head.py). Copied once, aligned.
+                self.qweight = w = w.clone()
+            return torch.ops.aten._weight_int8pack_mm(x, w, self.scales)
         return dense_matmul(x, (self.qweight.to(self.act_dtype) * self.scales[:, None]).T, path)
 
 

@@ -203,6 +203,24 @@ def test_int8_per_channel_both_paths(M):
     assert rel < TOL[torch.bfloat16], rel
 
 
+@pytest.mark.parametrize("offset", [8, 1])
+def test_an_int8_weight_off_alignment_runs(offset):
+    """torch's cpu int8 kernel crashed the process on a weight 8 bytes off a 16-byte boundary (as a
+    file mapped at such an offset gives it): the module runs it from an aligned copy."""
+    gen = torch.Generator().manual_seed(offset)
+    layer, module, _ = _module_for(random_gptq_tensors(256, 64, 8, -1, True, False, True, generator=gen),
+                                   QuantConfig(8, -1, True, False, "gptq"), torch.bfloat16)
+    buf = torch.empty(module.qweight.numel() + 128, dtype=torch.int8)
+    start = -buf.data_ptr() % 64 + offset
+    misaligned = buf[start:start + module.qweight.numel()].view(module.qweight.shape)
+    misaligned.copy_(module.qweight)
+    module.qweight = misaligned
+    x = torch.randn(4, 256, generator=gen)
+    with torch.no_grad():
+        y = module(x.bfloat16())
+    assert module.qweight.data_ptr() % 64 == 0 and rel_err(y, x @ layer.dequantize()) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("N,K,gs", [(208, 576, 64), (64, 128, 128), (16, 32, 32), (1536, 512, 128)])
 @pytest.mark.parametrize("block", [64, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
