@@ -1,7 +1,8 @@
 """Where a cpu artifact's decode time goes, op by op, and what a smaller lm_head would save.
 
 Greedy decode of --new tokens after a 16-token prompt (transformers' generate) under torch.profiler:
-each op's self time and share. Then the lm_head alone at one row, as the artifact runs it (bf16)
+each op's self time and share, and the wall time (the rest: quantprep's C kernels, which are not
+aten ops, and Python). Then the lm_head alone at one row, as the artifact runs it (bf16)
 and as per-channel int8 (`aten._weight_int8pack_mm`, round to nearest: a quantization of our own,
 not the checkpoint's), as int4 in groups of 128 (the cpu target's kernel, random codes: its time
 only, what a GPTQ-quantized lm_head would take), and this machine's memory read speed (a sum over
@@ -41,13 +42,17 @@ def main() -> int:
             model.generate(ids, **generate)
             runs.append(args.new / (time.perf_counter() - t))
         with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t = time.perf_counter()
             model.generate(ids, **generate)
+            wall = time.perf_counter() - t
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
     ops = [{"op": e.key, "calls": e.count, "self_ms": round(e.self_cpu_time_total / 1e3, 2),
             "share": round(e.self_cpu_time_total / total, 4)} for e in events[:12]]
 
-    head = model.get_output_embeddings().weight.detach()  # [vocab, hidden] bf16, what each token reads
+    out = model.get_output_embeddings()
+    # [vocab, hidden] bf16, what each token reads; an int8 lm_head (--lm-head int8) is timed from its tied embedding's weight
+    head = (out.weight if hasattr(out, "weight") else model.get_input_embeddings().weight).detach()
     x = torch.randn(1, head.shape[1], dtype=head.dtype)
     scale = head.float().abs().amax(1).clamp_min(1e-12) / 127
     q = torch.round(head.float() / scale[:, None]).to(torch.int8)
@@ -63,8 +68,9 @@ def main() -> int:
         read_s = median_time(lambda: big.sum(), reps=5)
     result = {**machine(), "threads": torch.get_num_threads(), "artifact": args.artifact, "new_tokens": args.new,
               "decode_tok_s": {"median": statistics.median(runs), "runs": runs},
-              "profiled_ms_per_token": round(total / 1e3 / args.new, 2), "ops": ops,
-              "lm_head": {"shape": list(head.shape), "bf16_ms": round(bf16_ms, 2), "int8_per_channel_ms": round(int8_ms, 2),
+              "profiled_ms_per_token": round(total / 1e3 / args.new, 2), "profiled_wall_ms_per_token": round(wall * 1e3 / args.new, 2),
+              "ops": ops,
+              "lm_head": {"module": type(out).__name__, "shape": list(head.shape), "bf16_ms": round(bf16_ms, 2), "int8_per_channel_ms": round(int8_ms, 2),
                           "int4_g128_ms": round(int4_ms, 2),
                           "bf16_mb": round(head.numel() * 2 / 1e6, 1)},
               "memory_read_gb_s": round((1 << 30) / read_s / 1e9, 1)}

@@ -339,7 +339,10 @@ def cpu_decode_profile(*runs: dict) -> str:
         h = r["lm_head"]
         out += [f"{r['cpu']} ({r['cores']} cores, {r['cpu_capability']}, {r['threads']} threads), {r['date'][:10]}; decode "
                 f"{r['decode_tok_s']['median']:.2f} tok/s (median of {len(r['decode_tok_s']['runs'])}), {r['new_tokens']} tokens profiled "
-                f"({r['profiled_ms_per_token']:.1f} ms a token under the profiler); memory read {r['memory_read_gb_s']:.0f} GB/s", "",
+                + (f"({r['profiled_wall_ms_per_token']:.1f} ms a token under the profiler, {r['profiled_ms_per_token']:.1f} of them in "
+                   "aten ops; the rest: quantprep's C kernels and Python)" if "profiled_wall_ms_per_token" in r else
+                   f"({r['profiled_ms_per_token']:.1f} ms a token under the profiler)")
+                + f"; lm_head: {h.get('module', 'bf16 Linear')}; memory read {r['memory_read_gb_s']:.0f} GB/s", "",
                 "| op | calls | self time, ms | share |", "| --- | --- | --- | --- |"]
         out += [f"| {o['op']} | {o['calls']} | {o['self_ms']:.1f} | {o['share'] * 100:.1f}% |" for o in r["ops"][:8]]
         out += ["", f"lm_head {h['shape'][0]} x {h['shape'][1]} at one row: bf16 ({h['bf16_mb']:.0f} MB) {h['bf16_ms']:.2f} ms, "
@@ -350,7 +353,8 @@ def cpu_decode_profile(*runs: dict) -> str:
 
 def vs_llamacpp(*runs: dict) -> str:
     """llama.cpp on the recipe's GGUF beside quantprep's cpu artifact and GPTQModel (benchmarks/vs_llamacpp.py)."""
-    names = {"llamacpp": "llama.cpp (the recipe's Q4_K_M GGUF)", "quantprep": "quantprep (cpu artifact)", "gptqmodel": "GPTQModel (TORCH backend)"}
+    names = {"llamacpp": "llama.cpp (the recipe's Q4_K_M GGUF)", "quantprep": "quantprep (cpu artifact)",
+             "quantprep_int8_head": "quantprep, built with `--lm-head int8`", "gptqmodel": "GPTQModel (TORCH backend)"}
     out = []
     for r in runs:
         dc, pf, ft = r["decode_tok_s"], r["prefill_512_s"], r["first_token_s"]
@@ -360,11 +364,29 @@ def vs_llamacpp(*runs: dict) -> str:
                 "| runtime | decode, tok/s | 512-token prefill, s | spawn to first token, s (imports / load / first token) |",
                 "| --- | --- | --- | --- |"]
         for k, name in names.items():
+            if k not in dc:
+                continue
             f = ft[k]
             out.append(f"| {name} | {dc[k]['median']:.2f} | {pf[k]['median']:.2f} | {f['total_s']:.2f} ({f['import_s']:.2f} / "
                        f"{f['load_s']:.2f} / {f['first_s']:.2f}) |")
-        out.append(f"| quantprep / llama.cpp | {dc['quantprep_over_llamacpp']:.2f}x the speed | {pf['quantprep_over_llamacpp']:.2f}x "
-                   f"the time | {ft['quantprep_over_llamacpp']:.2f}x the time |")
+        for k in ("quantprep", "quantprep_int8_head"):
+            if f"{k}_over_llamacpp" in dc:
+                out.append(f"| {names[k].split(' (')[0]} / llama.cpp | {dc[f'{k}_over_llamacpp']:.2f}x the speed | "
+                           f"{pf[f'{k}_over_llamacpp']:.2f}x the time | {ft[f'{k}_over_llamacpp']:.2f}x the time |")
+    return "\n".join(out)
+
+
+def cpu_int4_a8(r: dict) -> str:
+    """Every int4 module forced onto the int4 kernel, then onto int4_a8: decode and accuracy (benchmarks/cpu_int4_a8.py)."""
+    a, d, x = r["accuracy"], r["decode_tok_s"], r["int4_a8_vs_int4"]
+    out = [f"{r['artifact']}, {r['cpu']} ({r['cores']} cores, {r['cpu_capability']}, {r['threads']} threads), {r['date'][:10]}; "
+           f"decode: medians of {len(d['int4']['runs'])}, {r['new_tokens']} tokens; accuracy: {r['text']['windows']} windows of "
+           f"{r['text']['ctx']} held-out tokens against the {r['reference']} model (perplexity {a['int4']['reference_ppl']:.3f})", "",
+           "| path | decode, tok/s | perplexity | KL mean | KL p99 | top-1 agreement |", "| --- | --- | --- | --- | --- | --- |"]
+    out += [f"| {p} | {d[p]['median']:.2f} | {a[p]['ppl']:.3f} | {a[p]['kld_mean']:.4f} | {a[p]['kld_p99']:.3f} | "
+            f"{a[p]['top1_agree'] * 100:.1f}% |" for p in ("int4", "int4_a8")]
+    out += ["", f"int4_a8 against int4 itself: KL mean {x['kld_mean']:.4f}, p99 {x['kld_p99']:.4f}, top-1 agreement "
+                f"{x['top1_agree'] * 100:.1f}%; decode {d['int4_a8']['median'] / d['int4']['median']:.2f}x the int4 kernel's speed"]
     return "\n".join(out)
 
 
@@ -501,11 +523,11 @@ def target_ppl(*runs: dict) -> str:
     """The same checkpoint's perplexity per target, against its dequantized model (quantprep eval --json files)."""
     out = ["| target (device) | ppl | reference ppl (kind) | ratio | KLD mean | top-1 | scored tokens | vs the cpu artifact |",
            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    runs = [r.get("eval", r) for r in runs]  # a quantprep eval --json file, or a results file holding one
-    cpu = next((r["ppl"] for r in runs if r["target"] == "cpu"), None)
+    runs = [r.get("eval", r) | ({"variant": r["variant"]} if "variant" in r else {}) for r in runs]  # an eval --json file, or a results file holding one
+    cpu = next((r["ppl"] for r in runs if r["target"] == "cpu" and not r.get("variant")), None)
     for r in runs:
         vs = f"{100 * (r['ppl'] / cpu - 1):+.3f}%" if cpu else ""
-        device = r["device"] + (f", {r['dtype']}" if r.get("dtype") else "")
+        device = r["device"] + (f", {r['dtype']}" if r.get("dtype") else "") + (f", {r['variant']}" if r.get("variant") else "")
         out.append(f"| {r['target']} ({device}) | {r['ppl']:.4f} | {r['reference']['ppl']:.4f} ({r['reference']['kind']}) | {r['ppl_ratio']:.5f} | "
                    f"{r['kld']['mean']:.5f} | {100 * r['top1_agree']:.1f}% | {r['tokens']} | {vs} |")
     return "\n".join(out)
@@ -777,6 +799,16 @@ SUMMARY = [
      ["vs-llamacpp-qwen2.5-coder-1.5b-cpu-avx512.json"],
      lambda r: f"{r['decode_tok_s']['quantprep_over_llamacpp']:.2f}x, {r['prefill_512_s']['quantprep_over_llamacpp']:.2f}x, "
                f"{r['first_token_s']['quantprep_over_llamacpp']:.2f}x (decode and first token: not met)"),
+    ("the same run, the artifact built with `--lm-head int8` (opted into: it changes the model)",
+     "at least llama.cpp (decode >= 1x, first token <= 1x)", LLAMACPP, ["vs-llamacpp-qwen2.5-coder-1.5b-cpu-avx512.json"],
+     lambda r: f"{r['decode_tok_s']['quantprep_int8_head_over_llamacpp']:.2f}x, {r['prefill_512_s']['quantprep_int8_head_over_llamacpp']:.2f}x, "
+               f"{r['first_token_s']['quantprep_int8_head_over_llamacpp']:.2f}x"
+               + _met(r['decode_tok_s']['quantprep_int8_head_over_llamacpp'] >= 1, "decode")
+               + _met(r['first_token_s']['quantprep_int8_head_over_llamacpp'] <= 1, "first token")),
+    ("int4_a8 (int8 activations, AVX512-VNNI) / the int4 kernel, every module forced: decode speed; KL to the float model, each",
+     "CPU decode speed at the same quality", LLAMACPP, ["cpu-int4-a8-qwen2.5-coder-1.5b-avx512.json"],
+     lambda r: f"{r['decode_tok_s']['int4_a8']['median'] / r['decode_tok_s']['int4']['median']:.2f}x; "
+               f"{r['accuracy']['int4_a8']['kld_mean']:.4f} vs {r['accuracy']['int4']['kld_mean']:.4f}"),
     ("recipe calibration (64 x 256 tokens of Python's reference) / the 17 built-in texts", "quality near the float model", CALIBRATION,
      ["calibration-qwen2.5-coder-0.5b-cpu-avx512.json", "calibration-qwen2.5-coder-0.5b-overlapping-text-cpu-avx512.json"], _calibration),
     ("SmolLM2 512-token prefill time, int4 switch to dequantize + dense at 384 rows / the kernel only", "CPU prefill speed", CPU,
@@ -836,6 +868,7 @@ RENDERERS = {
     "vs-llamacpp": vs_llamacpp,
     "cpu-dense-tiles": cpu_dense_tiles,
     "cpu-decode-profile": cpu_decode_profile,
+    "cpu-int4-a8": cpu_int4_a8,
     "plan-prefill": plan_prefill,
     "cuda-prefill": cuda_prefill,
     "cuda-dequant": cuda_dequant,

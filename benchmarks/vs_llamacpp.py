@@ -1,8 +1,9 @@
 """llama.cpp as the CPU anchor (issue 32): the very GGUF a recipe starts from (Qwen2.5-Coder-1.5B: Q4_K_M),
 run by llama.cpp (llama-cpp-python, built here with -march=native and OpenMP: `make bench-llamacpp`), beside quantprep's
 cpu artifact and GPTQModel's own CPU kernel (BACKEND.TORCH) on the GPTQ checkpoint that artifact was
-built from (found in the build cache by content). One run, on the same threads: llama.cpp gets
-n_threads = n_threads_batch = torch.get_num_threads(). Measured:
+built from (found in the build cache by content), and, where it exists, the same checkpoint's cpu
+artifact built with `--lm-head int8` (quantprep_int8_head: an opted-into change of the model). One
+run, on the same threads: llama.cpp gets n_threads = n_threads_batch = torch.get_num_threads(). Measured:
 
   - decode: greedy tokens/s after a 16-token prompt, over the --new tokens after the first (the first
     comes from the prompt's forward): (new - 1) one-token forwards and their argmax, timed token by
@@ -42,7 +43,7 @@ from pathlib import Path
 from common import REPO, machine, median_and_runs, save, timed
 from load import fresh_process, medians
 
-RUNTIMES = ("llamacpp", "quantprep", "gptqmodel")
+RUNTIMES = ("llamacpp", "quantprep", "quantprep_int8_head", "gptqmodel")
 PROMPT, PREFILL = 16, 512
 # llama.cpp's settings: the context holds the prefill and the decode; one batch holds the prefill
 LLAMA_KW = {"n_ctx": 1024, "n_batch": PREFILL, "n_ubatch": PREFILL, "logits_all": False, "verbose": False}
@@ -241,7 +242,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("recipe", help="a recipe that starts from a GGUF: qwen2.5-coder-1.5b, smollm2-135m")
     p.add_argument("--artifact", help="its cpu artifact (default artifacts/RECIPE/cpu)")
-    p.add_argument("--runtimes", default=",".join(RUNTIMES), help="a comma list of llamacpp, quantprep, gptqmodel")
+    p.add_argument("--int8-head-artifact", help="the same recipe built with --lm-head int8 (default artifacts/RECIPE-int8-head/cpu); "
+                                              "runtime quantprep_int8_head, measured where it exists")
+    p.add_argument("--runtimes", default=",".join(RUNTIMES), help=f"a comma list of {', '.join(RUNTIMES)}")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--loads", type=int, default=3)
     p.add_argument("--new", type=int, default=32)
@@ -273,6 +276,12 @@ def main() -> None:
         if gptq is None:
             sys.exit(f"the GPTQ checkpoint {art} was built from is not in the build cache")
         paths["gptqmodel"] = gptq
+        head = Path(args.int8_head_artifact or REPO / "artifacts" / f"{recipe.name}-int8-head" / "cpu")
+        if (head / "manifest.json").is_file():
+            if json.loads((head / "manifest.json").read_text())["source"]["sha256"] != manifest["source"]["sha256"]:
+                sys.exit(f"{head} was not built from the GPTQ checkpoint {art} was")
+            paths["quantprep_int8_head"] = head
+    runtimes = [r for r in runtimes if r in paths]
     paths = {k: paths[k] for k in runtimes}
     ids, tokens_info = token_ids(gguf, art)
     prompt = ids[:PROMPT]
@@ -290,11 +299,11 @@ def main() -> None:
         import quantprep
 
         models = {}
-        for name in ("quantprep", "gptqmodel"):
+        for name in ("quantprep", "quantprep_int8_head", "gptqmodel"):
             if name in runtimes:
                 t0 = time.perf_counter()
-                models[name] = (quantprep.load(art) if name == "quantprep" else
-                                GPTQModel.load(str(paths[name]), backend=BACKEND.TORCH, device="cpu").model.eval())
+                models[name] = (GPTQModel.load(str(paths[name]), backend=BACKEND.TORCH, device="cpu").model.eval()
+                                if name == "gptqmodel" else quantprep.load(paths[name]))
                 load_in_process[name] = time.perf_counter() - t0
         p_, d_, t_ = torch_runs(models, ids, args.runs, args.new)
         prefill, decode, tokens = prefill | p_, decode | d_, tokens | t_
@@ -307,6 +316,9 @@ def main() -> None:
         "model": recipe.name,
         "gguf": {"file": gguf.name, "sha256": gguf_sha256, "bytes": gguf.stat().st_size},
         "artifact": art and str(art.relative_to(REPO) if art.is_relative_to(REPO) else art),
+        "int8_head_artifact": "quantprep_int8_head" in paths and str(paths["quantprep_int8_head"].relative_to(REPO)
+                                                                     if paths["quantprep_int8_head"].is_relative_to(REPO)
+                                                                     else paths["quantprep_int8_head"]),
         "gptq_checkpoint": paths.get("gptqmodel") and paths["gptqmodel"].name,
         "llamacpp_settings": LLAMA_KW | {"n_threads": threads, "n_threads_batch": threads},
         "tokens": tokens_info | {"prefill": PREFILL, "prompt": PROMPT, "new": args.new},
