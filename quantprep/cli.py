@@ -122,8 +122,8 @@ def _fresh_process_generate(path: Path, prompt: str, max_new_tokens: int, quiet:
     return result
 
 
-LM_HEAD_HELP = ("int8: round the float lm_head to int8 per output channel (quantprep's rounding, not GPTQ's: it changes "
-                "the model; decode reads 4x fewer bytes for it; docs/usage.md)")
+LM_HEAD_HELP = ("int8: round the float lm_head to int8 per output channel; int4: to int4 in groups of 128 (quantprep's "
+                "rounding, not GPTQ's: it changes the model; decode reads 2x or 4x fewer bytes for it; docs/usage.md)")
 SHARD_HELP = ("safetensors shard size (default 512, artifact.SHARD_BYTES): the build holds one layer and one shard per "
               "target in memory (the one filling, and what is not yet written of the last), whatever the model's size")
 
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="warm each artifact whose device is present, openvino excepted (see `warm`; default: on)")
     b.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
                    help="prepack q/k/v and gate/up as one matmul where their act-order matches (default: on)")
-    b.add_argument("--lm-head", metavar="{float,int8}", help=LM_HEAD_HELP + " (default: the recipe's build.lm_head, else float)")
+    b.add_argument("--lm-head", metavar="{float,int8,int4}", help=LM_HEAD_HELP + " (default: the recipe's build.lm_head, else float)")
     b.add_argument("--calibration", metavar="SPEC", help="builtin, a .txt/.jsonl file or a dataset id from the local datasets "
                                                          "cache (default: the recipe's)")
     b.add_argument("--samples", type=int, help="calibration samples (default: the recipe's)")
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--act-dtype", choices=["bfloat16", "float16", "float32"], help="default: the target's")
     pp.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
                     help="prepack q/k/v and gate/up as one matmul where their act-order matches (default: on)")
-    pp.add_argument("--lm-head", metavar="{float,int8}", default="float", help=LM_HEAD_HELP + " (default: float)")
+    pp.add_argument("--lm-head", metavar="{float,int8,int4}", default="float", help=LM_HEAD_HELP + " (default: float)")
     pp.add_argument("--force", action="store_true", help="replace an --out dir that is not an artifact (never the source)")
     pp.add_argument("--shard-size", type=int, metavar="MIB", default=None, help=SHARD_HELP)
     pp.add_argument("--json", action="store_true")

@@ -225,11 +225,11 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
     serving: the shapes (and compile flag) `warm` will run; warm_here: warm each artifact whose
     device is present on this machine; fuse: prepack q/k/v and gate/up as one matmul where exact;
     force: replace an output directory that is not an artifact (never the source); lm_head: "float"
-    as the checkpoint has it, or "int8" (build/lm_head.py: quantprep's rounding, opted into)."""
+    as the checkpoint has it, "int8" or "int4" (build/lm_head.py: quantprep's rounding, opted into)."""
     if lm_head not in CHOICES:
         raise RecipeError(f"lm_head {lm_head!r} (--lm-head or a recipe's build.lm_head): expected one of {', '.join(CHOICES)}")
     if lm_head != "float" and "openvino" in targets:
-        raise RecipeError("--lm-head int8: the openvino target keeps the checkpoint's lm_head; build it without --lm-head")
+        raise RecipeError(f"--lm-head {lm_head}: the openvino target keeps the checkpoint's lm_head; build it without --lm-head")
     build_time()  # a malformed SOURCE_DATE_EPOCH fails before any work
     resolved = [get_target(t) for t in targets]  # unknown target names fail before any work
     for target in resolved:  # as do activation dtypes a target's kernels cannot run

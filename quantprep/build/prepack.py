@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from quantprep._io.staging import stage_reached
-from quantprep.build.lm_head import QUANTIZED_BY, head_weight_key, round_to_int8
+from quantprep.build.lm_head import QUANTIZED_BY, head_weight_key, round_head
 from quantprep.build.source import GPTQCheckpoint, GPTQLayer
 from quantprep.format.gptq import PrepackLayer, unpack_cols
 
@@ -100,8 +100,8 @@ def prepack_stream(ckpt: GPTQCheckpoint, packers: list[tuple[object, torch.dtype
     """Prepack every layer for each (target, act dtype) in `packers` in one pass over the source:
     each layer is read (ckpt.layers reads it from disk), its codes unpacked at most once (when a
     target or the verify probe asks), packed per target and handed to `emit(i, tensors)` for
-    packer i, then dropped, so memory holds one layer, not the model. lm_head "int8": the float
-    lm_head rounded to int8 and packed as one more layer (build/lm_head.py). Returns (per-module
+    packer i, then dropped, so memory holds one layer, not the model. lm_head "int8" or "int4": the
+    float lm_head rounded and packed as one more layer (build/lm_head.py). Returns (per-module
     manifest metadata per packer, verify probes)."""
     modules: list[dict[str, dict]] = [{} for _ in packers]
     probes: dict[str, torch.Tensor] = {}
@@ -128,14 +128,14 @@ def prepack_stream(ckpt: GPTQCheckpoint, packers: list[tuple[object, torch.dtype
             del unpacked, layer  # one unpacked layer in memory at a time, also across iterations
         del layers
     skip = set()
-    if lm_head == "int8":
+    if lm_head != "float":
         key = head_weight_key(ckpt)
         skip = {"lm_head.weight"} & {key}  # an untied head is replaced; a tied one is the embedding, still needed
-        head = round_to_int8(ckpt.other_tensors[key])
+        head = round_head(ckpt.other_tensors[key], lm_head)
         for i, (target, act_dtype) in enumerate(packers):
             packed, meta = target.pack(head, act_dtype)
             emit(i, {f"lm_head.{part}": t.contiguous() for part, t in packed.items()})
-            modules[i]["lm_head"] = dict(meta, quantized_by=QUANTIZED_BY)
+            modules[i]["lm_head"] = dict(meta, quantized_by=QUANTIZED_BY[lm_head])
         del head
     for key in ckpt.other_tensors:
         if key in skip:

@@ -50,7 +50,7 @@ class Recipe:
     act_dtype: str | None = None
     prompt: str = "What is the capital of France?"
     max_new_tokens: int = 16
-    lm_head: str = "float"  # or "int8": build/lm_head.py (checked there)
+    lm_head: str = "float"  # or "int8", "int4": build/lm_head.py (checked there)
     warm_shapes: list[int] = field(default_factory=lambda: list(DEFAULT_SHAPES))
     warm_compile: bool = False
     warm_aot: bool = True  # with compile: also ship compiled packages of the MLPs (aot.py)
