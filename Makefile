@@ -43,8 +43,8 @@ bench: setup
 bench-llamacpp: real-setup
 	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON -DGGML_BLAS=OFF -DLLAVA_BUILD=OFF" \
 		$(BIN)/pip install -q --no-cache-dir --no-deps "llama-cpp-python==0.3.36" "diskcache==5.6.3"
-	test -f artifacts/qwen2.5-coder-1.5b-int8-head/cpu/manifest.json || \
-		$(BIN)/quantprep build qwen2.5-coder-1.5b --target cpu --lm-head int8 --out artifacts/qwen2.5-coder-1.5b-int8-head
+	for head in int8 int4; do test -f artifacts/qwen2.5-coder-1.5b-$$head-head/cpu/manifest.json || \
+		$(BIN)/quantprep build qwen2.5-coder-1.5b --target cpu --lm-head $$head --out artifacts/qwen2.5-coder-1.5b-$$head-head || exit 1; done
 	$(BIN)/python benchmarks/vs_llamacpp.py qwen2.5-coder-1.5b --out benchmarks/results/vs-llamacpp-qwen2.5-coder-1.5b-cpu-$$($(BIN)/python \
 		-c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())").json
 

@@ -354,7 +354,8 @@ def cpu_decode_profile(*runs: dict) -> str:
 def vs_llamacpp(*runs: dict) -> str:
     """llama.cpp on the recipe's GGUF beside quantprep's cpu artifact and GPTQModel (benchmarks/vs_llamacpp.py)."""
     names = {"llamacpp": "llama.cpp (the recipe's Q4_K_M GGUF)", "quantprep": "quantprep (cpu artifact)",
-             "quantprep_int8_head": "quantprep, built with `--lm-head int8`", "gptqmodel": "GPTQModel (TORCH backend)"}
+             "quantprep_int8_head": "quantprep, built with `--lm-head int8`", "quantprep_int4_head": "quantprep, built with `--lm-head int4`",
+             "gptqmodel": "GPTQModel (TORCH backend)"}
     out = []
     for r in runs:
         dc, pf, ft = r["decode_tok_s"], r["prefill_512_s"], r["first_token_s"]
@@ -369,7 +370,7 @@ def vs_llamacpp(*runs: dict) -> str:
             f = ft[k]
             out.append(f"| {name} | {dc[k]['median']:.2f} | {pf[k]['median']:.2f} | {f['total_s']:.2f} ({f['import_s']:.2f} / "
                        f"{f['load_s']:.2f} / {f['first_s']:.2f}) |")
-        for k in ("quantprep", "quantprep_int8_head"):
+        for k in ("quantprep", "quantprep_int8_head", "quantprep_int4_head"):
             if f"{k}_over_llamacpp" in dc:
                 out.append(f"| {names[k].split(' (')[0]} / llama.cpp | {dc[f'{k}_over_llamacpp']:.2f}x the speed | "
                            f"{pf[f'{k}_over_llamacpp']:.2f}x the time | {ft[f'{k}_over_llamacpp']:.2f}x the time |")
@@ -524,7 +525,7 @@ def target_ppl(*runs: dict) -> str:
     out = ["| target (device) | ppl | reference ppl (kind) | ratio | KLD mean | top-1 | scored tokens | vs the cpu artifact |",
            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     runs = [r.get("eval", r) | ({"variant": r["variant"]} if "variant" in r else {}) for r in runs]  # an eval --json file, or a results file holding one
-    cpu = next((r["ppl"] for r in runs if r["target"] == "cpu" and not r.get("variant")), None)
+    cpu = next((r["ppl"] for r in runs if r["target"] == "cpu"), None)  # the first cpu row: the others are against it
     for r in runs:
         vs = f"{100 * (r['ppl'] / cpu - 1):+.3f}%" if cpu else ""
         device = r["device"] + (f", {r['dtype']}" if r.get("dtype") else "") + (f", {r['variant']}" if r.get("variant") else "")
@@ -799,12 +800,11 @@ SUMMARY = [
      ["vs-llamacpp-qwen2.5-coder-1.5b-cpu-avx512.json"],
      lambda r: f"{r['decode_tok_s']['quantprep_over_llamacpp']:.2f}x, {r['prefill_512_s']['quantprep_over_llamacpp']:.2f}x, "
                f"{r['first_token_s']['quantprep_over_llamacpp']:.2f}x (decode and first token: not met)"),
-    ("the same run, the artifact built with `--lm-head int8` (opted into: it changes the model)",
-     "at least llama.cpp (decode >= 1x, first token <= 1x)", LLAMACPP, ["vs-llamacpp-qwen2.5-coder-1.5b-cpu-avx512.json"],
-     lambda r: f"{r['decode_tok_s']['quantprep_int8_head_over_llamacpp']:.2f}x, {r['prefill_512_s']['quantprep_int8_head_over_llamacpp']:.2f}x, "
-               f"{r['first_token_s']['quantprep_int8_head_over_llamacpp']:.2f}x"
-               + _met(r['decode_tok_s']['quantprep_int8_head_over_llamacpp'] >= 1, "decode")
-               + _met(r['first_token_s']['quantprep_int8_head_over_llamacpp'] <= 1, "first token")),
+    *[(f"the same run, the artifact built with `--lm-head {h}` (opted into: it changes the model; its quality in the section)",
+       "at least llama.cpp (decode >= 1x, first token <= 1x)", LLAMACPP, ["vs-llamacpp-qwen2.5-coder-1.5b-cpu-avx512.json"],
+       lambda r, k=f"quantprep_{h}_head_over_llamacpp": f"{r['decode_tok_s'][k]:.2f}x, {r['prefill_512_s'][k]:.2f}x, "
+                                                          f"{r['first_token_s'][k]:.2f}x" + _met(r['decode_tok_s'][k] >= 1, "decode")
+                                                          + _met(r['first_token_s'][k] <= 1, "first token")) for h in ("int8", "int4")],
     ("int4_a8 (int8 activations, AVX512-VNNI) / the int4 kernel, every module forced: decode speed; KL to the float model, each",
      "CPU decode speed at the same quality", LLAMACPP, ["cpu-int4-a8-qwen2.5-coder-1.5b-avx512.json"],
      lambda r: f"{r['decode_tok_s']['int4_a8']['median'] / r['decode_tok_s']['int4']['median']:.2f}x; "

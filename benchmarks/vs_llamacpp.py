@@ -1,8 +1,9 @@
 """llama.cpp as the CPU anchor (issue 32): the very GGUF a recipe starts from (Qwen2.5-Coder-1.5B: Q4_K_M),
 run by llama.cpp (llama-cpp-python, built here with -march=native and OpenMP: `make bench-llamacpp`), beside quantprep's
 cpu artifact and GPTQModel's own CPU kernel (BACKEND.TORCH) on the GPTQ checkpoint that artifact was
-built from (found in the build cache by content), and, where it exists, the same checkpoint's cpu
-artifact built with `--lm-head int8` (quantprep_int8_head: an opted-into change of the model). One
+built from (found in the build cache by content), and, where they exist beside the cpu artifact, the
+same checkpoint's cpu artifacts built with `--lm-head int8` and `--lm-head int4` (RECIPE-int8-head/cpu,
+RECIPE-int4-head/cpu: quantprep_int8_head, quantprep_int4_head; opted-into changes of the model). One
 run, on the same threads: llama.cpp gets n_threads = n_threads_batch = torch.get_num_threads(). Measured:
 
   - decode: greedy tokens/s after a 16-token prompt, over the --new tokens after the first (the first
@@ -43,7 +44,8 @@ from pathlib import Path
 from common import REPO, machine, median_and_runs, save, timed
 from load import fresh_process, medians
 
-RUNTIMES = ("llamacpp", "quantprep", "quantprep_int8_head", "gptqmodel")
+RUNTIMES = ("llamacpp", "quantprep", "quantprep_int8_head", "quantprep_int4_head", "gptqmodel")
+HEADS = ("int8", "int4")  # --lm-head variants of the cpu artifact, at artifacts/RECIPE-<head>-head/cpu
 PROMPT, PREFILL = 16, 512
 # llama.cpp's settings: the context holds the prefill and the decode; one batch holds the prefill
 LLAMA_KW = {"n_ctx": 1024, "n_batch": PREFILL, "n_ubatch": PREFILL, "logits_all": False, "verbose": False}
@@ -242,8 +244,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("recipe", help="a recipe that starts from a GGUF: qwen2.5-coder-1.5b, smollm2-135m")
     p.add_argument("--artifact", help="its cpu artifact (default artifacts/RECIPE/cpu)")
-    p.add_argument("--int8-head-artifact", help="the same recipe built with --lm-head int8 (default artifacts/RECIPE-int8-head/cpu); "
-                                              "runtime quantprep_int8_head, measured where it exists")
     p.add_argument("--runtimes", default=",".join(RUNTIMES), help=f"a comma list of {', '.join(RUNTIMES)}")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--loads", type=int, default=3)
@@ -276,11 +276,12 @@ def main() -> None:
         if gptq is None:
             sys.exit(f"the GPTQ checkpoint {art} was built from is not in the build cache")
         paths["gptqmodel"] = gptq
-        head = Path(args.int8_head_artifact or REPO / "artifacts" / f"{recipe.name}-int8-head" / "cpu")
-        if (head / "manifest.json").is_file():
-            if json.loads((head / "manifest.json").read_text())["source"]["sha256"] != manifest["source"]["sha256"]:
-                sys.exit(f"{head} was not built from the GPTQ checkpoint {art} was")
-            paths["quantprep_int8_head"] = head
+        for h in HEADS:  # measured where built (make bench-llamacpp builds them)
+            head = art.parent.parent / f"{recipe.name}-{h}-head" / "cpu"
+            if (head / "manifest.json").is_file():
+                if json.loads((head / "manifest.json").read_text())["source"]["sha256"] != manifest["source"]["sha256"]:
+                    sys.exit(f"{head} was not built from the GPTQ checkpoint {art} was")
+                paths[f"quantprep_{h}_head"] = head
     runtimes = [r for r in runtimes if r in paths]
     paths = {k: paths[k] for k in runtimes}
     ids, tokens_info = token_ids(gguf, art)
@@ -299,7 +300,7 @@ def main() -> None:
         import quantprep
 
         models = {}
-        for name in ("quantprep", "quantprep_int8_head", "gptqmodel"):
+        for name in RUNTIMES[1:]:
             if name in runtimes:
                 t0 = time.perf_counter()
                 models[name] = (GPTQModel.load(str(paths[name]), backend=BACKEND.TORCH, device="cpu").model.eval()
@@ -316,9 +317,7 @@ def main() -> None:
         "model": recipe.name,
         "gguf": {"file": gguf.name, "sha256": gguf_sha256, "bytes": gguf.stat().st_size},
         "artifact": art and str(art.relative_to(REPO) if art.is_relative_to(REPO) else art),
-        "int8_head_artifact": "quantprep_int8_head" in paths and str(paths["quantprep_int8_head"].relative_to(REPO)
-                                                                     if paths["quantprep_int8_head"].is_relative_to(REPO)
-                                                                     else paths["quantprep_int8_head"]),
+        "head_artifacts": {k: str(v.relative_to(REPO) if v.is_relative_to(REPO) else v) for k, v in paths.items() if k.endswith("_head")},
         "gptq_checkpoint": paths.get("gptqmodel") and paths["gptqmodel"].name,
         "llamacpp_settings": LLAMA_KW | {"n_threads": threads, "n_threads_batch": threads},
         "tokens": tokens_info | {"prefill": PREFILL, "prompt": PROMPT, "new": args.new},

@@ -98,3 +98,17 @@ def test_the_cli_refuses_int8_head_for_openvino_in_one_line(tmp_path, capsys):
     assert main(["prepack", str(gptq), "--target", "openvino", "--out", str(tmp_path / "ov"), "--lm-head", "int8"]) == 2
     assert "openvino target keeps the checkpoint's lm_head" in one_line_error(capsys)
     assert not (tmp_path / "ov").exists()
+
+
+def test_a_recipe_asks_for_the_head_and_the_cli_s_option_wins(tmp_path):
+    """`lm_head` in a recipe's [build] reaches the artifact; --lm-head overrides it."""
+    from quantprep.build.recipes import parse_recipe
+
+    gptq = write_random_checkpoint(tmp_path / "gptq", dict(TINY_LLAMA, hidden_size=128), group_size=64)
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'name = "r"\n[source]\npath = "{gptq}"\n[build]\ntargets = ["cpu"]\nlm_head = "int4"\n')
+    assert parse_recipe(recipe).lm_head == "int4"
+    for extra, want in (([], "int4"), (["--lm-head", "int8"], "int8")):
+        out = tmp_path / f"out-{want}"
+        assert main(["build", str(recipe), "--out", str(out), "--no-check", "--no-warm", *extra]) == 0
+        assert read_manifest(out / "cpu")["modules"]["lm_head"]["quantized_by"] == QUANTIZED_BY[want]
