@@ -79,7 +79,8 @@ def cmd_warm(args) -> int:
     from quantprep.tools.serving import PREFILL_BUCKETS
 
     shapes = (PREFILL_BUCKETS if args.shapes == "buckets" else _int_list("--shapes", args.shapes)) if args.shapes else None
-    r = warm(Path(args.dir), device=args.device, shapes=shapes, compile=args.compile, aot=args.aot, progress=not args.json)
+    r = warm(Path(args.dir), device=args.device, shapes=shapes, compile=args.compile, aot=args.aot, progress=not args.json,
+             int8_activations=args.int8_activations)
     what = ("OpenVINO's model cache" if r["key"]["device"].startswith("openvino:") else
             f"prefill {r['shapes']}, {r['compiled_regions']} compiled regions, {len(r['aot'])} compiled MLP packages")
     _print_json_or(args, r, f"warmed {r['path']} on {r['key']['device']}: {what}, {r['s']:.1f} s; kcache {r['files']} files, "
@@ -421,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--aot", action=argparse.BooleanOptionalAction, default=None,
                    help="with --compile, also ship compiled packages of the MLPs (AOTInductor, else Inductor artifacts), "
                         "which load without dynamo (default: on)")
+    w.add_argument("--int8-activations", action="store_true",
+                   help="let the kernel plan pick paths that round the activations to int8 where faster (cpu: int4_a8, "
+                        "AVX512-VNNI); they change the model's numbers slightly (docs/usage.md)")
     w.add_argument("--json", action="store_true")
     w.set_defaults(func=cmd_warm)
 

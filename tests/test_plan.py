@@ -42,6 +42,17 @@ def affine(costs: dict[str, tuple[float, float]], calls: list[int]):
     return measure
 
 
+def test_int8_activation_paths_only_when_asked():
+    """A path that rounds the activations to int8 (cpu int4_a8) never wins a plan for its speed
+    alone: warm --int8-activations lets it."""
+    m = _module()
+    if "int4_a8" not in m.paths():
+        pytest.skip("no int4_a8 path on this CPU (AVX512-VNNI and VBMI, and a C compiler)")
+    fastest = affine({"int4": (0, 0.1), "dequant": (20, 0.01), "int4_a8": (0, 0.001)}, [])
+    assert plan.decide_shape(m, [1, 512], fastest)[0] == [[1, "int4"], [512, "dequant"]]
+    assert plan.decide_shape(m, [1, 512], fastest, int8_activations=True)[0] == [[1, "int4_a8"]]
+
+
 def test_search_finds_the_crossover_with_a_few_timings():
     calls = []
     # int4: 0.1 ms per row; dequant: 20 ms + 0.01 ms per row: they cross at M = 222.2
@@ -64,7 +75,8 @@ def test_real_timings_give_ascending_ranges_of_the_module_s_paths():
     m = _module()
     ranges, timings = plan.decide_shape(m, [1, 64, 512])
     assert ranges[0][0] == 1 and [r[0] for r in ranges] == sorted({r[0] for r in ranges})
-    assert {p for _, p in ranges} <= set(m.paths()) and all(set(t) == set(m.paths()) for t in timings.values())
+    timed = set(m.paths()) - set(m.INT8_ACTIVATION_PATHS)  # those only with int8_activations
+    assert {p for _, p in ranges} <= timed and all(set(t) == timed for t in timings.values())
 
 
 class Ops(TorchDispatchMode):

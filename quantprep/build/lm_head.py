@@ -25,6 +25,11 @@ QUANTIZED_BY = {"int8": "quantprep:rtn-int8-per-channel", "int4": "quantprep:rtn
 INT4_GROUP = 128
 
 
+def block_rows(K: int, block_bytes: int = 64 << 20) -> int:
+    """Rows of the head converted at a time: about `block_bytes` of float32 (and a few temporaries of that size)."""
+    return max(1, block_bytes // (4 * K))
+
+
 def head_weight_key(ckpt: GPTQCheckpoint) -> str:
     """The float tensor the lm_head multiplies by: `lm_head.weight`, or for tied embeddings the one
     [vocab_size, hidden_size] tensor. RecipeError when there is none, or the lm_head is GPTQ's."""
@@ -42,11 +47,12 @@ def head_weight_key(ckpt: GPTQCheckpoint) -> str:
     raise RecipeError(f"{where}: no float lm_head.weight, nor one tied embedding of shape {shape}; build without --lm-head")
 
 
-def round_to_int8(weight: torch.Tensor, rows: int = 1 << 14) -> PrepackLayer:
+def round_to_int8(weight: torch.Tensor, rows: int | None = None) -> PrepackLayer:
     """Float [vocab, hidden] -> the lm_head as a PrepackLayer of 8 bits, one group per column,
     zero 128 (GPTQ's packing: code k of column n at bits 8 * (k % 4) of qweight[k // 4, n]); rows
     converted `rows` at a time (float32 temporaries of a block, not of the whole matrix)."""
     N, K = weight.shape
+    rows = rows or block_rows(K)
     if K % 4:
         raise RecipeError(f"--lm-head int8: hidden size {K} is not a multiple of 4")
     codes = torch.empty(K, N, dtype=torch.uint8)
@@ -64,10 +70,11 @@ def round_to_int8(weight: torch.Tensor, rows: int = 1 << 14) -> PrepackLayer:
     return layer
 
 
-def round_to_int4(weight: torch.Tensor, rows: int = 1 << 14) -> PrepackLayer:
+def round_to_int4(weight: torch.Tensor, rows: int | None = None) -> PrepackLayer:
     """Float [vocab, hidden] -> the lm_head as a PrepackLayer of 4 bits in groups of INT4_GROUP
     inputs, asymmetric (GPTQ's packing: code k of column n at bits 4 * (k % 8) of qweight[k // 8, n])."""
     N, K = weight.shape
+    rows = rows or block_rows(K)
     if K % INT4_GROUP:
         raise RecipeError(f"--lm-head int4: hidden size {K} is not a multiple of {INT4_GROUP}")
     G = K // INT4_GROUP

@@ -107,6 +107,7 @@ def prepack_stream(ckpt: GPTQCheckpoint, packers: list[tuple[object, torch.dtype
     probes: dict[str, torch.Tensor] = {}
     plan = fusion_plan(list(ckpt.layers), fuse)
     probe_names = probe_layer_names([name for name, _ in plan])
+    head_key = head_weight_key(ckpt) if lm_head != "float" else None  # a head it cannot round fails before any work
     names = ", ".join(t.name for t, _ in packers)
     for name, members in tqdm(plan, desc=f"prepack {names}", unit="layer", disable=not progress):
         layers, fused = [ckpt.layers[m] for m in members], None
@@ -129,9 +130,8 @@ def prepack_stream(ckpt: GPTQCheckpoint, packers: list[tuple[object, torch.dtype
         del layers
     skip = set()
     if lm_head != "float":
-        key = head_weight_key(ckpt)
-        skip = {"lm_head.weight"} & {key}  # an untied head is replaced; a tied one is the embedding, still needed
-        head = round_head(ckpt.other_tensors[key], lm_head)
+        skip = {"lm_head.weight"} & {head_key}  # an untied head is replaced; a tied one is the embedding, still needed
+        head = round_head(ckpt.other_tensors[head_key], lm_head)
         for i, (target, act_dtype) in enumerate(packers):
             packed, meta = target.pack(head, act_dtype)
             emit(i, {f"lm_head.{part}": t.contiguous() for part, t in packed.items()})

@@ -47,7 +47,7 @@ def _child_main() -> None:
     model = load(args["path"], device=args["device"], kcache=False)
     decided = None
     if args.get("plan") == "decide":  # the first child times the kernel paths; later ones get its plan
-        decided = plan.decide(model, usable_shapes(model, args["shapes"]))
+        decided = plan.decide(model, usable_shapes(model, args["shapes"]), args.get("int8_activations", False))
         plan.write(decided, Path(args["scratch"]))
         plan.apply(model, decided, model.device.type)
     elif args.get("plan"):
@@ -101,9 +101,10 @@ def _collect(scratch: Path) -> dict[str, dict]:
 
 
 def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] | None = None,
-         compile: bool | None = None, aot: bool | None = None, progress: bool = True) -> dict:
+         compile: bool | None = None, aot: bool | None = None, progress: bool = True, int8_activations: bool = False) -> dict:
     """Run the serving shapes in a fresh process and publish the artifact again with kcache/.
     With compile, also build compiled packages of the MLPs (aot.py: AOTInductor, else Inductor artifacts) unless `aot` is False.
+    int8_activations: the kernel plan may also pick paths that round the activations to int8 (plan.py).
     Defaults come from the manifest's `serving` entry (written from the recipe at build)."""
     path = Path(path).absolute()
     manifest = read_checked(path)
@@ -133,9 +134,10 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
                   file=sys.stderr) as bar:
             aot_report = {"aot": [], "plan": None, "s": 0.0}
             if compile and aot:
-                aot_report = _aot_phases(path, device, env, scratch, bar, shapes=shapes, compile=compile, plan="decide")
+                aot_report = _aot_phases(path, device, env, scratch, bar, shapes=shapes, compile=compile, plan="decide",
+                                         int8_activations=int8_activations)
             report = _run_child(path, device, "compile", env, step=lambda: bar.update(1), shapes=shapes, compile=compile,
-                                scratch=str(scratch), plan=aot_report["plan"] or "decide")
+                                scratch=str(scratch), plan=aot_report["plan"] or "decide", int8_activations=int8_activations)
             bar.update(bar.total - bar.n)  # shapes too long for the model were skipped
         report.update(aot=aot_report["aot"], plan=aot_report["plan"] or report["plan"], s=report["s"] + aot_report["s"])
         key = cache_key(device)  # this process may touch the device: the child had its own caches

@@ -143,6 +143,7 @@ class PackedLinear(nn.Module):
 
     plan: tuple[tuple[int, str], ...] = ()
     plan_max_m: int = 0
+    INT8_ACTIVATION_PATHS: tuple[str, ...] = ()  # paths that round the activations to int8: plans only on request (plan.py)
     parts: tuple[int, ...] = ()  # a fused projection's member sizes (runtime/fused.py sets them)
 
     def paths(self) -> tuple[str, ...]:
@@ -260,21 +261,38 @@ class Int8PerChannelLinear(PackedLinear):
         self.register_buffer("qweight", torch.empty(self.out_features, self.in_features, dtype=torch.int8, device=dev))
         self.register_buffer("scales", torch.empty(self.out_features, dtype=act_dtype, device=dev))
 
+    def check_loaded(self) -> str | None:
+        """As PackedLinear's; and a weight mapped off a 64-byte boundary is copied once, aligned (run's
+        reason), here at load, before anything (compile, AOT) may trace it."""
+        w = self.qweight
+        if w.device.type == "cpu" and type(w) is torch.Tensor and w.data_ptr() % 64:
+            self.qweight = w.clone()
+        return super().check_loaded()
+
+    def int8_kernel(self) -> bool:
+        """Whether torch's int8 kernel may run here. On the CPU it reads rows with aligned vector
+        loads: K off a multiple of 16 (K = 136) crashed the process whatever the addresses."""
+        return self.qweight.device.type != "cpu" or self.in_features % 16 == 0
+
     def paths(self) -> tuple[str, ...]:
-        return ("int8", dense_path(self.act_dtype, self.qweight.device.type))
+        dense = dense_path(self.act_dtype, self.qweight.device.type)
+        return ("int8", dense) if self.int8_kernel() else (dense,)
 
     def default_path(self, m: int) -> str:
-        if m >= self.DEQUANT_MIN_M_BY_DEVICE.get(self.qweight.device.type, self.DEQUANT_MIN_M):
+        if not self.int8_kernel() or m >= self.DEQUANT_MIN_M_BY_DEVICE.get(self.qweight.device.type, self.DEQUANT_MIN_M):
             return dense_path(self.act_dtype, self.qweight.device.type)
         return "int8"
 
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
-        if path == "int8":
+        if path == "int8" and self.int8_kernel():  # (plans name only paths() here: the dense path otherwise)
             w = self.qweight
-            if w.device.type == "cpu" and type(w) is torch.Tensor and not torch.compiler.is_compiling() and w.data_ptr() % 64:
-                # torch's cpu kernel reads the weight with aligned vector loads: one mapped from a file at
-                # an offset off 16 bytes crashed the process (tests/test_lm_head.py). Copied once, aligned.
-                self.qweight = w = w.clone()
+            if w.device.type == "cpu" and type(w) is torch.Tensor and not torch.compiler.is_compiling():
+                # and each operand must start aligned: a weight mapped from a file 8 bytes off 16, or an
+                # activation view 4-16 bytes off 32, crashed it (tests/targets/test_cpu.py). Copied, aligned.
+                if w.data_ptr() % 64:
+                    self.qweight = w = w.clone()
+                if x.data_ptr() % 64:
+                    x = x.clone()
             return torch.ops.aten._weight_int8pack_mm(x, w, self.scales)
         return dense_matmul(x, (self.qweight.to(self.act_dtype) * self.scales[:, None]).T, path)
 

@@ -357,19 +357,24 @@ static void quantize(const uint16_t *x, int64_t ldx, const int32_t *perm, int64_
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < G; g++) {
             float amax = 0.f;
+            int nan = 0;
             for (int64_t i = 0; i < gs; i++) {
                 int64_t k = g * gs + i, src = perm && k < K_in ? perm[k] : k;
                 float v = k < K_in && src >= 0 && src < K_in ? from_bf16(x[m * ldx + src]) : 0.f;
+                nan |= v != v;
                 tmp[i] = v, amax = fmaxf(amax, fabsf(v));
             }
-            float inv = amax > 0.f ? 127.f / amax : 0.f;
+            /* a NaN or infinite activation: the group's codes 0 and its scale NaN, so the outputs are NaN, as
+               the other paths give (never a conversion of NaN to an integer) */
+            int finite = !nan && amax <= 3.4e38f;
+            float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
             int32_t sum = 0;
             for (int64_t i = 0; i < gs; i++) {
-                float r = nearbyintf(tmp[i] * inv);
-                int32_t q = r > 127.f ? 127 : r < -127.f ? -127 : (int32_t)r; /* NaN: -127 */
+                float r = finite ? nearbyintf(tmp[i] * inv) : 0.f;
+                int32_t q = r > 127.f ? 127 : r < -127.f ? -127 : (int32_t)r;
                 xq[m * Kp + g * gs + i] = (int8_t)q, sum += q;
             }
-            xs[m * G + g] = amax / 127.f, xsum[m * G + g] = (float)sum;
+            xs[m * G + g] = finite ? amax / 127.f : NAN, xsum[m * G + g] = (float)sum;
         }
 }
 /* Columns n0..n0+63 (a full block, `blk`: [Kp, 32] bytes) for rows r0..r0+MR-1 into acc [MR][64] */
@@ -600,6 +605,7 @@ class CpuInt4Linear(PackedLinear):
     plan replaces it with this machine's own crossover."""
 
     DEQUANT_MIN_M = 384
+    INT8_ACTIVATION_PATHS = ("int4_a8",)
 
     def __init__(self, meta: dict, act_dtype: torch.dtype):
         super().__init__(meta, act_dtype)
@@ -680,22 +686,22 @@ class CpuInt4Linear(PackedLinear):
         return out
 
     def int4_a8_weight(self) -> tuple:
-        """The kernel's weight arguments (perm, qweight, scales_and_zeros addresses; K, N, group),
-        checked once per set of buffers: C indexes memory by them."""
+        """The kernel's weight arguments (perm, qweight, scales_and_zeros addresses; K, N, group).
+        C indexes memory by them: the addresses are taken at each call (a buffer can move in place:
+        share_memory_, set_), the checks done once per set of addresses, shapes, strides and dtypes."""
         buffers = (self.perm, self.qweight, self.scales_and_zeros)
-        cached = vars(self).get("_int4_a8")
-        if cached is not None and all(a is b for a, b in zip(cached[0], buffers, strict=True)):
-            return cached[1]
-        perm, qweight, sz = buffers
-        if any(t is not None and (not eager(t) or t.device.type != "cpu" or not t.is_contiguous()) for t in buffers) or \
-                sz.dtype != torch.bfloat16 or sz.shape != (self.padded_in // self.kernel_group_size, self.padded_out, 2) or \
-                self.pack_block_n != 64 or qweight.dtype != torch.uint8 or qweight.numel() * 2 != self.padded_in * self.padded_out or \
-                (perm is not None and (perm.numel() != self.in_features or perm.dtype != torch.int32)):
-            raise ValueError(f"int4_a8 cannot run a {self.in_features}x{self.out_features} module with these tensors")
-        args = (None if perm is None else perm.data_ptr(), qweight.data_ptr(), sz.data_ptr(), self.padded_in, self.padded_out,
-                self.kernel_group_size)
-        self._int4_a8 = (buffers, args)
-        return args
+        if any(t is not None and (not eager(t) or t.device.type != "cpu") for t in buffers):
+            raise ValueError(f"int4_a8 runs real cpu tensors only ({self.in_features}x{self.out_features})")
+        key = tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in buffers)
+        if vars(self).get("_int4_a8") != key:
+            perm, qweight, sz = buffers
+            if any(t is not None and not t.is_contiguous() for t in buffers) or sz.dtype != torch.bfloat16 or \
+                    sz.shape != (self.padded_in // self.kernel_group_size, self.padded_out, 2) or self.pack_block_n != 64 or \
+                    qweight.dtype != torch.uint8 or qweight.numel() * 2 != self.padded_in * self.padded_out or \
+                    (perm is not None and (perm.numel() != self.in_features or perm.dtype != torch.int32)):
+                raise ValueError(f"int4_a8 cannot run a {self.in_features}x{self.out_features} module with these tensors")
+            self._int4_a8 = key
+        return (key[0] and key[0][0], key[1][0], key[2][0], self.padded_in, self.padded_out, self.kernel_group_size)
 
     def native_weight(self) -> NativeWeight:
         return NativeWeight(self.qweight, self.scales_and_zeros, self.padded_in, self.padded_out, self.pack_block_n,

@@ -203,6 +203,18 @@ def test_int8_per_channel_both_paths(M):
     assert rel < TOL[torch.bfloat16], rel
 
 
+def test_int8_kernel_only_where_k_is_a_multiple_of_16():
+    """torch's cpu int8 kernel crashed the process at K = 136 (rows off 16 bytes): such a module has
+    only the dense path, and runs."""
+    gen = torch.Generator().manual_seed(136)
+    layer, module, _ = _module_for(random_gptq_tensors(136, 64, 8, -1, True, False, True, generator=gen),
+                                   QuantConfig(8, -1, True, False, "gptq"), torch.bfloat16)
+    assert isinstance(module, Int8PerChannelLinear) and "int8" not in module.paths() and module.default_path(4) != "int8"
+    x = torch.randn(4, 136, generator=gen)
+    with torch.no_grad():
+        assert rel_err(module(x.bfloat16()), x @ layer.dequantize()) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("offset", [8, 1])
 def test_an_int8_weight_off_alignment_runs(offset):
     """torch's cpu int8 kernel crashed the process on a weight 8 bytes off a 16-byte boundary (as a
@@ -216,8 +228,12 @@ def test_an_int8_weight_off_alignment_runs(offset):
     misaligned.copy_(module.qweight)
     module.qweight = misaligned
     x = torch.randn(4, 256, generator=gen)
+    xbuf = torch.empty(4 * 256 + 64, dtype=torch.bfloat16)
+    start = (-xbuf.data_ptr() % 64) // 2 + 4  # an activation view 8 bytes off a 64-byte boundary
+    xv = xbuf[start:start + 4 * 256].view(4, 256)
+    xv.copy_(x)
     with torch.no_grad():
-        y = module(x.bfloat16())
+        y = module(xv)
     assert module.qweight.data_ptr() % 64 == 0 and rel_err(y, x @ layer.dequantize()) < TOL[torch.bfloat16]
 
 
@@ -351,8 +367,28 @@ def test_fused_members_are_written_into_their_own_outputs(sizes, direct, monkeyp
 def _int4_a8_or_skip():
     from quantprep.targets import cpu
 
-    if cpu.native_int4_a8() is None:
-        pytest.skip("no C compiler, or this CPU lacks AVX512-VNNI/VBMI: no int4_a8 path")
+    if cpu.native_int4_a8() is None or cpu.FAST_PACK_BLOCK_N.get(torch.backends.cpu.get_cpu_capability()) != 64:
+        pytest.skip("no C compiler, this CPU lacks AVX512-VNNI/VBMI, or torch packs another ISA's layout: no int4_a8 path")
+
+
+def test_int4_a8_gives_nan_for_nan_and_follows_a_moved_buffer():
+    """A NaN activation gives NaN outputs (as the int4 kernel), not finite numbers; a weight whose
+    storage moved in place (share_memory_) is read where it is now."""
+    _int4_a8_or_skip()
+    gen = torch.Generator().manual_seed(3)
+    _, module, _ = _module_for(random_gptq_tensors(256, 64, 4, 128, False, True, True, generator=gen),
+                               QuantConfig(4, 128, False, True, "gptq"), torch.bfloat16)
+    module.plan, module.plan_max_m = ((1, "int4_a8"),), 64
+    x = torch.randn(2, 256, generator=gen).bfloat16()
+    x[0, 5] = float("nan")
+    with torch.no_grad():
+        y = module(x)
+        assert y[0].isnan().all() and not y[1].isnan().any()
+        module.qweight.share_memory_()  # same tensor object, new storage
+        module.qweight.fill_(0x88)  # every code 8: w = zero
+        y2 = module(x[1:])
+    w = module.dequantize(torch.float32).double()
+    assert rel_err(y2, x[1:].double() @ w) < 2e-2
 
 
 @pytest.mark.parametrize("K,N,gs,act_order", [(576, 208, 128, True), (80, 80, 64, True), (1536, 256, 128, False),
