@@ -144,6 +144,7 @@ class PackedLinear(nn.Module):
     plan: tuple[tuple[int, str], ...] = ()
     plan_max_m: int = 0
     INT8_ACTIVATION_PATHS: tuple[str, ...] = ()  # paths that round the activations to int8: plans only on request (plan.py)
+    TRACED_INSTEAD: dict[str, str] = {}  # a path traced code (export, torch.compile) cannot take -> the one it takes
     parts: tuple[int, ...] = ()  # a fused projection's member sizes (runtime/fused.py sets them)
 
     def paths(self) -> tuple[str, ...]:
@@ -170,8 +171,10 @@ class PackedLinear(nn.Module):
 
     def path_for(self, m: int) -> str:
         if not 1 <= m <= self.plan_max_m:
-            return self.default_path(m)
-        return next(path for first, path in reversed(self.plan) if m >= first)
+            path = self.default_path(m)
+        else:
+            path = next(path for first, path in reversed(self.plan) if m >= first)
+        return self.TRACED_INSTEAD.get(path, path) if self.TRACED_INSTEAD and torch.compiler.is_compiling() else path
 
     def plan_shape(self) -> str:
         """What a plan's timings depend on besides the machine: the kernel class, the packed sizes,
@@ -262,12 +265,17 @@ class Int8PerChannelLinear(PackedLinear):
         self.register_buffer("scales", torch.empty(self.out_features, dtype=act_dtype, device=dev))
 
     def check_loaded(self) -> str | None:
-        """As PackedLinear's; and a weight mapped off a 64-byte boundary is copied once, aligned (run's
-        reason), here at load, before anything (compile, AOT) may trace it."""
-        w = self.qweight
-        if w.device.type == "cpu" and type(w) is torch.Tensor and w.data_ptr() % 64:
-            self.qweight = w.clone()
+        """As PackedLinear's; and the weight aligned (aligned_weight) here at load, before anything
+        (compile, AOT) may trace it."""
+        self.aligned_weight()
         return super().check_loaded()
+
+    def aligned_weight(self) -> torch.Tensor:
+        """qweight, copied once where it starts off a 64-byte boundary on the CPU (run's reason)."""
+        w = self.qweight
+        if w.device.type == "cpu" and type(w) is torch.Tensor and not torch.compiler.is_compiling() and w.data_ptr() % 64:
+            self.qweight = w = w.clone()
+        return w
 
     def int8_kernel(self) -> bool:
         """Whether torch's int8 kernel may run here. On the CPU it reads rows with aligned vector
@@ -285,14 +293,11 @@ class Int8PerChannelLinear(PackedLinear):
 
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
         if path == "int8" and self.int8_kernel():  # (plans name only paths() here: the dense path otherwise)
-            w = self.qweight
-            if w.device.type == "cpu" and type(w) is torch.Tensor and not torch.compiler.is_compiling():
-                # and each operand must start aligned: a weight mapped from a file 8 bytes off 16, or an
-                # activation view 4-16 bytes off 32, crashed it (tests/targets/test_cpu.py). Copied, aligned.
-                if w.data_ptr() % 64:
-                    self.qweight = w = w.clone()
-                if x.data_ptr() % 64:
-                    x = x.clone()
+            # and each operand must start aligned: a weight mapped from a file 8 bytes off 16, or an
+            # activation view 4-16 bytes off 32, crashed it (tests/targets/test_cpu.py). Copied, aligned.
+            w = self.aligned_weight()
+            if x.device.type == "cpu" and type(x) is torch.Tensor and not torch.compiler.is_compiling() and x.data_ptr() % 64:
+                x = x.clone()
             return torch.ops.aten._weight_int8pack_mm(x, w, self.scales)
         return dense_matmul(x, (self.qweight.to(self.act_dtype) * self.scales[:, None]).T, path)
 

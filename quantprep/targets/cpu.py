@@ -132,10 +132,18 @@ def native_packer():
 # the 1.5B's shapes but down_proj's, whose tiles are two blocks wide: benchmarks/cpu_dense_tiles.py).
 # Threads split the columns: torch's own OpenMP threads, where the library links the libgomp torch
 # loaded.
-NATIVE_DEQUANT_SOURCE = r"""
+# bfloat16 <-> float in C, for the sources below: widening is exact; narrowing rounds to nearest even
+BF16_C = r"""
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
+static inline float from_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+"""
+NATIVE_DEQUANT_SOURCE = BF16_C + r"""
+#include <stdlib.h>
 #if defined(_OPENMP) && defined(__GNUC__) && !defined(__clang__)
 #include <omp.h>
 #define GNU_OPENMP 1 /* libgomp's: the runtime native_dequantizer checked torch runs on */
@@ -144,10 +152,6 @@ NATIVE_DEQUANT_SOURCE = r"""
 #include <immintrin.h>
 #define BF16_BLOCK64 1
 #endif
-static inline uint16_t to_bf16(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
 #define AS_FLOAT(v) (v)
 /* Columns [n0, n1) of row k (o: that row, indexed by column): each full block of `block` columns
    (its byte j of row k holds columns j and j + block/2), then the last, partial one (byte j:
@@ -336,19 +340,15 @@ def dequantize_native(packed: torch.Tensor, scales_and_zeros: torch.Tensor, K: i
 # (tests/targets/test_cpu.py states the tolerance; BENCHMARKS.md, "llama.cpp, the CPU anchor",
 # measures it on the real model). Without AVX512-VNNI and VBMI the library has no kernel and the
 # path is not offered.
-NATIVE_A8_SOURCE = r"""
+NATIVE_A8_SOURCE = BF16_C + r"""
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 #if defined(_OPENMP) && defined(__GNUC__) && !defined(__clang__)
 #include <omp.h>
 #define GNU_OPENMP 1
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #include <immintrin.h>
-static inline float from_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-static inline uint16_t to_bf16(float f) { uint32_t u; memcpy(&u, &f, 4); return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16); }
 /* Row m's packed row k = x[m, perm[k]] (perm NULL: k; k >= K_in or a perm value out of range: 0),
    per group of gs: xq = round(x / a), a = max|x| / 127; xs = a, xsum = sum of xq. */
 static void quantize(const uint16_t *x, int64_t ldx, const int32_t *perm, int64_t K_in, int64_t Kp, int64_t gs, int64_t M,
@@ -366,7 +366,7 @@ static void quantize(const uint16_t *x, int64_t ldx, const int32_t *perm, int64_
             }
             /* a NaN or infinite activation: the group's codes 0 and its scale NaN, so the outputs are NaN, as
                the other paths give (never a conversion of NaN to an integer) */
-            int finite = !nan && amax <= 3.4e38f;
+            int finite = !nan && isfinite(amax);
             float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
             int32_t sum = 0;
             for (int64_t i = 0; i < gs; i++) {
@@ -606,6 +606,7 @@ class CpuInt4Linear(PackedLinear):
 
     DEQUANT_MIN_M = 384
     INT8_ACTIVATION_PATHS = ("int4_a8",)
+    TRACED_INSTEAD = {"int4_a8": "int4"}  # its C call needs real data
 
     def __init__(self, meta: dict, act_dtype: torch.dtype):
         super().__init__(meta, act_dtype)
@@ -628,12 +629,6 @@ class CpuInt4Linear(PackedLinear):
             return ()
         a8 = ("int4_a8",) if self.pack_block_n == 64 and self.act_dtype == torch.bfloat16 and native_int4_a8() else ()
         return ("int4", dense_path(self.act_dtype, "cpu"), *a8)
-
-    def path_for(self, m: int) -> str:
-        """A plan's path, but traced code (export, torch.compile) takes the int4 kernel for int4_a8,
-        whose C call needs real data."""
-        path = super().path_for(m)
-        return "int4" if path == "int4_a8" and torch.compiler.is_compiling() else path
 
     def default_path(self, m: int) -> str:
         return dense_path(self.act_dtype, "cpu") if self.pack_block_n and m >= self.DEQUANT_MIN_M else "int4"
@@ -701,7 +696,8 @@ class CpuInt4Linear(PackedLinear):
                     (perm is not None and (perm.numel() != self.in_features or perm.dtype != torch.int32)):
                 raise ValueError(f"int4_a8 cannot run a {self.in_features}x{self.out_features} module with these tensors")
             self._int4_a8 = key
-        return (key[0] and key[0][0], key[1][0], key[2][0], self.padded_in, self.padded_out, self.kernel_group_size)
+        perm, qweight, sz = (None if t is None else t.data_ptr() for t in buffers)
+        return perm, qweight, sz, self.padded_in, self.padded_out, self.kernel_group_size
 
     def native_weight(self) -> NativeWeight:
         return NativeWeight(self.qweight, self.scales_and_zeros, self.padded_in, self.padded_out, self.pack_block_n,

@@ -275,6 +275,9 @@ if triton is not None:
 class CudaInt4Linear(PackedLinear):
     mslk_weights: list[tuple[torch.Tensor, ...]] | None = None  # mslk's layout per part, built by prepare
     mslk_failed: str | None = None
+    # mslk's layout is not a buffer: export (AOT packages shared across layers) would bake one
+    # layer's into its graph, so traced code takes the dequantize path instead
+    TRACED_INSTEAD = {"mslk": "dequant"}
 
     def __init__(self, meta: dict, act_dtype: torch.dtype):
         super().__init__(meta, act_dtype)
@@ -374,12 +377,6 @@ class CudaInt4Linear(PackedLinear):
         rel = max(float((g - r).norm() / r.norm().clamp_min(1e-30)) for g, r in zip(got, ref, strict=True))
         if not rel <= 1e-2:  # NaN fails too
             self.mslk_weights, self.mslk_failed = None, f"mslk's output differs from the dequantize path's by {rel:.1e}"
-
-    def path_for(self, m: int) -> str:
-        """mslk's layout is not a buffer: export (AOT packages shared across layers) would bake one
-        layer's into its graph, so traced code takes the dequantize path instead."""
-        path = super().path_for(m)
-        return "dequant" if path == "mslk" and torch.compiler.is_compiling() else path
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is None or not x.is_cuda or triton is None or torch.compiler.is_compiling():

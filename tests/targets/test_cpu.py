@@ -437,3 +437,17 @@ def test_int4_a8_writes_a_fused_module_s_parts():
     assert module.path_for(1) == "int4_a8"
     for part, ref in zip(parts, whole.split(sizes, -1), strict=True):
         assert torch.equal(part, ref)
+
+
+def test_traced_code_takes_the_int4_kernel_for_int4_a8():
+    """export (AOT packages) traces fake tensors, which int4_a8's C call cannot read: the graph
+    takes the int4 kernel instead (TRACED_INSTEAD), and eager calls still run int4_a8."""
+    _int4_a8_or_skip()
+    gen = torch.Generator().manual_seed(11)
+    _, module, _ = _module_for(random_gptq_tensors(256, 64, 4, 128, False, True, True, generator=gen),
+                               QuantConfig(4, 128, False, True, "gptq"), torch.bfloat16)
+    module.plan, module.plan_max_m = ((1, "int4_a8"),), 64
+    x = torch.randn(2, 256, generator=gen).bfloat16()
+    with torch.no_grad():
+        graph = torch.export.export(module, (x,)).graph_module.code
+        assert "_weight_int4pack_mm_for_cpu" in graph and module.path_for(2) == "int4_a8"
