@@ -359,21 +359,45 @@ def vs_llamacpp(*runs: dict) -> str:
     out = []
     for r in runs:
         dc, pf, ft = r["decode_tok_s"], r["prefill_512_s"], r["first_token_s"]
+        dl = r.get("decode_after_512_tok_s")  # measured from 2026-11-26's second run on
         out += [f"{r['model']}, {r['cpu']} ({r['cores']} cores, {r['cpu_capability']}), {r['threads']} threads each, {r['date'][:10]}; "
                 f"llama-cpp-python {r['versions']['llama_cpp']}; medians of {len(dc['quantprep']['runs'])} (first token: "
                 f"{len(ft['quantprep']['runs'])} fresh processes)", "",
-                "| runtime | decode, tok/s | 512-token prefill, s | spawn to first token, s (imports / load / first token) |",
-                "| --- | --- | --- | --- |"]
+                "| runtime | decode, tok/s |" + (" decode after 512 tokens, tok/s |" if dl else "")
+                + " 512-token prefill, s | spawn to first token, s (imports / load / first token) |",
+                "| --- | --- |" + (" --- |" if dl else "") + " --- | --- |"]
         for k, name in names.items():
             if k not in dc:
                 continue
             f = ft[k]
-            out.append(f"| {name} | {dc[k]['median']:.2f} | {pf[k]['median']:.2f} | {f['total_s']:.2f} ({f['import_s']:.2f} / "
-                       f"{f['load_s']:.2f} / {f['first_s']:.2f}) |")
+            out.append(f"| {name} | {dc[k]['median']:.2f} |" + (f" {dl[k]['median']:.2f} |" if dl else "")
+                       + f" {pf[k]['median']:.2f} | {f['total_s']:.2f} ({f['import_s']:.2f} / {f['load_s']:.2f} / {f['first_s']:.2f}) |")
         for k in ("quantprep", "quantprep_int8_head", "quantprep_int4_head"):
             if f"{k}_over_llamacpp" in dc:
-                out.append(f"| {names[k].split(' (')[0]} / llama.cpp | {dc[f'{k}_over_llamacpp']:.2f}x the speed | "
-                           f"{pf[f'{k}_over_llamacpp']:.2f}x the time | {ft[f'{k}_over_llamacpp']:.2f}x the time |")
+                out.append(f"| {names[k].split(' (')[0]} / llama.cpp | {dc[f'{k}_over_llamacpp']:.2f}x the speed |"
+                           + (f" {dl[f'{k}_over_llamacpp']:.2f}x the speed |" if dl else "")
+                           + f" {pf[f'{k}_over_llamacpp']:.2f}x the time | {ft[f'{k}_over_llamacpp']:.2f}x the time |")
+    return "\n".join(out)
+
+
+def cpu_decode_attention(r: dict) -> str:
+    """One decode token's attention per layer: quantprep's kernel against torch's SDPA (benchmarks/cpu_decode_attention.py)."""
+    out = [f"{r['cpu']} ({r['cores']} cores, {r['cpu_capability']}, {r['threads']} threads), {r['date'][:10]}, torch {r['torch']}; "
+           f"{r['heads']} query heads, {r['kv_heads']} key/value heads, head dim {r['head_dim']} (Qwen2.5-1.5B), {r['dtype']} cache; "
+           f"medians of {r['reps']} x {r['calls']} calls", "",
+           "| cached tokens | quantprep, µs | SDPA bf16, µs | SDPA f32, µs | SDPA bf16 / quantprep | "
+           "rel. error vs float64: quantprep / SDPA bf16 |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for x in r["rows"]:
+        us, e = x["us_per_layer"], x["rel_err_vs_float64"]
+        out.append(f"| {x['context']} | {us['quantprep']:.1f} | {us['sdpa_bf16']:.1f} | {us['sdpa_f32']:.1f} | "
+                   f"{x['sdpa_bf16_over_quantprep']:.1f}x | {e['quantprep']:.1e} / {e['sdpa_bf16']:.1e} |")
+    if "model" in r:
+        m = r["model"]
+        out += ["", f"{m['artifact']}: greedy decode, tok/s, {m['new_tokens']} tokens, medians of {m['runs']}", "",
+                "| attention | prompt, tokens | generate's stopping | tok/s |", "| --- | --- | --- | --- |"]
+        out += [f"| {x['attention']} | {x['prompt']} | {'min_new_tokens' if x['min_new_tokens'] else 'none (eos_token_id=None)'} | "
+                f"{x['median']:.2f} |" for x in m["decode_tok_s"]]
     return "\n".join(out)
 
 
@@ -869,6 +893,7 @@ RENDERERS = {
     "cpu-dense-tiles": cpu_dense_tiles,
     "cpu-decode-profile": cpu_decode_profile,
     "cpu-int4-a8": cpu_int4_a8,
+    "cpu-decode-attention": cpu_decode_attention,
     "plan-prefill": plan_prefill,
     "cuda-prefill": cuda_prefill,
     "cuda-dequant": cuda_dequant,

@@ -6,9 +6,11 @@ same checkpoint's cpu artifacts built with `--lm-head int8` and `--lm-head int4`
 RECIPE-int4-head/cpu: quantprep_int8_head, quantprep_int4_head; opted-into changes of the model). One
 run, on the same threads: llama.cpp gets n_threads = n_threads_batch = torch.get_num_threads(). Measured:
 
-  - decode: greedy tokens/s after a 16-token prompt, over the --new tokens after the first (the first
-    comes from the prompt's forward): (new - 1) one-token forwards and their argmax, timed token by
-    token (llama.cpp: eval + argmax of the last logits; torch: generate, a streamer's timestamps);
+  - decode: greedy tokens/s after a 16-token prompt, and after the 512-token prompt (a long context's
+    attention), over the --new tokens after the first (the first comes from the prompt's forward):
+    (new - 1) one-token forwards and their argmax, timed token by token (llama.cpp: eval + argmax of
+    the last logits; torch: generate, a streamer's timestamps, with no end-of-sequence token, so that
+    like llama.cpp's loop it stops at --new and runs no stopping check or logits processor);
   - 512-token prefill: seconds for one forward of the first 512 held-out tokens, logits of the last
     position only (llama.cpp computes no others; torch: logits_to_keep=1), llama.cpp's KV cache
     cleared before each (reset) and the prompt one batch (n_batch = n_ubatch = 512);
@@ -104,9 +106,9 @@ def prefill():
     argmax()
     return time.perf_counter() - t
 
-def decode():
+def decode(prompt):
     llm.reset()
-    llm.eval(a["prompt"])
+    llm.eval(prompt)
     tokens = [argmax()]
     t = time.perf_counter()
     for _ in range(new - 1):
@@ -115,12 +117,13 @@ def decode():
     return (new - 1) / (time.perf_counter() - t), tokens
 
 prefill()
-_, tokens = decode()
-p, d = [], []
+_, tokens = decode(a["prompt"])
+p, d, d_long = [], [], []
 for _ in range(runs):
     p.append(prefill())
-    d.append(decode()[0])
-print(json.dumps({"prefill": p, "decode": d, "tokens": tokens}))
+    d.append(decode(a["prompt"])[0])
+    d_long.append(decode(a["ids"])[0])
+print(json.dumps({"prefill": p, "decode": d, "decode_long": d_long, "tokens": tokens}))
 """
 
 
@@ -188,12 +191,14 @@ def llamacpp_runs(gguf: Path, ids: list[int], threads: int, runs: int, new: int)
     if proc.returncode != 0:
         raise RuntimeError(f"llama.cpp child exited with {proc.returncode}: {proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"llama.cpp: prefill {[round(x, 3) for x in out['prefill']]} s, decode {[round(x, 2) for x in out['decode']]} tok/s", flush=True)
+    print(f"llama.cpp: prefill {[round(x, 3) for x in out['prefill']]} s, decode {[round(x, 2) for x in out['decode']]} "
+          f"(after 512: {[round(x, 2) for x in out['decode_long']]}) tok/s", flush=True)
     return out
 
 
-def torch_runs(models: dict, ids: list[int], runs: int, new: int) -> tuple[dict, dict, dict]:
-    """(prefill seconds, decode tok/s, greedy tokens) per model, interleaved runs after a warm-up each."""
+def torch_runs(models: dict, ids: list[int], runs: int, new: int) -> tuple[dict, dict, dict, dict]:
+    """(prefill seconds, decode tok/s, decode tok/s after 512 tokens, greedy tokens) per model, interleaved runs
+    after a warm-up each."""
     import torch
     from transformers.generation.streamers import BaseStreamer
 
@@ -214,25 +219,27 @@ def torch_runs(models: dict, ids: list[int], runs: int, new: int) -> tuple[dict,
     def prefill(m) -> float:
         return timed(lambda: m(input_ids=full, logits_to_keep=1).logits[0, -1].argmax())
 
-    def decode(m) -> tuple[float, list[int]]:
-        s = Stamps()
-        out = m.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
-                         do_sample=False, streamer=s)
+    def decode(m, ids: torch.Tensor) -> tuple[float, list[int]]:
+        s = Stamps()  # eos_token_id=None as an argument (a generation_config's None is filled from the model's)
+        out = m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                         eos_token_id=None, streamer=s)
         assert len(s.t) == new + 1, f"{len(s.t)} streamer calls for {new} tokens"
-        return (new - 1) / (s.t[-1] - s.t[1]), out[0, PROMPT:].tolist()
+        return (new - 1) / (s.t[-1] - s.t[1]), out[0, ids.shape[1]:].tolist()
 
-    p, d, tokens = {k: [] for k in models}, {k: [] for k in models}, {}
+    p, d, d_long, tokens = {k: [] for k in models}, {k: [] for k in models}, {k: [] for k in models}, {}
     with torch.inference_mode():
         for name, m in models.items():  # warm-up: GPTQModel's TORCH kernel compiles each shape on first use
             prefill(m)
-            tokens[name] = decode(m)[1]
+            tokens[name] = decode(m, prompt)[1]
         for _ in range(runs):
             for name, m in models.items():
                 p[name].append(prefill(m))
-                d[name].append(decode(m)[0])
+                d[name].append(decode(m, prompt)[0])
+                d_long[name].append(decode(m, full)[0])
             print(f"run: prefill {({k: round(v[-1], 3) for k, v in p.items()})} s, "
-                  f"decode {({k: round(v[-1], 2) for k, v in d.items()})} tok/s", flush=True)
-    return p, d, tokens
+                  f"decode {({k: round(v[-1], 2) for k, v in d.items()})} "
+                  f"(after 512: {({k: round(v[-1], 2) for k, v in d_long.items()})}) tok/s", flush=True)
+    return p, d, d_long, tokens
 
 
 def same_prefix(a: list[int], b: list[int]) -> int:
@@ -292,6 +299,7 @@ def main() -> None:
     llama = llamacpp_runs(gguf, ids, threads, args.runs, args.new) if "llamacpp" in runtimes else None
     prefill = {"llamacpp": llama["prefill"]} if llama else {}
     decode = {"llamacpp": llama["decode"]} if llama else {}
+    decode_long = {"llamacpp": llama["decode_long"]} if llama else {}
     tokens = {"llamacpp": llama["tokens"]} if llama else {}
     load_in_process = {}
     if art is not None:
@@ -306,8 +314,8 @@ def main() -> None:
                 models[name] = (GPTQModel.load(str(paths[name]), backend=BACKEND.TORCH, device="cpu").model.eval()
                                 if name == "gptqmodel" else quantprep.load(paths[name]))
                 load_in_process[name] = time.perf_counter() - t0
-        p_, d_, t_ = torch_runs(models, ids, args.runs, args.new)
-        prefill, decode, tokens = prefill | p_, decode | d_, tokens | t_
+        p_, d_, dl_, t_ = torch_runs(models, ids, args.runs, args.new)
+        prefill, decode, decode_long, tokens = prefill | p_, decode | d_, decode_long | dl_, tokens | t_
 
     result = machine() | {
         "threads": threads,
@@ -322,6 +330,7 @@ def main() -> None:
         "llamacpp_settings": LLAMA_KW | {"n_threads": threads, "n_threads_batch": threads},
         "tokens": tokens_info | {"prefill": PREFILL, "prompt": PROMPT, "new": args.new},
         "decode_tok_s": {k: median_and_runs(v) for k, v in decode.items()},
+        "decode_after_512_tok_s": {k: median_and_runs(v) for k, v in decode_long.items()},
         "prefill_512_s": {k: median_and_runs(v) for k, v in prefill.items()},
         "first_token_s": first,
         "load_in_process_s": load_in_process,
@@ -330,7 +339,7 @@ def main() -> None:
                                            if k != "llamacpp" and "llamacpp" in tokens},
     }
     if "llamacpp" in runtimes:
-        for k in ("decode_tok_s", "prefill_512_s"):
+        for k in ("decode_tok_s", "decode_after_512_tok_s", "prefill_512_s"):
             r = result[k]
             r.update({f"{name}_over_llamacpp": r[name]["median"] / r["llamacpp"]["median"] for name in runtimes if name != "llamacpp"})
         f = result["first_token_s"]

@@ -26,7 +26,7 @@ from quantprep.distribution.signing import verify as verify_signature
 from quantprep.errors import ArtifactError, ArtifactMismatch
 from quantprep.format.artifact import DEFAULT_SHAPES, read_checked, refuse_code
 from quantprep.format.verified import check_hashed, hash_and_mark
-from quantprep.runtime import plan
+from quantprep.runtime import cpu_attention, plan
 from quantprep.runtime.aot import compile_regions, prefetch_runtime
 from quantprep.runtime.aot import install as install_packages
 from quantprep.runtime.fused import install as install_fused
@@ -294,6 +294,8 @@ def finish(model, path: Path, art: OpenedArtifact, kcache_status: dict, compile:
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()
+    if art.device.type == "cpu":  # decode attention: quantprep's C kernel where it is faster than torch's SDPA
+        model.quantprep_attention = cpu_attention.NAME if cpu_attention.use(model) else model.config._attn_implementation
     manifest = art.manifest
     check_modules(path, model)
     apply_plan(model, path, art, kcache_status)  # before compile: compiled regions trace the planned paths

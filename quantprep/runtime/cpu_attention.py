@@ -1,0 +1,135 @@
+"""Attention for one new token on the CPU: quantprep's C kernel in place of torch's SDPA at decode.
+
+torch's CPU SDPA for a single bfloat16 query costs 69 µs per layer at 48 cached tokens and 564 µs
+at 512 (float32: 12 and 50 µs), so at a 512-token context attention alone took longer than the
+weights of a 1.5B (BENCHMARKS.md, "CPU decode attention"). This kernel reads the bfloat16 (or
+float32) KV cache once per head and accumulates in float32, as SDPA does.
+
+It is transformers' attention function "quantprep_cpu" (AttentionInterface), which an artifact
+loaded on the CPU uses in place of "sdpa": one query token with no mask (decode without padding)
+runs here, everything else (prefill, a padded batch, a sliding window that cuts the cache, float16,
+autograd, torch.compile tracing) goes to transformers' sdpa_attention_forward unchanged. Masks are
+built as for "sdpa".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from quantprep.targets import native
+from quantprep.targets.cpu import BF16_C
+
+NAME = "quantprep_cpu"
+
+SOURCE = BF16_C + r"""
+#include <math.h>
+#include <stdlib.h>
+#define MAX_D 256
+/* out[b, 0, h, :] = softmax(scale * q[b, h] . k[b, h / (H / KV), t] over t < S) . v[b, h / (H / KV)], all
+   bfloat16, summed in float32; one (batch, head) per task. Strides are in elements; the last dimension is dense. */
+int decode_attention(const uint16_t *q, int64_t q_sb, int64_t q_sh, const uint16_t *k, int64_t k_sb, int64_t k_sh,
+                     int64_t k_ss, const uint16_t *v, int64_t v_sb, int64_t v_sh, int64_t v_ss, uint16_t *out,
+                     int64_t B, int64_t H, int64_t KV, int64_t S, int64_t D, float scale) {
+    if (D % 16 || D > MAX_D || KV < 1 || H % KV || S < 1) return -2;
+    int failed = 0;
+    #pragma omp parallel for schedule(static)
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        int64_t b = bh / H, h = bh % H, g = h / (H / KV);
+        float *s = malloc((size_t)S * sizeof(float));
+        if (!s) { failed = 1; continue; }
+        float qf[MAX_D], acc[MAX_D];
+        const uint16_t *qr = q + b * q_sb + h * q_sh;
+        for (int64_t d = 0; d < D; d++) { qf[d] = from_bf16(qr[d]) * scale; acc[d] = 0.0f; }
+        float max = -INFINITY;
+        for (int64_t t = 0; t < S; t++) {
+            const uint16_t *kr = k + b * k_sb + g * k_sh + t * k_ss;
+            float part[16] = {0};  /* 16 partial sums: the compiler vectorizes them */
+            for (int64_t d = 0; d < D; d += 16)
+                for (int j = 0; j < 16; j++) part[j] += qf[d + j] * from_bf16(kr[d + j]);
+            float dot = 0.0f;
+            for (int j = 0; j < 16; j++) dot += part[j];
+            s[t] = dot;
+            max = dot > max ? dot : max;
+        }
+        float sum = 0.0f;
+        for (int64_t t = 0; t < S; t++) { s[t] = expf(s[t] - max); sum += s[t]; }
+        for (int64_t t = 0; t < S; t++) {
+            const uint16_t *vr = v + b * v_sb + g * v_sh + t * v_ss;
+            for (int64_t d = 0; d < D; d++) acc[d] += s[t] * from_bf16(vr[d]);
+        }
+        uint16_t *o = out + (b * H + h) * D;
+        for (int64_t d = 0; d < D; d++) o[d] = to_bf16(acc[d] / sum);
+        free(s);
+    }
+    return failed ? -1 : 0;
+}
+"""
+MAX_HEAD_DIM = 256
+
+
+@functools.cache
+def kernel():
+    """`decode_attention` from SOURCE (native.py compiles it, with torch's OpenMP where it can), or
+    None without a C compiler."""
+    lib = native.library(SOURCE, ("-fopenmp",)) if native.torch_openmp() else None
+    lib = lib or native.library(SOURCE)
+    if lib is None:
+        return None
+    fn = lib.decode_attention
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] + [ctypes.c_int64] * 3
+                   + [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float])
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def runs_here(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, dropout: float, kwargs: dict) -> bool:
+    """Whether the C kernel computes exactly what sdpa_attention_forward would for these inputs."""
+    B, H, T, D = query.shape
+    return (T == 1 and attention_mask is None and dropout == 0.0 and query.device.type == "cpu"
+            and query.dtype == torch.bfloat16 and key.dtype == query.dtype and value.dtype == query.dtype
+            and key.shape[0] == B and key.shape[1] > 0 and H % key.shape[1] == 0 and key.shape[3] == D
+            and value.shape == key.shape and key.shape[2] > 0 and D % 16 == 0 and D <= MAX_HEAD_DIM
+            and query.stride(3) == key.stride(3) == value.stride(3) == 1
+            and (kwargs.get("sliding_window") is None or key.shape[2] <= kwargs["sliding_window"])
+            and all(kwargs.get(k) is None for k in ("softcap", "s_aux", "sinks", "position_bias"))
+            and not kwargs.get("output_attentions", False)
+            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
+            and not torch.compiler.is_compiling())
+
+
+def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """transformers' attention-function signature: query [B, H, T, D], key/value [B, KV, S, D] ->
+    ([B, T, H, D], None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    fn = kernel()
+    if fn is None or not runs_here(query, key, value, attention_mask, dropout, kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    B, H, _, D = query.shape
+    out = torch.empty(B, 1, H, D, dtype=query.dtype)
+    scale = scaling if scaling is not None else D ** -0.5
+    rc = fn(query.data_ptr(), query.stride(0), query.stride(1),
+            key.data_ptr(), key.stride(0), key.stride(1), key.stride(2),
+            value.data_ptr(), value.stride(0), value.stride(1), value.stride(2),
+            out.data_ptr(), B, H, key.shape[1], key.shape[2], D, scale)
+    if rc:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return out, None
+
+
+def use(model) -> bool:
+    """Switch a CPU model that runs transformers' "sdpa" to "quantprep_cpu"; False (nothing changed)
+    where it runs another attention or there is no C compiler."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if getattr(model.config, "_attn_implementation", None) != "sdpa" or kernel() is None:
+        return False
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    model.set_attn_implementation(NAME)
+    return True
