@@ -732,6 +732,20 @@ def _met(met: bool, what: str = "") -> str:
     return "; " + " ".join(filter(None, [what, "met" if met else "not met"]))
 
 
+def _vs_llamacpp(r: dict, name: str) -> str:
+    """decode after 16 and 512 tokens, prefill, first token: each / llama.cpp's, and whether the goals are met."""
+    k = f"{name}_over_llamacpp"
+    decode = [r["decode_tok_s"][k], r["decode_after_512_tok_s"][k]]
+    return (f"{decode[0]:.2f}x and {decode[1]:.2f}x, {r['prefill_512_s'][k]:.2f}x, {r['first_token_s'][k]:.2f}x"
+            + _met(min(decode) >= 1, "decode") + _met(r["first_token_s"][k] <= 1, "first token"))
+
+
+def _decode(r: dict, attention: str, prompt: int) -> float:
+    """cpu_decode_attention.py's whole-model decode, tok/s, without min_new_tokens."""
+    return next(x["median"] for x in r["model"]["decode_tok_s"]
+                if x["attention"] == attention and x["prompt"] == prompt and not x["min_new_tokens"])
+
+
 def _m1_speed(r: dict, model: str) -> float:
     """A plan_prefill.py run's one-row forward: dense bf16's time / the plan's."""
     m1 = r["models"][model]["forward_m1_ms"]
@@ -819,16 +833,17 @@ SUMMARY = [
     ("best GPU kernel per linear (mslk-cuda's bf16i4 shuffled GEMM from M=64: now the optional `mslk` path) / dense, one layer at M=512",
      "GPU prefill (<= 1.2x dense)", PLANS, ["cuda-prefill-h100.json"],
      lambda r: ", ".join(f"{x['plan_over_dense']:.2f}x ({x['model']})" for x in r["plan"]["summary"] if x["M"] == 512)),
-    ("quantprep (cpu artifact, kernel plan) / llama.cpp on the recipe's Q4_K_M GGUF, real Qwen2.5-Coder-1.5B: decode speed, "
-     "512-token prefill time, spawn to first token", "at least llama.cpp (decode >= 1x, first token <= 1x)", LLAMACPP,
-     ["vs-llamacpp-qwen2.5-coder-1.5b-cpu-avx512.json"],
-     lambda r: f"{r['decode_tok_s']['quantprep_over_llamacpp']:.2f}x, {r['prefill_512_s']['quantprep_over_llamacpp']:.2f}x, "
-               f"{r['first_token_s']['quantprep_over_llamacpp']:.2f}x (decode and first token: not met)"),
+    ("quantprep (cpu artifact, kernel plan) / llama.cpp on the recipe's Q4_K_M GGUF, real Qwen2.5-Coder-1.5B: decode speed "
+     "after 16 and after 512 tokens, 512-token prefill time, spawn to first token", "at least llama.cpp (decode >= 1x, first token <= 1x)",
+     LLAMACPP, ["vs-llamacpp-qwen2.5-coder-1.5b-cpu-avx512.json"], lambda r: _vs_llamacpp(r, "quantprep")),
     *[(f"the same run, the artifact built with `--lm-head {h}` (opted into: it changes the model; its quality in the section)",
        "at least llama.cpp (decode >= 1x, first token <= 1x)", LLAMACPP, ["vs-llamacpp-qwen2.5-coder-1.5b-cpu-avx512.json"],
-       lambda r, k=f"quantprep_{h}_head_over_llamacpp": f"{r['decode_tok_s'][k]:.2f}x, {r['prefill_512_s'][k]:.2f}x, "
-                                                          f"{r['first_token_s'][k]:.2f}x" + _met(r['decode_tok_s'][k] >= 1, "decode")
-                                                          + _met(r['first_token_s'][k] <= 1, "first token")) for h in ("int8", "int4")],
+       lambda r, k=f"quantprep_{h}_head": _vs_llamacpp(r, k)) for h in ("int8", "int4")],
+    ("one decode token's attention per layer, Qwen2.5-1.5B's heads, bf16: torch's SDPA time / quantprep's C kernel's at 48, 512 "
+     "and 2048 cached tokens; the int4-head model's decode after 512 tokens with the kernel / with SDPA", "CPU decode speed",
+     ("CPU decode attention", "attention"), ["cpu-decode-attention-avx512.json"],
+     lambda r: ", ".join(f"{x['sdpa_bf16_over_quantprep']:.1f}x" for x in r["rows"] if x["context"] <= 2048) + "; "
+               + f"{_decode(r, 'quantprep_cpu', 512) / _decode(r, 'sdpa', 512):.2f}x the speed"),
     ("int4_a8 (int8 activations, AVX512-VNNI) / the int4 kernel, every module forced: decode speed; KL to the float model, each",
      "CPU decode speed at the same quality", LLAMACPP, ["cpu-int4-a8-qwen2.5-coder-1.5b-avx512.json"],
      lambda r: f"{r['decode_tok_s']['int4_a8']['median'] / r['decode_tok_s']['int4']['median']:.2f}x; "

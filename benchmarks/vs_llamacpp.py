@@ -25,7 +25,7 @@ throughput runs in a child process of its own: torch and llama.cpp link two Open
 spinning workers would share the cores if both ran in this process.
 
     python benchmarks/vs_llamacpp.py qwen2.5-coder-1.5b [--artifact artifacts/qwen2.5-coder-1.5b/cpu]
-        [--runtimes llamacpp,quantprep,gptqmodel] [--runs 3] [--loads 3] [--new 32]
+        [--runtimes llamacpp,quantprep,gptqmodel] [--runs 5] [--loads 3] [--new 32]
         [--out benchmarks/results/vs-llamacpp-qwen2.5-coder-1.5b-cpu-avx512.json]
 
 --runtimes llamacpp measures llama.cpp alone (no artifact needed: a smoke run, token ids from the GGUF).
@@ -252,7 +252,7 @@ def main() -> None:
     p.add_argument("recipe", help="a recipe that starts from a GGUF: qwen2.5-coder-1.5b, smollm2-135m")
     p.add_argument("--artifact", help="its cpu artifact (default artifacts/RECIPE/cpu)")
     p.add_argument("--runtimes", default=",".join(RUNTIMES), help=f"a comma list of {', '.join(RUNTIMES)}")
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=int, default=5)
     p.add_argument("--loads", type=int, default=3)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--out")

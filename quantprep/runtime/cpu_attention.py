@@ -1,9 +1,8 @@
 """Attention for one new token on the CPU: quantprep's C kernel in place of torch's SDPA at decode.
 
-torch's CPU SDPA for a single bfloat16 query costs 69 µs per layer at 48 cached tokens and 564 µs
-at 512 (float32: 12 and 50 µs), so at a 512-token context attention alone took longer than the
-weights of a 1.5B (BENCHMARKS.md, "CPU decode attention"). This kernel reads the bfloat16 (or
-float32) KV cache once per head and accumulates in float32, as SDPA does.
+torch's CPU SDPA for a single bfloat16 query is several times slower than its own float32 path, and
+the gap grows with the context (BENCHMARKS.md, "CPU decode attention"). This kernel reads the
+bfloat16 KV cache once per head and accumulates in float32, as SDPA does.
 
 It is transformers' attention function "quantprep_cpu" (AttentionInterface), which an artifact
 loaded on the CPU uses in place of "sdpa": one query token with no mask (decode without padding)
