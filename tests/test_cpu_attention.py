@@ -91,3 +91,55 @@ def test_a_loaded_artifact_decodes_with_it(random_artifact):
             assert (calls == 0) == (name == cpu_attention.NAME), f"{name}: {calls} SDPA ops in a decode step"
     assert rel_err(logits[cpu_attention.NAME], logits["sdpa"]) < 2e-2
     assert top1(logits[cpu_attention.NAME], logits["sdpa"]) == 1.0
+
+
+def test_append_is_concatenation():
+    """Appends into spare room give torch.cat's values, through a reallocation, a crop and a replaced tensor."""
+    g = torch.Generator().manual_seed(3)
+    chunks = [torch.randn(2, 3, n, 16, generator=g) for n in (5, 1, 1, 300, 1, 1)]
+    cached, buffer, reference = torch.tensor([]), None, torch.empty(2, 3, 0, 16)
+    buffers = []
+    for chunk in chunks:
+        cached, buffer = cpu_attention.append(cached, buffer, chunk)
+        reference = torch.cat([reference, chunk], dim=-2)
+        buffers.append(buffer.data_ptr())
+        assert torch.equal(cached, reference)
+    assert buffers[0] == buffers[1] == buffers[2] != buffers[3] == buffers[4] == buffers[5]  # grew once, at the 300 rows
+    cached, reference = cached[..., :-2, :], reference[..., :-2, :]  # DynamicLayer.crop: a shorter view of the buffer
+    new = torch.randn(2, 3, 1, 16, generator=g)
+    cached, buffer = cpu_attention.append(cached, buffer, new)
+    assert buffer.data_ptr() == buffers[-1] and torch.equal(cached, torch.cat([reference, new], dim=-2))
+    selected = cached[[1, 0]]  # DynamicLayer.batch_select_indices: a new tensor, copied into a new buffer
+    grown, buffer = cpu_attention.append(selected, buffer, new[[1, 0]])
+    assert buffer.data_ptr() != buffers[-1] and torch.equal(grown, torch.cat([selected, new[[1, 0]]], dim=-2))
+    elsewhere = torch.randn(buffer.shape, generator=g)[:, :, :grown.shape[-2]]  # the buffer's strides, another tensor
+    grown, _ = cpu_attention.append(elsewhere, buffer, new)
+    assert torch.equal(grown, torch.cat([elsewhere, new], dim=-2))
+
+
+def test_a_loaded_model_grows_its_cache_in_place(random_artifact):
+    """The cache a loaded model is called with holds GrowingLayers after the call, and decoding with it
+    gives the logits of the same steps on plain concatenating layers."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    import quantprep
+
+    class Concatenating(DynamicLayer):  # not converted: the hook converts exactly DynamicLayer
+        pass
+
+    model = quantprep.load(random_artifact)
+    prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(4))
+    runs = {}
+    with torch.inference_mode():
+        for name in ("growing", "concatenating"):
+            cache = DynamicCache(config=model.config)
+            if name == "concatenating":
+                cache.layers = [Concatenating() for _ in cache.layers]
+            ids, logits = prompt, []
+            for _ in range(4):
+                out = model(input_ids=ids, past_key_values=cache)
+                logits.append(out.logits[:, -1])
+                ids = out.logits[:, -1:].argmax(-1)
+            runs[name] = (torch.cat(logits), [type(layer).__name__ for layer in cache.layers])
+    assert set(runs["growing"][1]) == {"GrowingLayer"} and set(runs["concatenating"][1]) == {"Concatenating"}
+    assert torch.equal(runs["growing"][0], runs["concatenating"][0])

@@ -9,6 +9,12 @@ loaded on the CPU uses in place of "sdpa": one query token with no mask (decode 
 runs here, everything else (prefill, a padded batch, a sliding window that cuts the cache, float16,
 autograd, torch.compile tracing) goes to transformers' sdpa_attention_forward unchanged. Masks are
 built as for "sdpa".
+
+The KV cache: transformers' DynamicLayer concatenates each layer's whole cache with the new token's
+keys and values at every token, a copy that grows with the context (BENCHMARKS.md, "CPU decode
+attention"). A model that uses this attention makes the DynamicLayers of the cache it is called with
+GrowingLayers, which write into a buffer with room to spare and return views of it: the same
+tensors' values, no copy of the cache per token.
 """
 
 from __future__ import annotations
@@ -120,9 +126,53 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     return out, None
 
 
+def append(cached: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cached ++ new along the sequence (dim -2) -> (a view of buffer, buffer): new is written into the
+    buffer's spare room when `cached` is still the buffer's prefix, else into a buffer a quarter
+    larger than needed (at least 256 more rows), into which `cached` is copied once."""
+    n = cached.shape[-2] if cached.dim() == 4 else 0
+    end = n + new.shape[-2]
+    if not (buffer is not None and n and cached.data_ptr() == buffer.data_ptr() and cached.stride() == buffer.stride()
+            and cached.shape[:2] == new.shape[:2] == buffer.shape[:2] and cached.shape[-1] == new.shape[-1]
+            and end <= buffer.shape[-2] and buffer.dtype == new.dtype and buffer.device == new.device):
+        buffer = new.new_empty(*new.shape[:2], end + max(256, end // 4), new.shape[-1])
+        if n:
+            buffer[:, :, :n] = cached
+    buffer[:, :, n:end] = new
+    return buffer[:, :, :end], buffer
+
+
+@functools.cache
+def growing_layer_class() -> type:
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        """A DynamicLayer whose update appends into spare room (append) instead of concatenating."""
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.keys, self.key_buffer = append(self.keys, getattr(self, "key_buffer", None), key_states)
+            self.values, self.value_buffer = append(self.values, getattr(self, "value_buffer", None), value_states)
+            return self.keys, self.values
+
+    return GrowingLayer
+
+
+def grow_in_place(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: the cache's plain DynamicLayers become GrowingLayers (a subclass; their state
+    is kept, and copied into a buffer once at their next update)."""
+    from transformers.cache_utils import DynamicLayer
+
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    for layer in getattr(cache, "layers", ()):
+        if type(layer) is DynamicLayer:
+            layer.__class__ = growing_layer_class()
+
+
 def use(model) -> bool:
-    """Switch a CPU model that runs transformers' "sdpa" to "quantprep_cpu"; False (nothing changed)
-    where it runs another attention or there is no C compiler."""
+    """Switch a CPU model that runs transformers' "sdpa" to "quantprep_cpu", and its KV caches to
+    GrowingLayers; False (nothing changed) where it runs another attention or there is no C compiler."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -131,4 +181,5 @@ def use(model) -> bool:
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     model.set_attn_implementation(NAME)
+    model.register_forward_pre_hook(grow_in_place, with_kwargs=True)
     return True
