@@ -6,10 +6,12 @@ bfloat16 as a cpu artifact runs: microseconds per layer (medians of --reps timin
 (a float32 cache would double its memory).
 
 With --artifact, the whole model too: greedy decode tok/s (transformers' generate, --new tokens, a
-streamer's timestamps after the first) after a 16-token and a 512-token prompt, with the kernel and
-with transformers' SDPA, interleaved, medians of --runs; and after the 16-token prompt once more with
-`min_new_tokens` (generate then runs a logits processor over the whole vocabulary and a stopping
-check at every token), as vs_llamacpp.py measured decode before 2026-11-26's second run.
+streamer's timestamps after the first) after a 16-token and a 512-token prompt, interleaved, medians
+of --runs: with the kernel and the growing KV cache (what a loaded artifact runs), with the kernel on
+transformers' concatenating cache, and with transformers' SDPA on its concatenating cache (what ran
+before); and after the 16-token prompt once more with `min_new_tokens` (generate then runs a logits
+processor over the whole vocabulary and a stopping check at every token), as vs_llamacpp.py
+measured decode before 2026-11-26's second run.
 `benchmarks/tables.py` renders the JSON into BENCHMARKS.md ("CPU decode attention").
 
     python benchmarks/cpu_decode_attention.py [--artifact artifacts/qwen2.5-coder-1.5b-int4-head/cpu]
@@ -45,6 +47,7 @@ def per_call_us(fn, calls: int, reps: int) -> float:
 
 def model_decode(path: str, runs: int, new: int) -> dict:
     """tok/s per (attention, prompt length[, min_new_tokens]) on one loaded artifact, interleaved."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
     from transformers.generation.streamers import BaseStreamer
 
     import quantprep
@@ -64,14 +67,23 @@ def model_decode(path: str, runs: int, new: int) -> dict:
         raise SystemExit(f"{path}: loaded with attention {model.quantprep_attention!r}, not {cpu_attention.NAME!r}")
     g = torch.Generator().manual_seed(0)
     prompts = {n: torch.randint(0, model.config.vocab_size, (1, n), generator=g) for n in (16, 512)}
-    cases = [(a, n, False) for a in (cpu_attention.NAME, "sdpa") for n in prompts] + [(cpu_attention.NAME, 16, True)]
+    class Concatenating(DynamicLayer):  # transformers' own update; the model's hook converts exactly DynamicLayer
+        pass
 
-    def decode(attention: str, n: int, min_new: bool) -> float:
+    cases = [(cpu_attention.NAME, n, "growing", False) for n in prompts] + [(cpu_attention.NAME, 512, "concatenating", False)]
+    cases += [("sdpa", n, "concatenating", False) for n in prompts] + [(cpu_attention.NAME, 16, "growing", True)]
+
+    def decode(attention: str, n: int, cache: str, min_new: bool) -> float:
         model.set_attn_implementation(attention)
         ids, s = prompts[n], Stamps()
+        kv = DynamicCache(config=model.config)
+        if cache == "concatenating":
+            kv.layers = [Concatenating() for _ in kv.layers]
         stop = {"min_new_tokens": new} if min_new else {"eos_token_id": None}
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, streamer=s, **stop)
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, streamer=s,
+                       past_key_values=kv, **stop)
         assert len(s.t) == new + 1, f"{len(s.t)} streamer calls for {new} tokens"
+        assert {type(x).__name__ for x in kv.layers} == {"GrowingLayer" if cache == "growing" else "Concatenating"}
         return (new - 1) / (s.t[-1] - s.t[1])
 
     tok_s = {c: [] for c in cases}
@@ -81,10 +93,10 @@ def model_decode(path: str, runs: int, new: int) -> dict:
         for _ in range(runs):
             for c in cases:
                 tok_s[c].append(decode(*c))
-            print({f"{a} {n}{' min_new_tokens' if m else ''}": round(v[-1], 2) for (a, n, m), v in tok_s.items()}, flush=True)
+            print({f"{a} {n} {c}{' min_new_tokens' if m else ''}": round(v[-1], 2) for (a, n, c, m), v in tok_s.items()}, flush=True)
     return {"artifact": path, "new_tokens": new, "runs": runs,
-            "decode_tok_s": [{"attention": a, "prompt": n, "min_new_tokens": m, "median": statistics.median(v), "runs": v}
-                             for (a, n, m), v in tok_s.items()]}
+            "decode_tok_s": [{"attention": a, "prompt": n, "cache": c, "min_new_tokens": m, "median": statistics.median(v), "runs": v}
+                             for (a, n, c, m), v in tok_s.items()]}
 
 
 def main() -> None:

@@ -360,7 +360,8 @@ def vs_llamacpp(*runs: dict) -> str:
     for r in runs:
         dc, pf, ft = r["decode_tok_s"], r["prefill_512_s"], r["first_token_s"]
         dl = r.get("decode_after_512_tok_s")  # measured from 2026-11-26's second run on
-        out += [f"{r['model']}, {r['cpu']} ({r['cores']} cores, {r['cpu_capability']}), {r['threads']} threads each, {r['date'][:10]}; "
+        out += [""] * bool(out) + [
+                f"{r['_file']}: {r['model']}, {r['cpu']} ({r['cores']} cores, {r['cpu_capability']}), {r['threads']} threads each, {r['date'][:16]}; "
                 f"llama-cpp-python {r['versions']['llama_cpp']}; medians of {len(dc['quantprep']['runs'])} (first token: "
                 f"{len(ft['quantprep']['runs'])} fresh processes)", "",
                 "| runtime | decode, tok/s |" + (" decode after 512 tokens, tok/s |" if dl else "")
@@ -395,9 +396,9 @@ def cpu_decode_attention(r: dict) -> str:
     if "model" in r:
         m = r["model"]
         out += ["", f"{m['artifact']}: greedy decode, tok/s, {m['new_tokens']} tokens, medians of {m['runs']}", "",
-                "| attention | prompt, tokens | generate's stopping | tok/s |", "| --- | --- | --- | --- |"]
-        out += [f"| {x['attention']} | {x['prompt']} | {'min_new_tokens' if x['min_new_tokens'] else 'none (eos_token_id=None)'} | "
-                f"{x['median']:.2f} |" for x in m["decode_tok_s"]]
+                "| attention | KV cache | prompt, tokens | generate's stopping | tok/s |", "| --- | --- | --- | --- | --- |"]
+        out += [f"| {x['attention']} | {x.get('cache', 'growing')} | {x['prompt']} | "
+                f"{'min_new_tokens' if x['min_new_tokens'] else 'none (eos_token_id=None)'} | {x['median']:.2f} |" for x in m["decode_tok_s"]]
     return "\n".join(out)
 
 
@@ -740,10 +741,10 @@ def _vs_llamacpp(r: dict, name: str) -> str:
             + _met(min(decode) >= 1, "decode") + _met(r["first_token_s"][k] <= 1, "first token"))
 
 
-def _decode(r: dict, attention: str, prompt: int) -> float:
+def _decode(r: dict, attention: str, prompt: int, cache: str) -> float:
     """cpu_decode_attention.py's whole-model decode, tok/s, without min_new_tokens."""
     return next(x["median"] for x in r["model"]["decode_tok_s"]
-                if x["attention"] == attention and x["prompt"] == prompt and not x["min_new_tokens"])
+                if x["attention"] == attention and x["prompt"] == prompt and x["cache"] == cache and not x["min_new_tokens"])
 
 
 def _m1_speed(r: dict, model: str) -> float:
@@ -840,10 +841,11 @@ SUMMARY = [
        "at least llama.cpp (decode >= 1x, first token <= 1x)", LLAMACPP, ["vs-llamacpp-qwen2.5-coder-1.5b-cpu-avx512.json"],
        lambda r, k=f"quantprep_{h}_head": _vs_llamacpp(r, k)) for h in ("int8", "int4")],
     ("one decode token's attention per layer, Qwen2.5-1.5B's heads, bf16: torch's SDPA time / quantprep's C kernel's at 48, 512 "
-     "and 2048 cached tokens; the int4-head model's decode after 512 tokens with the kernel / with SDPA", "CPU decode speed",
+     "and 2048 cached tokens; the int4-head model's decode after 512 tokens with the kernel and the growing KV cache / with SDPA "
+     "and transformers' concatenating cache", "CPU decode speed",
      ("CPU decode attention", "attention"), ["cpu-decode-attention-avx512.json"],
      lambda r: ", ".join(f"{x['sdpa_bf16_over_quantprep']:.1f}x" for x in r["rows"] if x["context"] <= 2048) + "; "
-               + f"{_decode(r, 'quantprep_cpu', 512) / _decode(r, 'sdpa', 512):.2f}x the speed"),
+               + f"{_decode(r, 'quantprep_cpu', 512, 'growing') / _decode(r, 'sdpa', 512, 'concatenating'):.2f}x the speed"),
     ("int4_a8 (int8 activations, AVX512-VNNI) / the int4 kernel, every module forced: decode speed; KL to the float model, each",
      "CPU decode speed at the same quality", LLAMACPP, ["cpu-int4-a8-qwen2.5-coder-1.5b-avx512.json"],
      lambda r: f"{r['decode_tok_s']['int4_a8']['median'] / r['decode_tok_s']['int4']['median']:.2f}x; "
