@@ -102,3 +102,27 @@ def save(result: dict, path: str | Path | None) -> str:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text + "\n")
     return text
+
+
+def greedy_decode(model, ids, new: int, **generate_kwargs) -> tuple[float, list[int]]:
+    """transformers' greedy `generate` of `new` tokens after `ids` [1, n] -> (tokens/s over the new - 1
+    after the first, which the prompt's forward gives; the new tokens), timed by a streamer's
+    timestamps as generate samples each token."""
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    class Stamps(BaseStreamer):
+        def __init__(self):
+            self.t = []
+
+        def put(self, value):
+            self.t.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    s = Stamps()
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, streamer=s,
+                         **generate_kwargs)
+    assert len(s.t) == new + 1, f"{len(s.t)} streamer calls for {new} tokens"
+    return (new - 1) / (s.t[-1] - s.t[1]), out[0, ids.shape[1]:].tolist()

@@ -26,7 +26,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import machine, save
+from common import greedy_decode, machine, save
 
 from quantprep.runtime import cpu_attention
 
@@ -46,27 +46,17 @@ def per_call_us(fn, calls: int, reps: int) -> float:
 
 
 def model_decode(path: str, runs: int, new: int) -> dict:
-    """tok/s per (attention, prompt length[, min_new_tokens]) on one loaded artifact, interleaved."""
+    """tok/s per (attention, KV cache, prompt length, min_new_tokens) on one loaded artifact, interleaved."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
-    from transformers.generation.streamers import BaseStreamer
 
     import quantprep
-
-    class Stamps(BaseStreamer):
-        def __init__(self):
-            self.t = []
-
-        def put(self, value):
-            self.t.append(time.perf_counter())
-
-        def end(self):
-            pass
 
     model = quantprep.load(path)
     if model.quantprep_attention != cpu_attention.NAME:
         raise SystemExit(f"{path}: loaded with attention {model.quantprep_attention!r}, not {cpu_attention.NAME!r}")
     g = torch.Generator().manual_seed(0)
     prompts = {n: torch.randint(0, model.config.vocab_size, (1, n), generator=g) for n in (16, 512)}
+
     class Concatenating(DynamicLayer):  # transformers' own update; the model's hook converts exactly DynamicLayer
         pass
 
@@ -75,16 +65,13 @@ def model_decode(path: str, runs: int, new: int) -> dict:
 
     def decode(attention: str, n: int, cache: str, min_new: bool) -> float:
         model.set_attn_implementation(attention)
-        ids, s = prompts[n], Stamps()
         kv = DynamicCache(config=model.config)
         if cache == "concatenating":
             kv.layers = [Concatenating() for _ in kv.layers]
         stop = {"min_new_tokens": new} if min_new else {"eos_token_id": None}
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, streamer=s,
-                       past_key_values=kv, **stop)
-        assert len(s.t) == new + 1, f"{len(s.t)} streamer calls for {new} tokens"
+        tok_s, _ = greedy_decode(model, prompts[n], new, past_key_values=kv, **stop)
         assert {type(x).__name__ for x in kv.layers} == {"GrowingLayer" if cache == "growing" else "Concatenating"}
-        return (new - 1) / (s.t[-1] - s.t[1])
+        return tok_s
 
     tok_s = {c: [] for c in cases}
     with torch.inference_mode():

@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import REPO, machine, median_and_runs, save, timed
+from common import REPO, greedy_decode, machine, median_and_runs, save, timed
 from load import fresh_process, medians
 
 RUNTIMES = ("llamacpp", "quantprep", "quantprep_int8_head", "quantprep_int4_head", "gptqmodel")
@@ -200,19 +200,6 @@ def torch_runs(models: dict, ids: list[int], runs: int, new: int) -> tuple[dict,
     """(prefill seconds, decode tok/s, decode tok/s after 512 tokens, greedy tokens) per model, interleaved runs
     after a warm-up each."""
     import torch
-    from transformers.generation.streamers import BaseStreamer
-
-    class Stamps(BaseStreamer):
-        """perf_counter at each put: the prompt, then each new token as generate samples it."""
-
-        def __init__(self):
-            self.t = []
-
-        def put(self, value):
-            self.t.append(time.perf_counter())
-
-        def end(self):
-            pass
 
     full, prompt = torch.tensor([ids]), torch.tensor([ids[:PROMPT]])
 
@@ -220,11 +207,8 @@ def torch_runs(models: dict, ids: list[int], runs: int, new: int) -> tuple[dict,
         return timed(lambda: m(input_ids=full, logits_to_keep=1).logits[0, -1].argmax())
 
     def decode(m, ids: torch.Tensor) -> tuple[float, list[int]]:
-        s = Stamps()  # eos_token_id=None as an argument (a generation_config's None is filled from the model's)
-        out = m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                         eos_token_id=None, streamer=s)
-        assert len(s.t) == new + 1, f"{len(s.t)} streamer calls for {new} tokens"
-        return (new - 1) / (s.t[-1] - s.t[1]), out[0, ids.shape[1]:].tolist()
+        # eos_token_id=None as an argument (a generation_config's None is filled from the model's)
+        return greedy_decode(m, ids, new, eos_token_id=None)
 
     p, d, d_long, tokens = {k: [] for k in models}, {k: [] for k in models}, {k: [] for k in models}, {}
     with torch.inference_mode():
