@@ -47,6 +47,8 @@ def test_from_pretrained_is_quantprep_load(tmp_path, lm_head, fuse):
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
     assert torch.equal(_logits(theirs, ids), _logits(ours, ids))
     assert theirs.quantprep_kcache == ours.quantprep_kcache and theirs.quantprep_buckets == ours.quantprep_buckets
+    # decode attention (runtime/cpu_attention.py) where a C compiler is: after from_pretrained has finished too
+    assert theirs.config._attn_implementation == ours.config._attn_implementation == ours.quantprep_attention
 
 
 def test_float32_artifact_and_device_map(tmp_path):
