@@ -91,8 +91,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--artifact", help="a cpu artifact: decode with the kernel and with SDPA")
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--out")
     args = ap.parse_args()
     if cpu_attention.kernel() is None:

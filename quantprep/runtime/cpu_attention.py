@@ -4,17 +4,16 @@ torch's CPU SDPA for a single bfloat16 query is several times slower than its ow
 the gap grows with the context (BENCHMARKS.md, "CPU decode attention"). This kernel reads the
 bfloat16 KV cache once per head and accumulates in float32, as SDPA does.
 
-It is transformers' attention function "quantprep_cpu" (AttentionInterface), which an artifact
-loaded on the CPU uses in place of "sdpa": one query token with no mask (decode without padding)
-runs here, everything else (prefill, a padded batch, a sliding window that cuts the cache, float16,
-autograd, torch.compile tracing) goes to transformers' sdpa_attention_forward unchanged. Masks are
-built as for "sdpa".
+It is transformers' attention function "quantprep_cpu" (AttentionInterface), which a bfloat16
+artifact loaded on the CPU uses in place of "sdpa": one query token with no mask (decode without
+padding) runs here, everything else (runs_here) goes to transformers' sdpa_attention_forward
+unchanged. Masks are built as for "sdpa".
 
 The KV cache: transformers' DynamicLayer concatenates each layer's whole cache with the new token's
 keys and values at every token, a copy that grows with the context (BENCHMARKS.md, "CPU decode
 attention"). A model that uses this attention makes the DynamicLayers of the cache it is called with
-GrowingLayers, which write into a buffer with room to spare and return views of it: the same
-tensors' values, no copy of the cache per token.
+GrowingLayers, which append into a buffer with room to spare and return views of it: the same
+values, no copy of the cache per token, and rows once handed out are never written again.
 """
 
 from __future__ import annotations
@@ -25,14 +24,14 @@ import functools
 import torch
 
 from quantprep.targets import native
-from quantprep.targets.cpu import BF16_C
+from quantprep.targets.cpu import BF16_C, eager
 
 NAME = "quantprep_cpu"
+MAX_HEAD_DIM = 256  # the kernel keeps a query row and its sum on the stack
 
-SOURCE = BF16_C + r"""
+SOURCE = BF16_C + f"#define MAX_D {MAX_HEAD_DIM}\n" + r"""
 #include <math.h>
 #include <stdlib.h>
-#define MAX_D 256
 /* out[b, 0, h, :] = softmax(scale * q[b, h] . k[b, h / (H / KV), t] over t < S) . v[b, h / (H / KV)], all
    bfloat16, summed in float32; one (batch, head) per task. Strides are in elements; the last dimension is dense. */
 int decode_attention(const uint16_t *q, int64_t q_sb, int64_t q_sh, const uint16_t *k, int64_t k_sb, int64_t k_sh,
@@ -44,7 +43,11 @@ int decode_attention(const uint16_t *q, int64_t q_sb, int64_t q_sh, const uint16
     for (int64_t bh = 0; bh < B * H; bh++) {
         int64_t b = bh / H, h = bh % H, g = h / (H / KV);
         float *s = malloc((size_t)S * sizeof(float));
-        if (!s) { failed = 1; continue; }
+        if (!s) {
+            #pragma omp atomic write
+            failed = 1;
+            continue;
+        }
         float qf[MAX_D], acc[MAX_D];
         const uint16_t *qr = q + b * q_sb + h * q_sh;
         for (int64_t d = 0; d < D; d++) { qf[d] = from_bf16(qr[d]) * scale; acc[d] = 0.0f; }
@@ -72,15 +75,13 @@ int decode_attention(const uint16_t *q, int64_t q_sb, int64_t q_sh, const uint16
     return failed ? -1 : 0;
 }
 """
-MAX_HEAD_DIM = 256
 
 
 @functools.cache
-def kernel():
+def kernel() -> ctypes._CFuncPtr | None:
     """`decode_attention` from SOURCE (native.py compiles it, with torch's OpenMP where it can), or
     None without a C compiler."""
-    lib = native.library(SOURCE, ("-fopenmp",)) if native.torch_openmp() else None
-    lib = lib or native.library(SOURCE)
+    lib = native.library_with_torch_openmp(SOURCE)
     if lib is None:
         return None
     fn = lib.decode_attention
@@ -90,23 +91,26 @@ def kernel():
     return fn
 
 
-def runs_here(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, dropout: float, kwargs: dict) -> bool:
-    """Whether the C kernel computes exactly what sdpa_attention_forward would for these inputs."""
+def runs_here(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+              dropout: float, kwargs: dict) -> bool:
+    """Whether the C kernel computes what sdpa_attention_forward would for these inputs (to bfloat16
+    rounding: both sum in float32): one token, no mask, no dropout, softcap, sinks or position bias,
+    eager bfloat16 CPU tensors with dense rows, no autograd."""
     B, H, T, D = query.shape
-    return (T == 1 and attention_mask is None and dropout == 0.0 and query.device.type == "cpu"
+    return (T == 1 and attention_mask is None and dropout == 0.0
+            and all(eager(t) and t.device.type == "cpu" for t in (query, key, value))
             and query.dtype == torch.bfloat16 and key.dtype == query.dtype and value.dtype == query.dtype
             and key.shape[0] == B and key.shape[1] > 0 and H % key.shape[1] == 0 and key.shape[3] == D
             and value.shape == key.shape and key.shape[2] > 0 and D % 16 == 0 and D <= MAX_HEAD_DIM
             and query.stride(3) == key.stride(3) == value.stride(3) == 1
-            and (kwargs.get("sliding_window") is None or key.shape[2] <= kwargs["sliding_window"])
             and all(kwargs.get(k) is None for k in ("softcap", "s_aux", "sinks", "position_bias"))
             and not kwargs.get("output_attentions", False)
-            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
-            and not torch.compiler.is_compiling())
+            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)))
 
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+              **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [B, H, T, D], key/value [B, KV, S, D] ->
     ([B, T, H, D], None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -115,7 +119,7 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     if fn is None or not runs_here(query, key, value, attention_mask, dropout, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     B, H, _, D = query.shape
-    out = torch.empty(B, 1, H, D, dtype=query.dtype)
+    out = query.new_empty(B, 1, H, D)
     scale = scaling if scaling is not None else D ** -0.5
     rc = fn(query.data_ptr(), query.stride(0), query.stride(1),
             key.data_ptr(), key.stride(0), key.stride(1), key.stride(2),
@@ -126,24 +130,38 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     return out, None
 
 
-def append(cached: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cached ++ new along the sequence (dim -2) -> (a view of buffer, buffer): new is written into the
-    buffer's spare room when `cached` is still the buffer's prefix, else into a buffer a quarter
-    larger than needed (at least 256 more rows), into which `cached` is copied once."""
+def append(cached: torch.Tensor, buffer: torch.Tensor | None, filled: int, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """cached ++ new along the sequence (dim -2) -> (a view of buffer, buffer, rows of it written).
+
+    new goes into the buffer's spare room when `cached` is still exactly the rows written so far,
+    else (a cropped, reordered or replaced cache, no room left, an inference-mode buffer outside
+    inference mode) into a new buffer a quarter larger than needed (at least 256 more rows), into
+    which `cached` is copied once: so a row once handed out in a view is never written again."""
     n = cached.shape[-2] if cached.dim() == 4 else 0
     end = n + new.shape[-2]
-    if not (buffer is not None and n and cached.data_ptr() == buffer.data_ptr() and cached.stride() == buffer.stride()
-            and cached.shape[:2] == new.shape[:2] == buffer.shape[:2] and cached.shape[-1] == new.shape[-1]
-            and end <= buffer.shape[-2] and buffer.dtype == new.dtype and buffer.device == new.device):
+    if not (buffer is not None and n and n == filled and cached.data_ptr() == buffer.data_ptr()
+            and cached.stride() == buffer.stride() and cached.shape[:2] == new.shape[:2] == buffer.shape[:2]
+            and cached.shape[-1] == new.shape[-1] and end <= buffer.shape[-2] and buffer.dtype == new.dtype
+            and buffer.device == new.device and (torch.is_inference_mode_enabled() or not buffer.is_inference())):
         buffer = new.new_empty(*new.shape[:2], end + max(256, end // 4), new.shape[-1])
         if n:
             buffer[:, :, :n] = cached
     buffer[:, :, n:end] = new
-    return buffer[:, :, :end], buffer
+    return buffer[:, :, :end], buffer, end
+
+
+def plain_layer(state: dict):
+    """A DynamicLayer with this state: how a GrowingLayer pickles (its class is made at run time)."""
+    from transformers.cache_utils import DynamicLayer
+
+    layer = DynamicLayer.__new__(DynamicLayer)
+    layer.__dict__.update(state)
+    return layer
 
 
 @functools.cache
 def growing_layer_class() -> type:
+    """GrowingLayer, made on first use: transformers is imported only then."""
     from transformers.cache_utils import DynamicLayer
 
     class GrowingLayer(DynamicLayer):
@@ -152,16 +170,25 @@ def growing_layer_class() -> type:
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            self.keys, self.key_buffer = append(self.keys, getattr(self, "key_buffer", None), key_states)
-            self.values, self.value_buffer = append(self.values, getattr(self, "value_buffer", None), value_states)
+            self.keys, self.key_buffer, self.key_rows = append(self.keys, getattr(self, "key_buffer", None),
+                                                               getattr(self, "key_rows", 0), key_states)
+            self.values, self.value_buffer, self.value_rows = append(self.values, getattr(self, "value_buffer", None),
+                                                                     getattr(self, "value_rows", 0), value_states)
             return self.keys, self.values
+
+        def __reduce_ex__(self, protocol):
+            """Pickles as the DynamicLayer it stands for: its keys and values without the spare rows."""
+            state = {k: v for k, v in vars(self).items() if k not in ("key_buffer", "value_buffer", "key_rows", "value_rows")}
+            if state.get("keys") is not None and state["keys"].dim() == 4:
+                state["keys"], state["values"] = state["keys"].contiguous(), state["values"].contiguous()
+            return plain_layer, (state,)
 
     return GrowingLayer
 
 
 def grow_in_place(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook: the cache's plain DynamicLayers become GrowingLayers (a subclass; their state
-    is kept, and copied into a buffer once at their next update)."""
+    """Forward pre-hook: the plain DynamicLayers of the cache passed by keyword become GrowingLayers
+    (a subclass; their state is kept, and copied into a buffer once at their next update)."""
     from transformers.cache_utils import DynamicLayer
 
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
@@ -170,16 +197,19 @@ def grow_in_place(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             layer.__class__ = growing_layer_class()
 
 
-def use(model) -> bool:
-    """Switch a CPU model that runs transformers' "sdpa" to "quantprep_cpu", and its KV caches to
-    GrowingLayers; False (nothing changed) where it runs another attention or there is no C compiler."""
+def use(model: torch.nn.Module) -> bool:
+    """Switch a bfloat16 CPU model that runs transformers' "sdpa" to "quantprep_cpu", and its KV caches
+    to GrowingLayers. False, nothing changed: another attention or dtype, no C compiler, or a model
+    whose attention transformers cannot switch."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    if getattr(model.config, "_attn_implementation", None) != "sdpa" or kernel() is None:
+    if getattr(model.config, "_attn_implementation", None) != "sdpa" or model.dtype != torch.bfloat16 or kernel() is None:
         return False
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     model.set_attn_implementation(NAME)
+    if model.config._attn_implementation != NAME:  # transformers only warns for a model it cannot switch
+        return False
     model.register_forward_pre_hook(grow_in_place, with_kwargs=True)
     return True

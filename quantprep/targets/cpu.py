@@ -262,8 +262,7 @@ def native_dequantizer():
     """`dequant_int4_cpu` from NATIVE_DEQUANT_SOURCE, or None (then the tensor ops). Built with
     OpenMP (GCC's) only where torch's runtime is the libgomp.so.1 already loaded: the library then
     binds to it (one runtime, torch's threads, torch's thread count); elsewhere one thread per call."""
-    lib = native.library(NATIVE_DEQUANT_SOURCE, ("-fopenmp",)) if native.torch_openmp() else None
-    lib = lib or native.library(NATIVE_DEQUANT_SOURCE)
+    lib = native.library_with_torch_openmp(NATIVE_DEQUANT_SOURCE)
     if lib is None:
         return None
     fn = lib.dequant_int4_cpu
@@ -274,8 +273,9 @@ def native_dequantizer():
 
 def eager(t: torch.Tensor) -> bool:
     """Real data in an eager call: export and torch.compile trace fake tensors, which have no data to
-    hand to C (they take the tensor ops, which Inductor fuses)."""
-    return type(t) is torch.Tensor and not torch.compiler.is_compiling()
+    hand to C (they take the tensor ops, which Inductor fuses), and torch.jit.trace records only
+    tensor ops (a C call would be missing from its graph)."""
+    return type(t) is torch.Tensor and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
 
 
 class NativeWeight:
@@ -502,8 +502,7 @@ int int4_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int32_t *perm, 
 def native_int4_a8():
     """`int4_a8_cpu` from NATIVE_A8_SOURCE, or None: no compiler, or a CPU without AVX512-VNNI and
     VBMI (the library then has no kernel). OpenMP as native_dequantizer."""
-    lib = native.library(NATIVE_A8_SOURCE, ("-fopenmp",)) if native.torch_openmp() else None
-    lib = lib or native.library(NATIVE_A8_SOURCE)
+    lib = native.library_with_torch_openmp(NATIVE_A8_SOURCE)
     if lib is None:
         return None
     fn = lib.int4_a8_cpu
