@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
-from common import greedy_decode, machine, save
+from common import greedy_decode, machine, median_time, save
 
 from quantprep.runtime import cpu_attention
 
@@ -35,14 +34,8 @@ CONTEXTS = (48, 512, 2048, 8192)
 
 
 def per_call_us(fn, calls: int, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t) / calls * 1e6)
-    return statistics.median(times)
+    """Microseconds per call: the median of `reps` timings of `calls` calls each, after one untimed round."""
+    return median_time(lambda: [fn() for _ in range(calls)], reps) / calls * 1e6
 
 
 def model_decode(path: str, runs: int, new: int) -> dict:

@@ -359,25 +359,25 @@ def vs_llamacpp(*runs: dict) -> str:
     out = []
     for r in runs:
         dc, pf, ft = r["decode_tok_s"], r["prefill_512_s"], r["first_token_s"]
-        dl = r.get("decode_after_512_tok_s")  # measured from 2026-11-26's second run on
+        dl = r["decode_after_512_tok_s"]
         out += [""] * bool(out) + [
                 f"{r['_file']}: {r['model']}, {r['cpu']} ({r['cores']} cores, {r['cpu_capability']}), {r['threads']} threads each, {r['date'][:16]}; "
                 f"llama-cpp-python {r['versions']['llama_cpp']}; medians of {len(dc['quantprep']['runs'])} (first token: "
                 f"{len(ft['quantprep']['runs'])} fresh processes)", "",
-                "| runtime | decode, tok/s |" + (" decode after 512 tokens, tok/s |" if dl else "")
-                + " 512-token prefill, s | spawn to first token, s (imports / load / first token) |",
-                "| --- | --- |" + (" --- |" if dl else "") + " --- | --- |"]
+                "| runtime | decode, tok/s | decode after 512 tokens, tok/s | 512-token prefill, s | spawn to first token, s "
+                "(imports / load / first token) |",
+                "| --- | --- | --- | --- | --- |"]
         for k, name in names.items():
             if k not in dc:
                 continue
             f = ft[k]
-            out.append(f"| {name} | {dc[k]['median']:.2f} |" + (f" {dl[k]['median']:.2f} |" if dl else "")
-                       + f" {pf[k]['median']:.2f} | {f['total_s']:.2f} ({f['import_s']:.2f} / {f['load_s']:.2f} / {f['first_s']:.2f}) |")
+            out.append(f"| {name} | {dc[k]['median']:.2f} | {dl[k]['median']:.2f} | {pf[k]['median']:.2f} | {f['total_s']:.2f} "
+                       f"({f['import_s']:.2f} / {f['load_s']:.2f} / {f['first_s']:.2f}) |")
         for k in ("quantprep", "quantprep_int8_head", "quantprep_int4_head"):
             if f"{k}_over_llamacpp" in dc:
-                out.append(f"| {names[k].split(' (')[0]} / llama.cpp | {dc[f'{k}_over_llamacpp']:.2f}x the speed |"
-                           + (f" {dl[f'{k}_over_llamacpp']:.2f}x the speed |" if dl else "")
-                           + f" {pf[f'{k}_over_llamacpp']:.2f}x the time | {ft[f'{k}_over_llamacpp']:.2f}x the time |")
+                out.append(f"| {names[k].split(' (')[0]} / llama.cpp | {dc[f'{k}_over_llamacpp']:.2f}x the speed | "
+                           f"{dl[f'{k}_over_llamacpp']:.2f}x the speed | {pf[f'{k}_over_llamacpp']:.2f}x the time | "
+                           f"{ft[f'{k}_over_llamacpp']:.2f}x the time |")
     return "\n".join(out)
 
 
@@ -397,7 +397,7 @@ def cpu_decode_attention(r: dict) -> str:
         m = r["model"]
         out += ["", f"{m['artifact']}: greedy decode, tok/s, {m['new_tokens']} tokens, medians of {m['runs']}", "",
                 "| attention | KV cache | prompt, tokens | generate's stopping | tok/s |", "| --- | --- | --- | --- | --- |"]
-        out += [f"| {x['attention']} | {x.get('cache', 'growing')} | {x['prompt']} | "
+        out += [f"| {x['attention']} | {x['cache']} | {x['prompt']} | "
                 f"{'min_new_tokens' if x['min_new_tokens'] else 'none (eos_token_id=None)'} | {x['median']:.2f} |" for x in m["decode_tok_s"]]
     return "\n".join(out)
 

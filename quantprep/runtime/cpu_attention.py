@@ -116,18 +116,16 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     fn = kernel()
-    if fn is None or not runs_here(query, key, value, attention_mask, dropout, kwargs):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    B, H, _, D = query.shape
-    out = query.new_empty(B, 1, H, D)
-    scale = scaling if scaling is not None else D ** -0.5
-    rc = fn(query.data_ptr(), query.stride(0), query.stride(1),
-            key.data_ptr(), key.stride(0), key.stride(1), key.stride(2),
-            value.data_ptr(), value.stride(0), value.stride(1), value.stride(2),
-            out.data_ptr(), B, H, key.shape[1], key.shape[2], D, scale)
-    if rc:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    return out, None
+    if fn is not None and runs_here(query, key, value, attention_mask, dropout, kwargs):
+        B, H, _, D = query.shape
+        out = query.new_empty(B, 1, H, D)
+        scale = scaling if scaling is not None else D ** -0.5
+        if fn(query.data_ptr(), query.stride(0), query.stride(1),
+              key.data_ptr(), key.stride(0), key.stride(1), key.stride(2),
+              value.data_ptr(), value.stride(0), value.stride(1), value.stride(2),
+              out.data_ptr(), B, H, key.shape[1], key.shape[2], D, scale) == 0:
+            return out, None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def append(cached: torch.Tensor, buffer: torch.Tensor | None, filled: int, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
