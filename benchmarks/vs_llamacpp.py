@@ -21,8 +21,11 @@ run, on the same threads: llama.cpp gets n_threads = n_threads_batch = torch.get
 Prefill and decode are medians of --runs after one untimed warm-up each. All three get the same
 token ids: the artifact's (HF) tokenizer on quantprep's held-out text, as vs_gptqmodel.py; whether
 llama.cpp's own tokenizer (the GGUF's) gives the same ids for that text is recorded. llama.cpp's
-throughput runs in a child process of its own: torch and llama.cpp link two OpenMP runtimes whose
-spinning workers would share the cores if both ran in this process.
+throughput runs in a child process of its own (torch and llama.cpp link two OpenMP runtimes whose
+spinning workers would share the cores if both ran in this process), driven by this one so that each
+run is llama.cpp's round, then each torch model's: this VM's memory bandwidth changes over tens of
+seconds, and a ratio of runs far apart in time measured that. Each ratio's per-run values
+(`NAME_over_llamacpp_runs`) are kept beside the ratio of medians.
 
     python benchmarks/vs_llamacpp.py qwen2.5-coder-1.5b [--artifact artifacts/qwen2.5-coder-1.5b/cpu]
         [--runtimes llamacpp,quantprep,gptqmodel] [--runs 5] [--loads 3] [--new 32]
@@ -85,15 +88,17 @@ m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1,
 print(json.dumps({"import": t1, "load": t2, "first": time.time()}))
 """
 
-# llama.cpp's prefill and decode, in a process without torch. argv: gguf, threads, runs, new, JSON
-# {"ids": 512 prefill ids, "prompt": 16 ids, "kw": Llama's settings}
+# llama.cpp's prefill and decode, in a process without torch that the parent drives, so that its runs
+# interleave in time with torch's (this VM's memory bandwidth changes over tens of seconds: BENCHMARKS.md,
+# "llama.cpp, the CPU anchor"). argv: gguf, threads, new, JSON {"ids": 512 prefill ids, "prompt": 16 ids,
+# "kw": Llama's settings}. After a warm-up it prints its greedy tokens; then one run per line on stdin.
 CHILD_LLAMACPP_RUNS = """
 import json, sys, time
 import numpy as np
 import llama_cpp
 from llama_cpp import Llama
-gguf, n, runs, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-a = json.loads(sys.argv[5])
+gguf, n, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+a = json.loads(sys.argv[4])
 llm = Llama(model_path=gguf, n_threads=n, n_threads_batch=n, **a["kw"])
 
 def argmax():
@@ -117,13 +122,9 @@ def decode(prompt):
     return (new - 1) / (time.perf_counter() - t), tokens
 
 prefill()
-_, tokens = decode(a["prompt"])
-p, d, d_long = [], [], []
-for _ in range(runs):
-    p.append(prefill())
-    d.append(decode(a["prompt"])[0])
-    d_long.append(decode(a["ids"])[0])
-print(json.dumps({"prefill": p, "decode": d, "decode_long": d_long, "tokens": tokens}))
+print(json.dumps({"tokens": decode(a["prompt"])[1]}), flush=True)
+for _ in sys.stdin:
+    print(json.dumps({"prefill": prefill(), "decode": decode(a["prompt"])[0], "decode_long": decode(a["ids"])[0]}), flush=True)
 """
 
 
@@ -182,23 +183,36 @@ def time_to_first_token(paths: dict[str, Path], prompt: list[int], threads: int,
     return {name: medians(r) for name, r in rows.items()}
 
 
-def llamacpp_runs(gguf: Path, ids: list[int], threads: int, runs: int, new: int) -> dict:
-    import subprocess
+class LlamaCppChild:
+    """CHILD_LLAMACPP_RUNS, started and warmed up; run() times one round of prefill and decodes."""
 
-    arg = json.dumps({"ids": ids, "prompt": ids[:PROMPT], "kw": LLAMA_KW})
-    proc = subprocess.run([sys.executable, "-c", CHILD_LLAMACPP_RUNS, str(gguf), str(threads), str(runs), str(new), arg],
-                          capture_output=True, text=True, cwd=REPO)
-    if proc.returncode != 0:
-        raise RuntimeError(f"llama.cpp child exited with {proc.returncode}: {proc.stderr[-3000:]}")
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"llama.cpp: prefill {[round(x, 3) for x in out['prefill']]} s, decode {[round(x, 2) for x in out['decode']]} "
-          f"(after 512: {[round(x, 2) for x in out['decode_long']]}) tok/s", flush=True)
-    return out
+    def __init__(self, gguf: Path, ids: list[int], threads: int, new: int):
+        import subprocess
+
+        arg = json.dumps({"ids": ids, "prompt": ids[:PROMPT], "kw": LLAMA_KW})
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD_LLAMACPP_RUNS, str(gguf), str(threads), str(new), arg],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+        self.tokens = self.reply()["tokens"]
+
+    def reply(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"llama.cpp child exited with {self.proc.wait()} (its stderr is above)")
+        return json.loads(line)
+
+    def run(self) -> dict:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return self.reply()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
-def torch_runs(models: dict, ids: list[int], runs: int, new: int) -> tuple[dict, dict, dict, dict]:
-    """(prefill seconds, decode tok/s, decode tok/s after 512 tokens, greedy tokens) per model, interleaved runs
-    after a warm-up each."""
+def interleaved_runs(models: dict, llama: LlamaCppChild | None, ids: list[int], runs: int, new: int) -> tuple[dict, ...]:
+    """(prefill seconds, decode tok/s, decode tok/s after 512 tokens, greedy tokens) per runtime: each
+    run takes llama.cpp's round, then each torch model's, after a warm-up each."""
     import torch
 
     full, prompt = torch.tensor([ids]), torch.tensor([ids[:PROMPT]])
@@ -210,12 +224,19 @@ def torch_runs(models: dict, ids: list[int], runs: int, new: int) -> tuple[dict,
         # eos_token_id=None as an argument (a generation_config's None is filled from the model's)
         return greedy_decode(m, ids, new, eos_token_id=None)
 
-    p, d, d_long, tokens = {k: [] for k in models}, {k: [] for k in models}, {k: [] for k in models}, {}
+    names = (["llamacpp"] if llama else []) + list(models)
+    p, d, d_long = ({k: [] for k in names} for _ in range(3))
+    tokens = {"llamacpp": llama.tokens} if llama else {}
     with torch.inference_mode():
         for name, m in models.items():  # warm-up: GPTQModel's TORCH kernel compiles each shape on first use
             prefill(m)
             tokens[name] = decode(m, prompt)[1]
         for _ in range(runs):
+            if llama:
+                r = llama.run()
+                p["llamacpp"].append(r["prefill"])
+                d["llamacpp"].append(r["decode"])
+                d_long["llamacpp"].append(r["decode_long"])
             for name, m in models.items():
                 p[name].append(prefill(m))
                 d[name].append(decode(m, prompt)[0])
@@ -280,26 +301,22 @@ def main() -> None:
     print(f"{recipe.name}: {', '.join(f'{k} {v}' for k, v in paths.items())}; {threads} threads", flush=True)
 
     first = time_to_first_token(paths, prompt, threads, args.loads)
-    llama = llamacpp_runs(gguf, ids, threads, args.runs, args.new) if "llamacpp" in runtimes else None
-    prefill = {"llamacpp": llama["prefill"]} if llama else {}
-    decode = {"llamacpp": llama["decode"]} if llama else {}
-    decode_long = {"llamacpp": llama["decode_long"]} if llama else {}
-    tokens = {"llamacpp": llama["tokens"]} if llama else {}
-    load_in_process = {}
+    llama = LlamaCppChild(gguf, ids, threads, args.new) if "llamacpp" in runtimes else None
+    models, load_in_process = {}, {}
     if art is not None:
         from gptqmodel import BACKEND, GPTQModel
 
         import quantprep
 
-        models = {}
         for name in RUNTIMES[1:]:
             if name in runtimes:
                 t0 = time.perf_counter()
                 models[name] = (GPTQModel.load(str(paths[name]), backend=BACKEND.TORCH, device="cpu").model.eval()
                                 if name == "gptqmodel" else quantprep.load(paths[name]))
                 load_in_process[name] = time.perf_counter() - t0
-        p_, d_, dl_, t_ = torch_runs(models, ids, args.runs, args.new)
-        prefill, decode, decode_long, tokens = prefill | p_, decode | d_, decode_long | dl_, tokens | t_
+    prefill, decode, decode_long, tokens = interleaved_runs(models, llama, ids, args.runs, args.new)
+    if llama:
+        llama.close()
 
     result = machine() | {
         "threads": threads,
@@ -325,7 +342,9 @@ def main() -> None:
     if "llamacpp" in runtimes:
         for k in ("decode_tok_s", "decode_after_512_tok_s", "prefill_512_s"):
             r = result[k]
-            r.update({f"{name}_over_llamacpp": r[name]["median"] / r["llamacpp"]["median"] for name in runtimes if name != "llamacpp"})
+            for name in runtimes[1:]:
+                r[f"{name}_over_llamacpp"] = r[name]["median"] / r["llamacpp"]["median"]
+                r[f"{name}_over_llamacpp_runs"] = [x / y for x, y in zip(r[name]["runs"], r["llamacpp"]["runs"], strict=True)]
         f = result["first_token_s"]
         f.update({f"{name}_over_llamacpp": f[name]["total_s"] / f["llamacpp"]["total_s"] for name in runtimes if name != "llamacpp"})
     print(save(result, args.out))
