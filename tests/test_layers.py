@@ -5,7 +5,7 @@ still runs on the path that reaches it. docs/architecture.md draws the same pict
     cli, __init__, __main__         (top: the commands and the public API)
     tools/                          verify, eval, selftest, serving
     build/                          recipes, source, quantize (gptqmodel), prepack, pipeline
-    runtime/                        load, hf_quantizer, kcache, aot, fused, warm, cpu_attention
+    runtime/                        load, hf_quantizer, kcache, aot, fused, warm, cpu_attention, cpu_layers
     distribution/                   publish/pull, registry (OCI), hub, signing, policy
     targets/                        one module per kernel layout
     format/                         gptq packing, the artifact manifest, verified marks

@@ -26,7 +26,7 @@ from quantprep.distribution.signing import verify as verify_signature
 from quantprep.errors import ArtifactError, ArtifactMismatch
 from quantprep.format.artifact import DEFAULT_SHAPES, read_checked, refuse_code
 from quantprep.format.verified import check_hashed, hash_and_mark
-from quantprep.runtime import cpu_attention, plan
+from quantprep.runtime import cpu_attention, cpu_layers, plan
 from quantprep.runtime.aot import compile_regions, prefetch_runtime
 from quantprep.runtime.aot import install as install_packages
 from quantprep.runtime.fused import install as install_fused
@@ -296,6 +296,7 @@ def finish(model, path: Path, art: OpenedArtifact, kcache_status: dict, compile:
     model.eval()
     if art.device.type == "cpu":  # decode attention: quantprep's C kernel where it is faster than torch's SDPA
         model.quantprep_attention = cpu_attention.NAME if cpu_attention.use(model) else model.config._attn_implementation
+        cpu_layers.use(model)  # RMSNorm and the MLP's SiLU product in C
     manifest = art.manifest
     check_modules(path, model)
     apply_plan(model, path, art, kcache_status)  # before compile: compiled regions trace the planned paths

@@ -1,0 +1,109 @@
+"""quantprep's C RMSNorm and SiLU product (runtime/cpu_layers.py) against transformers' modules and a
+float64 reference, their fallbacks, and their use by a loaded artifact."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import rel_err, top1
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+from quantprep.runtime import cpu_layers
+
+pytestmark = pytest.mark.skipif(cpu_layers.library() is None, reason="no C compiler: the kernels are not built here")
+
+
+def norm(n: int, seed: int = 0) -> Qwen2RMSNorm:
+    m = Qwen2RMSNorm(n, eps=1e-6).to(torch.bfloat16)
+    m.weight.data = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    return m
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1536), (3, 5, 100), (1, 7, 17)])
+def test_rms_norm_matches_transformers_and_float64(shape):
+    """Same roundings as transformers' module (float32 sum, bf16 normalize, bf16 product): at most a
+    bfloat16 step apart where the float32 sums' order differs; against float64 within bf16 rounding."""
+    hf = norm(shape[-1])
+    ours = cpu_layers.CpuRMSNorm(hf)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert cpu_layers.runs_here(x, ours.weight)  # the kernel, not the fallback, computes it
+        y, ref = ours(x), hf(x)
+    assert y.shape == x.shape and y.dtype == torch.bfloat16
+    assert (y == ref).float().mean() > 0.99 and rel_err(y, ref) < 2e-3
+    x64 = x.double()
+    exact = hf.weight.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert rel_err(y, exact) < 8e-3  # two bfloat16 roundings, ~2.3e-3 each (RMS)
+
+
+def test_silu_mul_matches_float64():
+    g = torch.Generator().manual_seed(2)
+    gu = (torch.randn(4, 2 * 300, generator=g) * 3).to(torch.bfloat16)
+    y = torch.empty(4, 300, dtype=torch.bfloat16)
+    cpu_layers.library().silu_mul(gu.data_ptr(), 600, y.data_ptr(), 300, 4, 300)
+    gate, up = gu.double().chunk(2, -1)
+    assert rel_err(y, F.silu(gate) * up) < 8e-3
+    torch_bf16 = F.silu(gu[:, :300]) * gu[:, 300:]  # transformers' order and roundings
+    assert (y == torch_bf16).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("case", ["float32", "autograd", "strided", "meta"])
+def test_rms_norm_falls_back(case):
+    """What C cannot compute as transformers does goes to transformers' own forward."""
+    hf = norm(64).requires_grad_(False)  # only the case under test rules C out
+    ours = cpu_layers.CpuRMSNorm(hf)
+    x = torch.randn(2, 3, 64).to(torch.bfloat16)
+    if case == "float32":
+        hf, ours = hf.float(), cpu_layers.CpuRMSNorm(hf.float())
+        x = x.float()
+    elif case == "strided":
+        x = torch.randn(2, 3, 128).to(torch.bfloat16)[..., ::2]
+    elif case == "meta":
+        hf = hf.to("meta")
+        ours, x = cpu_layers.CpuRMSNorm(hf), x.to("meta")
+    with torch.enable_grad():
+        if case == "autograd":
+            x.requires_grad_(True)
+        assert not cpu_layers.runs_here(x, ours.weight)
+        y = ours(x)
+        if case == "meta":
+            assert y.device.type == "meta" and y.shape == x.shape
+            return
+        assert torch.equal(y, hf(x))
+        if case == "autograd":
+            y.float().sum().backward()
+            assert x.grad is not None
+
+
+class Counting:
+    """The library, counting the calls of each kernel."""
+
+    def __init__(self, lib):
+        self.lib, self.calls = lib, {"rms_norm": 0, "silu_mul": 0}
+
+    def __getattr__(self, name):
+        self.calls[name] += 1
+        return getattr(self.lib, name)
+
+
+def test_a_loaded_artifact_uses_them(random_artifact, monkeypatch):
+    """quantprep.load on the CPU replaces every RMSNorm and fused MLP, keeps the state dict's names,
+    runs the kernels, and gives the logits of the same model with transformers' modules."""
+    import quantprep
+
+    model = quantprep.load(random_artifact)
+    counting = Counting(cpu_layers.library())
+    monkeypatch.setattr(cpu_layers, "library", lambda: counting)
+    names = {type(m).__name__ for m in model.modules()}
+    assert {"CpuRMSNorm", "CpuGatedMLP"} <= names and not any(n.endswith("RMSNorm") and n != "CpuRMSNorm" for n in names)
+    keys = set(model.state_dict())
+    assert "model.norm.weight" in keys and any(k.endswith("mlp.gate_up_proj.qweight") for k in keys)
+    prompt = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        ours = model(input_ids=prompt).logits
+        layers = model.config.num_hidden_layers
+        assert counting.calls == {"rms_norm": 2 * layers + 1, "silu_mul": layers}
+        for m in model.modules():  # each replaced module with its own class's forward again
+            if isinstance(m, (cpu_layers.CpuRMSNorm, cpu_layers.CpuGatedMLP)):
+                m.forward = m.replaced.forward.__get__(m)
+        theirs = model(input_ids=prompt).logits
+    assert rel_err(ours, theirs) < 1e-2 and top1(ours, theirs) > 0.95
