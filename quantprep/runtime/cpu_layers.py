@@ -1,31 +1,33 @@
-"""RMSNorm and the gated MLP's SiLU product on the CPU: quantprep's C in place of transformers' tensor ops.
+"""RMSNorm, the gated MLP and decode attention on the CPU: quantprep's C in place of transformers' tensor ops.
 
-transformers' RMSNorm is seven tensor ops (float32 copy, square, mean, rsqrt, two products, the cast
-back) and the MLP's act_fn(gate) * up two more, each a dispatch and a pass over memory. At decode
-(one row) the dispatches cost more than the arithmetic: together about a tenth of a token's time on
-the 1.5B (BENCHMARKS.md, "CPU decode attention"). Here each is one C call with the same arithmetic
-and the same roundings: RMSNorm sums the squares in float32, rounds the normalized row to the
-activation dtype, then multiplies by the weight and rounds again; the MLP rounds SiLU(gate) before
-the product.
+At decode (one row) a token's time beside its matmuls is mostly dispatch: transformers' RMSNorm is
+seven tensor ops, the MLP's act_fn(gate) * up two more, and the attention's views, rotary embedding
+(ten ops) and member projections a dozen (BENCHMARKS.md, "CPU decode attention"). Here each is one C
+call with the same arithmetic and the same roundings as transformers': RMSNorm sums the squares in
+float32, rounds the normalized row, then multiplies by the weight and rounds again; the MLP rounds
+SiLU(gate) before the product; the rotary embedding rounds each product and their sum.
 
-`use(model)` replaces the RMSNorm and MLP modules of a bfloat16 CPU model (load does it) with
-CpuRMSNorm and CpuGatedMLP: the same parameters under the same names, whose forward runs the C
-kernel where it computes the same (`runs_here`: eager bfloat16 CPU rows, no autograd) and the
-replaced class's own forward everywhere else (torch.compile, export, other dtypes).
+`use(model)` replaces the RMSNorm, MLP and attention modules of a bfloat16 CPU model (load does it)
+with CpuRMSNorm, CpuGatedMLP and CpuDecodeAttention: the same parameters and submodules under the
+same names, whose forward runs C where it computes the same (`runs_here`: eager bfloat16 CPU rows,
+no autograd; attention: one token of a "quantprep_cpu" model, no mask or sliding window) and the
+replaced class's own forward everywhere else (torch.compile, export, other dtypes, prefill's attention).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import inspect
 
 import torch
 from torch import nn
 
+from quantprep.runtime import cpu_attention
 from quantprep.targets import native
 from quantprep.targets.cpu import BF16_C, eager
 
-SOURCE = BF16_C + r"""
+SOURCE = BF16_C + f"#define MAX_D {cpu_attention.MAX_HEAD_DIM}\n" + r"""
 #include <math.h>
 /* y[r] = bf16(w * bf16(x[r] / sqrt(mean(x[r]^2) + eps))) for rows of n bfloat16 values; row strides in elements. */
 void rms_norm(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t ldy, int64_t rows, int64_t n, float eps) {
@@ -43,6 +45,22 @@ void rms_norm(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, in
         uint16_t *yr = y + r * ldy;
         for (d = 0; d < n; d++) yr[d] = to_bf16(from_bf16(w[d]) * from_bf16(to_bf16(from_bf16(xr[d]) * inv)));
     }
+}
+/* The query and key heads at the start of each fused q/k/v row, rotated in place as transformers'
+   apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, each product and the sum rounded to bfloat16. */
+void rotary(uint16_t *qkv, int64_t ld, int64_t rows, int64_t heads, int64_t D, const uint16_t *cos, const uint16_t *sin) {
+    int64_t half = D / 2;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *x = qkv + r * ld + h * D;
+            float t[MAX_D];
+            for (int64_t d = 0; d < D; d++) t[d] = from_bf16(x[d]);
+            for (int64_t d = 0; d < D; d++) {
+                float rotated = d < half ? -t[d + half] : t[d - half];
+                float a = from_bf16(to_bf16(t[d] * from_bf16(cos[r * D + d]))), b = from_bf16(to_bf16(rotated * from_bf16(sin[r * D + d])));
+                x[d] = to_bf16(a + b);
+            }
+        }
 }
 /* y[r, j] = bf16(bf16(silu(gu[r, j])) * gu[r, n + j]) for j < n: the gate and up halves of one fused row. */
 void silu_mul(const uint16_t *gu, int64_t ldg, uint16_t *y, int64_t ldy, int64_t rows, int64_t n) {
@@ -69,6 +87,8 @@ def library() -> ctypes.CDLL | None:
     lib.rms_norm.restype = None
     lib.silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 3
     lib.silu_mul.restype = None
+    lib.rotary.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2
+    lib.rotary.restype = None
     return lib
 
 
@@ -90,7 +110,7 @@ class CpuRMSNorm(nn.Module):
 
     def __init__(self, norm: nn.Module):
         super().__init__()
-        self.weight, self.variance_epsilon, self.replaced = norm.weight, norm.variance_epsilon, type(norm)
+        self.weight, self.variance_epsilon, self.replaced, self.training = norm.weight, norm.variance_epsilon, type(norm), norm.training
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lib, w = library(), self.weight
@@ -112,7 +132,7 @@ class CpuGatedMLP(nn.Module):
         super().__init__()
         for name, child in mlp.named_children():
             self.add_module(name, child)
-        self.replaced = type(mlp)
+        self.replaced, self.training = type(mlp), mlp.training
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lib = library()
@@ -127,10 +147,50 @@ class CpuGatedMLP(nn.Module):
         return self.down_proj(y)
 
 
+class CpuDecodeAttention(nn.Module):
+    """transformers' Llama/Qwen2 attention, whose q/k/v quantprep fused into qkv_proj, with one decode
+    token in fewer steps: the fused matmul, the rotary embedding in C in place on its output, the
+    cache's own update, the decode kernel (cpu_attention), o_proj. What is not one token of a
+    "quantprep_cpu" model without a mask or a sliding window takes the replaced class's forward."""
+
+    def __init__(self, attention: nn.Module):
+        super().__init__()
+        for name, child in attention.named_children():
+            self.add_module(name, child)
+        for name, value in vars(attention).items():
+            if not name.startswith("_"):  # config, layer_idx, head_dim, scaling, training, ...
+                setattr(self, name, value)
+        self.replaced = type(attention)
+
+    def decodes_here(self, x: torch.Tensor, position_embeddings, attention_mask, cache, kwargs: dict) -> bool:
+        if attention_mask is not None or cache is None or position_embeddings is None or self.training or x.dim() != 3 or \
+                x.shape[1] != 1 or getattr(self, "sliding_window", None) is not None or kwargs.get("output_attentions") or \
+                self.config._attn_implementation != cpu_attention.NAME or not runs_here(x):
+            return False
+        cos, sin = position_embeddings
+        return all(runs_here(t) and t.shape == (x.shape[0], 1, self.head_dim) for t in (cos, sin))
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        cache = kwargs.pop("past_key_values", cache)  # its name before transformers 5.40
+        if library() is None or not self.decodes_here(hidden_states, position_embeddings, attention_mask, cache, kwargs):
+            return self.replaced.forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+        B, D = hidden_states.shape[0], self.head_dim
+        q_size, kv_size = self.qkv_proj.parts[0], self.qkv_proj.parts[1]
+        qkv = self.qkv_proj(hidden_states).contiguous()  # [B, 1, q + 2 kv]
+        cos, sin = position_embeddings
+        library().rotary(qkv.data_ptr(), qkv.shape[-1], B, (q_size + kv_size) // D, D, cos.data_ptr(), sin.data_ptr())
+        q = qkv[..., :q_size].view(B, 1, -1, D).transpose(1, 2)
+        k = qkv[..., q_size:q_size + kv_size].view(B, 1, -1, D).transpose(1, 2)
+        v = qkv[..., q_size + kv_size:].view(B, 1, -1, D).transpose(1, 2)
+        k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+        out, _ = cpu_attention.attention(self, q, k, v, None, scaling=self.scaling)
+        return self.o_proj(out.reshape(B, 1, q_size)), None
+
+
 def same_forward(module: nn.Module, reference: type) -> bool:
     """Whether module's class has reference's forward, instruction for instruction (transformers
     copies Llama's into each family that shares it: "Copied from")."""
-    a, b = type(module).forward.__code__, reference.forward.__code__
+    a, b = inspect.unwrap(type(module).forward).__code__, inspect.unwrap(reference.forward).__code__
     return (a.co_code, a.co_names, a.co_consts) == (b.co_code, b.co_names, b.co_consts)
 
 
@@ -152,15 +212,36 @@ def is_fused_silu_mlp(module: nn.Module) -> bool:
         len(getattr(fused, "parts", ())) == 2 and fused.parts[0] == fused.parts[1]
 
 
+def is_fused_decode_attention(module: nn.Module) -> bool:
+    """Llama's or Qwen2's attention (forward and rotary embedding instruction for instruction) with
+    q/k/v fused into qkv_proj in that order and a head size the kernels take."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+
+    if not any(same_forward(module, c) for c in (modeling_llama.LlamaAttention, Qwen2Attention)):
+        return False
+    rotary = inspect.unwrap(type(module).forward).__globals__
+    for name in ("apply_rotary_pos_emb", "rotate_half"):
+        a, b = rotary.get(name), getattr(modeling_llama, name)
+        if not callable(a) or (a.__code__.co_code, a.__code__.co_names, a.__code__.co_consts) != \
+                (b.__code__.co_code, b.__code__.co_names, b.__code__.co_consts):
+            return False
+    c, D = module.config, getattr(module, "head_dim", 0)
+    parts = getattr(getattr(module, "qkv_proj", None), "parts", ())
+    return isinstance(D, int) and 0 < D <= cpu_attention.MAX_HEAD_DIM and D % 16 == 0 and \
+        parts == (c.num_attention_heads * D, c.num_key_value_heads * D, c.num_key_value_heads * D)
+
+
 def use(model: nn.Module) -> int:
-    """Replace the RMSNorm and fused SiLU MLP modules of a bfloat16 CPU model; how many were replaced
-    (0: another dtype or no C compiler)."""
+    """Replace the RMSNorm, fused SiLU MLP and fused Llama/Qwen2 attention modules of a bfloat16 CPU
+    model; how many were replaced (0: another dtype or no C compiler)."""
     if model.dtype != torch.bfloat16 or library() is None:
         return 0
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            new = CpuRMSNorm(child) if is_rms_norm(child) else CpuGatedMLP(child) if is_fused_silu_mlp(child) else None
+            new = (CpuRMSNorm(child) if is_rms_norm(child) else CpuGatedMLP(child) if is_fused_silu_mlp(child)
+                   else CpuDecodeAttention(child) if is_fused_decode_attention(child) else None)
             if new is not None:
                 setattr(parent, name, new)
                 replaced += 1

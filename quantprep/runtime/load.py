@@ -296,7 +296,7 @@ def finish(model, path: Path, art: OpenedArtifact, kcache_status: dict, compile:
     model.eval()
     if art.device.type == "cpu":  # decode attention: quantprep's C kernel where it is faster than torch's SDPA
         model.quantprep_attention = cpu_attention.NAME if cpu_attention.use(model) else model.config._attn_implementation
-        cpu_layers.use(model)  # RMSNorm and the MLP's SiLU product in C
+        cpu_layers.use(model)  # RMSNorm, the MLP and decode attention in fewer, C, steps
     manifest = art.manifest
     check_modules(path, model)
     apply_plan(model, path, art, kcache_status)  # before compile: compiled regions trace the planned paths

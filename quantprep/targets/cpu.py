@@ -683,11 +683,12 @@ class CpuInt4Linear(PackedLinear):
         """The kernel's weight arguments (perm, qweight, scales_and_zeros addresses; K, N, group).
         C indexes memory by them: the addresses are taken at each call (a buffer can move in place:
         share_memory_, set_), the checks done once per set of addresses, shapes, strides and dtypes."""
-        buffers = (self.perm, self.qweight, self.scales_and_zeros)
-        if any(t is not None and (not eager(t) or t.device.type != "cpu") for t in buffers):
-            raise ValueError(f"int4_a8 runs real cpu tensors only ({self.in_features}x{self.out_features})")
+        b = self._buffers  # not the attributes: nn.Module's __getattr__ costs more than the rest, per call
+        buffers = (b["perm"], b["qweight"], b["scales_and_zeros"])
         key = tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in buffers)
         if vars(self).get("_int4_a8") != key:
+            if any(t is not None and (not eager(t) or t.device.type != "cpu") for t in buffers):
+                raise ValueError(f"int4_a8 runs real cpu tensors only ({self.in_features}x{self.out_features})")
             perm, qweight, sz = buffers
             if any(t is not None and not t.is_contiguous() for t in buffers) or sz.dtype != torch.bfloat16 or \
                     sz.shape != (self.padded_in // self.kernel_group_size, self.padded_out, 2) or self.pack_block_n != 64 or \
