@@ -62,15 +62,33 @@ void rotary(uint16_t *qkv, int64_t ld, int64_t rows, int64_t heads, int64_t D, c
             }
         }
 }
+/* e^x to float32's precision (Cephes' expf: 2^n times a degree-6 polynomial on [-ln2/2, ln2/2]), in
+   plain float operations so that the loops calling it vectorize (libm's expf is a call per value). */
+static inline float exp_poly(float in) {
+    float x = in < -86.5f ? -86.5f : in > 88.72f ? 88.72f : in;  /* not fminf/fmaxf, floorf: those do not vectorize */
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 */
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 126) << 23;  /* 2^(n - 1), times 2 below: n reaches 128 near the top */
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return in > 88.72f ? INFINITY : 2.0f * p * scale;  /* past float's range: infinity, as expf (so silu(-big) is -0) */
+}
 /* y[r, j] = bf16(bf16(silu(gu[r, j])) * gu[r, n + j]) for j < n: the gate and up halves of one fused row. */
 void silu_mul(const uint16_t *gu, int64_t ldg, uint16_t *y, int64_t ldy, int64_t rows, int64_t n) {
     #pragma omp parallel for schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *g = gu + r * ldg, *u = g + n;
-        uint16_t *yr = y + r * ldy;
+        const uint16_t *restrict g = gu + r * ldg, *restrict u = gu + r * ldg + n;
+        uint16_t *restrict yr = y + r * ldy;
         for (int64_t j = 0; j < n; j++) {
             float a = from_bf16(g[j]);
-            yr[j] = to_bf16(from_bf16(to_bf16(a / (1.0f + expf(-a)))) * from_bf16(u[j]));
+            yr[j] = to_bf16(from_bf16(to_bf16(a / (1.0f + exp_poly(-a)))) * from_bf16(u[j]));
         }
     }
 }
