@@ -81,11 +81,54 @@ def test_rms_norm_falls_back(case):
             assert x.grad is not None
 
 
+def linear(N: int, K: int, bias: bool = False) -> torch.nn.Linear:
+    m = torch.nn.Linear(K, N, bias=bias).to(torch.bfloat16).requires_grad_(False)
+    m.weight.data = torch.randn(N, K, generator=torch.Generator().manual_seed(N)).to(torch.bfloat16)
+    return m
+
+
+@pytest.mark.parametrize("N,K", [(1000, 1536), (7, 64), (151936 // 16, 96)])
+def test_gemv_matches_torch_and_float64(N, K):
+    """One row through a bias-free bfloat16 Linear: float32 sums of exact products, as torch's, so
+    torch's bfloat16 result nearly everywhere and the same error against float64. N not a multiple
+    of the 4 rows the kernel takes at a time (7)."""
+    if not cpu_layers.gemv_bf16_built():
+        pytest.skip("gemv_bf16 needs AVX512-BF16, which this CPU lacks")
+    hf = linear(N, K)
+    ours = cpu_layers.CpuLinear(hf)
+    x = torch.randn(1, 1, K, generator=torch.Generator().manual_seed(K)).to(torch.bfloat16)
+    with torch.inference_mode():
+        y, ref = ours(x), hf(x)
+    exact = x.double() @ hf.weight.double().T
+    assert y.shape == ref.shape and (y == ref).float().mean() > 0.98
+    assert rel_err(y, exact) < 1.5 * rel_err(ref, exact) + 1e-4
+
+
+@pytest.mark.parametrize("case", ["rows", "bias", "float32", "autograd"])
+def test_linear_falls_back(case):
+    """Anything but one bfloat16 row without bias and autograd is nn.Linear's own forward."""
+    hf = linear(48, 64, bias=case == "bias")
+    x = torch.randn(3 if case == "rows" else 1, 64).to(torch.bfloat16)
+    if case == "float32":
+        hf, x = hf.float(), x.float()
+    if case == "autograd":
+        hf.weight.requires_grad_(True)
+    ours = cpu_layers.CpuLinear(hf)
+    if case == "bias":
+        ours.bias = hf.bias  # a bias set after the replacement (use() replaces only bias-free ones)
+    with torch.enable_grad():
+        y = ours(x)
+        assert torch.equal(y, hf(x))
+        if case == "autograd":
+            y.float().sum().backward()
+            assert hf.weight.grad is not None
+
+
 class Counting:
     """The library, counting the calls of each kernel."""
 
     def __init__(self, lib):
-        self.lib, self.calls = lib, {"rms_norm": 0, "silu_mul": 0, "rotary": 0}
+        self.lib, self.calls = lib, {"rms_norm": 0, "silu_mul": 0, "rotary": 0, "gemv_bf16": 0}
 
     def __getattr__(self, name):
         self.calls[name] += 1
@@ -112,6 +155,10 @@ def test_a_loaded_artifact_uses_them(random_artifact, monkeypatch):
     model = quantprep.load(random_artifact)
     names = {type(m).__name__ for m in model.modules()}
     assert {"CpuRMSNorm", "CpuGatedMLP", "CpuDecodeAttention"} <= names
+    if cpu_layers.gemv_bf16_built():  # the float lm_head, still an nn.Linear, still tied to the embedding
+        head = model.get_output_embeddings()
+        assert type(head) is cpu_layers.CpuLinear and isinstance(head, torch.nn.Linear)
+        assert head.weight is model.get_input_embeddings().weight or not model.config.tie_word_embeddings
     assert not any(n.endswith(("RMSNorm", "MLP", "Attention")) and not n.startswith("Cpu") for n in names)
     keys = set(model.state_dict())
     assert "model.norm.weight" in keys and any(k.endswith("mlp.gate_up_proj.qweight") for k in keys)
@@ -120,10 +167,14 @@ def test_a_loaded_artifact_uses_them(random_artifact, monkeypatch):
     monkeypatch.setattr(cpu_layers, "library", lambda: counting)
     ours = prefill_and_decode(model, prompt)
     layers = model.config.num_hidden_layers
-    assert counting.calls == {"rms_norm": 3 * (2 * layers + 1), "silu_mul": 3 * layers, "rotary": 2 * layers}
+    # gemv: the decode steps' one row each (the prefill's logits of every position take torch's)
+    assert counting.calls == {"rms_norm": 3 * (2 * layers + 1), "silu_mul": 3 * layers, "rotary": 2 * layers,
+                              "gemv_bf16": 2 * cpu_layers.gemv_bf16_built()}
     for m in model.modules():  # each replaced module with its own class's forward again
         if isinstance(m, (cpu_layers.CpuRMSNorm, cpu_layers.CpuGatedMLP, cpu_layers.CpuDecodeAttention)):
             m.forward = m.replaced.forward.__get__(m)
+        elif isinstance(m, cpu_layers.CpuLinear):
+            m.forward = torch.nn.Linear.forward.__get__(m)
     theirs = prefill_and_decode(model, prompt)
     # the same roundings: equal here; 1e-3 leaves room for another CPU's float32 sum order (a query off by 1%: 4.6e-3)
     assert rel_err(ours, theirs) < 1e-3 and top1(ours, theirs) == 1.0

@@ -1,17 +1,22 @@
-"""RMSNorm, the gated MLP and decode attention on the CPU: quantprep's C in place of transformers' tensor ops.
+"""RMSNorm, the gated MLP, decode attention and the float lm_head on the CPU: quantprep's C in place of torch's ops.
 
 At decode (one row) a token's time beside its matmuls is mostly dispatch: transformers' RMSNorm is
 seven tensor ops, the MLP's act_fn(gate) * up two more, and the attention's views, rotary embedding
 (ten ops) and member projections a dozen (BENCHMARKS.md, "CPU decode attention"). Here each is one C
 call with the same arithmetic and the same roundings as transformers': RMSNorm sums the squares in
 float32, rounds the normalized row, then multiplies by the weight and rounds again; the MLP rounds
-SiLU(gate) before the product; the rotary embedding rounds each product and their sum.
+SiLU(gate) before the product; the rotary embedding rounds each product and their sum. The float
+lm_head a GPTQ checkpoint keeps is the largest read of a token, and torch's bfloat16 matrix-vector
+product reads it at about half the memory speed; gemv_bf16 (AVX512-BF16) sums exact products in
+float32 as torch does.
 
-`use(model)` replaces the RMSNorm, MLP and attention modules of a bfloat16 CPU model (load does it)
-with CpuRMSNorm, CpuGatedMLP and CpuDecodeAttention: the same parameters and submodules under the
+`use(model)` replaces the RMSNorm, MLP, attention and bias-free bfloat16 Linear modules of a bfloat16
+CPU model (load does it) with CpuRMSNorm, CpuGatedMLP, CpuDecodeAttention and CpuLinear (still an
+nn.Linear, its weight still tied): the same parameters and submodules under the
 same names, whose forward runs C where it computes the same (`runs_here`: eager bfloat16 CPU rows,
 no autograd; attention: one token of a "quantprep_cpu" model, no mask or sliding window) and the
-replaced class's own forward everywhere else (torch.compile, export, other dtypes, prefill's attention).
+replaced class's own forward everywhere else (torch.compile, export, other dtypes, prefill's attention,
+a Linear's several rows).
 """
 
 from __future__ import annotations
@@ -29,6 +34,31 @@ from quantprep.targets.cpu import BF16_C, eager
 
 SOURCE = BF16_C + f"#define MAX_D {cpu_attention.MAX_HEAD_DIM}\n" + r"""
 #include <math.h>
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+/* y[n] = bf16(sum_k x[k] w[n, k]) for one bfloat16 row x of K % 32 == 0 and w [N, K] row-major: products
+   exact in float32, sums in float32, as torch's bfloat16 linear; four rows of w at a time. 0, or -2: not built
+   with AVX512-BF16. */
+int gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t N, int64_t K) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    #pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += 4) {
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        int rows = N - n0 < 4 ? (int)(N - n0) : 4;
+        for (int64_t k = 0; k < K; k += 32) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
+            for (int r = 0; r < rows; r++)
+                acc[r] = _mm512_dpbf16_ps(acc[r], xv, (__m512bh)_mm512_loadu_si512(w + (n0 + r) * K + k));
+        }
+        for (int r = 0; r < rows; r++) y[n0 + r] = to_bf16(_mm512_reduce_add_ps(acc[r]));
+    }
+    return 0;
+#else
+    (void)x, (void)w, (void)y, (void)N, (void)K;
+    return -2;
+#endif
+}
 /* y[r] = bf16(w * bf16(x[r] / sqrt(mean(x[r]^2) + eps))) for rows of n bfloat16 values; row strides in elements. */
 void rms_norm(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t ldy, int64_t rows, int64_t n, float eps) {
     #pragma omp parallel for schedule(static) if (rows > 1)
@@ -107,6 +137,8 @@ def library() -> ctypes.CDLL | None:
     lib.silu_mul.restype = None
     lib.rotary.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2
     lib.rotary.restype = None
+    lib.gemv_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+    lib.gemv_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -205,6 +237,28 @@ class CpuDecodeAttention(nn.Module):
         return self.o_proj(out.reshape(B, 1, q_size)), None
 
 
+class CpuLinear(nn.Linear):
+    """A dense bfloat16 Linear without bias (the float lm_head a GPTQ checkpoint keeps), one row at a
+    time in C (gemv_bf16): torch's bfloat16 matrix-vector product reads the weight at about half this
+    machine's memory speed (BENCHMARKS.md, "CPU decode attention"). Other inputs: nn.Linear's forward."""
+
+    def __init__(self, linear: nn.Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias, self.training = linear.weight, None, linear.training
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, K, N = self.weight, self.in_features, self.out_features
+        if x.numel() != K or self.bias is not None or not runs_here(x) or type(w) not in (torch.Tensor, nn.Parameter) or \
+                w.dtype is not torch.bfloat16 or w.device.type != "cpu" or not w.is_contiguous() or w.shape != (N, K) or \
+                (torch.is_grad_enabled() and w.requires_grad):
+            return super().forward(x)
+        y = x.new_empty(*x.shape[:-1], N)
+        if library().gemv_bf16(x.data_ptr(), w.data_ptr(), y.data_ptr(), N, K) != 0:
+            return super().forward(x)
+        return y
+
+
 def same_forward(module: nn.Module, reference: type) -> bool:
     """Whether module's class has reference's forward, instruction for instruction (transformers
     copies Llama's into each family that shares it: "Copied from")."""
@@ -250,16 +304,31 @@ def is_fused_decode_attention(module: nn.Module) -> bool:
         parts == (c.num_attention_heads * D, c.num_key_value_heads * D, c.num_key_value_heads * D)
 
 
+def is_dense_bf16_linear(module: nn.Module) -> bool:
+    """An nn.Linear (exactly) with a bfloat16 weight, no bias and K % 32 == 0, where this library has gemv_bf16."""
+    return type(module) is nn.Linear and module.bias is None and module.weight.dtype == torch.bfloat16 and \
+        module.in_features % 32 == 0 and gemv_bf16_built()
+
+
+@functools.cache
+def gemv_bf16_built() -> bool:
+    """Whether gemv_bf16 was compiled for this CPU (AVX512-BF16), by calling it on one 32-long row."""
+    x = torch.zeros(32, dtype=torch.bfloat16)
+    y = torch.empty(1, dtype=torch.bfloat16)
+    return library() is not None and library().gemv_bf16(x.data_ptr(), x.data_ptr(), y.data_ptr(), 1, 32) == 0
+
+
 def use(model: nn.Module) -> int:
-    """Replace the RMSNorm, fused SiLU MLP and fused Llama/Qwen2 attention modules of a bfloat16 CPU
-    model; how many were replaced (0: another dtype or no C compiler)."""
+    """Replace the RMSNorm, fused SiLU MLP, fused Llama/Qwen2 attention and dense bfloat16 Linear
+    modules of a bfloat16 CPU model; how many were replaced (0: another dtype or no C compiler)."""
     if model.dtype != torch.bfloat16 or library() is None:
         return 0
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             new = (CpuRMSNorm(child) if is_rms_norm(child) else CpuGatedMLP(child) if is_fused_silu_mlp(child)
-                   else CpuDecodeAttention(child) if is_fused_decode_attention(child) else None)
+                   else CpuDecodeAttention(child) if is_fused_decode_attention(child)
+                   else CpuLinear(child) if is_dense_bf16_linear(child) else None)
             if new is not None:
                 setattr(parent, name, new)
                 replaced += 1
