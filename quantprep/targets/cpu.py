@@ -349,33 +349,36 @@ NATIVE_A8_SOURCE = BF16_C + r"""
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #include <immintrin.h>
-/* Row m's packed row k = x[m, perm[k]] (perm NULL: k; k >= K_in or a perm value out of range: 0),
-   per group of gs: xq = round(x / a), a = max|x| / 127; xs = a, xsum = sum of xq. */
-static void quantize(const uint16_t *x, int64_t ldx, const int32_t *perm, int64_t K_in, int64_t Kp, int64_t gs, int64_t M,
-                     int8_t *xq, float *xs, float *xsum, float *tmp) {
+/* Group g of row m: packed row k = x[m, perm[k]] (perm NULL: k; k >= K_in or a perm value out of range: 0),
+   xq = round(x / a), a = max|x| / 127 (round half to even, as nearbyintf: exact for |x / a| <= 127 by the
+   1.5 * 2^23 addition, which unlike nearbyintf, fmaxf and fabsf vectorizes); xs = a, xsum = sum of xq. */
+static void quantize_group(const uint16_t *x, int64_t ldx, const int32_t *perm, int64_t K_in, int64_t Kp, int64_t gs,
+                           int64_t m, int64_t g, int8_t *xq, float *xs, float *xsum) {
     int64_t G = Kp / gs;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < G; g++) {
-            float amax = 0.f;
-            int nan = 0;
-            for (int64_t i = 0; i < gs; i++) {
-                int64_t k = g * gs + i, src = perm && k < K_in ? perm[k] : k;
-                float v = k < K_in && src >= 0 && src < K_in ? from_bf16(x[m * ldx + src]) : 0.f;
-                nan |= v != v;
-                tmp[i] = v, amax = fmaxf(amax, fabsf(v));
-            }
-            /* a NaN or infinite activation: the group's codes 0 and its scale NaN, so the outputs are NaN, as
-               the other paths give (never a conversion of NaN to an integer) */
-            int finite = !nan && isfinite(amax);
-            float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
-            int32_t sum = 0;
-            for (int64_t i = 0; i < gs; i++) {
-                float r = finite ? nearbyintf(tmp[i] * inv) : 0.f;
-                int32_t q = r > 127.f ? 127 : r < -127.f ? -127 : (int32_t)r;
-                xq[m * Kp + g * gs + i] = (int8_t)q, sum += q;
-            }
-            xs[m * G + g] = finite ? amax / 127.f : NAN, xsum[m * G + g] = (float)sum;
-        }
+    float tmp[256]; /* gs <= 256: KERNEL_GROUP_SIZES */
+    for (int64_t i = 0; i < gs; i++) {
+        int64_t k = g * gs + i, src = perm && k < K_in ? perm[k] : k;
+        tmp[i] = k < K_in && src >= 0 && src < K_in ? from_bf16(x[m * ldx + src]) : 0.f;
+    }
+    float amax = 0.f;
+    int nan = 0;
+    for (int64_t i = 0; i < gs; i++) {
+        float v = tmp[i], a = v < 0.f ? -v : v;
+        nan |= v != v;
+        amax = a > amax ? a : amax;
+    }
+    /* a NaN or infinite activation: the group's codes 0 and its scale NaN, so the outputs are NaN, as
+       the other paths give (never a conversion of NaN to an integer) */
+    int finite = !nan && isfinite(amax);
+    float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    int8_t *q = xq + m * Kp + g * gs;
+    for (int64_t i = 0; i < gs; i++) {
+        float r = finite ? (tmp[i] * inv + 12582912.0f) - 12582912.0f : 0.f;
+        r = r > 127.f ? 127.f : r < -127.f ? -127.f : r;
+        q[i] = (int8_t)(int32_t)r, sum += (int32_t)r;
+    }
+    xs[m * G + g] = finite ? amax / 127.f : NAN, xsum[m * G + g] = (float)sum;
 }
 /* Columns n0..n0+63 (a full block, `blk`: [Kp, 32] bytes) for rows r0..r0+MR-1 into acc [MR][64] */
 #define BLOCK(MR)                                                                                                  \
@@ -454,10 +457,9 @@ int int4_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int32_t *perm, 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
     int64_t G = Kp / gs, blocks = N / 64, n_full = blocks * 64;
     int8_t *xq = malloc(M * Kp + 64);
-    float *xs = malloc((2 * M * G + gs) * sizeof(float));
+    float *xs = malloc(2 * M * G * sizeof(float));
     if (xq == NULL || xs == NULL) return free(xq), free(xs), -1;
     float *xsum = xs + M * G;
-    quantize(x, ldx, perm, K_in, Kp, gs, M, xq, xs, xsum, xsum + M * G);
 #ifdef GNU_OPENMP
 #pragma omp parallel num_threads(threads)
 #endif
@@ -465,6 +467,10 @@ int int4_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int32_t *perm, 
         int64_t t = 0, T = 1;
 #ifdef GNU_OPENMP
         t = omp_get_thread_num(), T = omp_get_num_threads();
+#endif
+        for (int64_t i = t; i < M * G; i += T) quantize_group(x, ldx, perm, K_in, Kp, gs, i / G, i % G, xq, xs, xsum);
+#ifdef GNU_OPENMP
+#pragma omp barrier
 #endif
         float acc[4 * 64];
         int64_t per = (blocks + T - 1) / T, b1 = (t + 1) * per < blocks ? (t + 1) * per : blocks;
