@@ -402,6 +402,22 @@ def cpu_decode_attention(r: dict) -> str:
     return "\n".join(out)
 
 
+def cpu_layers(r: dict) -> str:
+    """Decode's RMSNorm, SiLU product and float lm_head in C against transformers' and torch's ops, and the model's decode with and without (benchmarks/cpu_layers.py)."""
+    out = [f"{r['cpu']} ({r['cores']} cores, {r['cpu_capability']}, {r['threads']} threads), {r['date'][:10]}, torch {r['torch']}; "
+           f"one decode row, {r['dtype']}; medians of {r['reps']} timings", "",
+           "| call | transformers / torch, µs | quantprep's C, µs | speed-up |", "| --- | --- | --- | --- |"]
+    for name, c in r["us_per_call"].items():
+        theirs = c.get("transformers", c.get("torch"))
+        gb = f" ({c['gb_s']['torch']:.0f} / {c['gb_s']['quantprep']:.0f} GB/s)" if "gb_s" in c else ""
+        out.append(f"| {name} | {theirs:.1f} | {c['quantprep']:.1f} | {theirs / c['quantprep']:.2f}x{gb} |")
+    out += ["", f"greedy decode after a 16-token prompt, tok/s, {r['new_tokens']} tokens, interleaved, medians of {r['runs']}", "",
+            "| artifact | replaced modules (C) | their own forward (transformers, torch) | C / own, per-run ratios' median |",
+            "| --- | --- | --- | --- |"]
+    out += [f"| {x['artifact']} | {x['c']:.2f} | {x['torch']:.2f} | {x['c_over_torch']:.2f}x |" for x in r["decode_tok_s"]]
+    return "\n".join(out)
+
+
 def cpu_int4_a8(r: dict) -> str:
     """Every int4 module forced onto the int4 kernel, then onto int4_a8: decode and accuracy (benchmarks/cpu_int4_a8.py)."""
     a, d, x = r["accuracy"], r["decode_tok_s"], r["int4_a8_vs_int4"]
@@ -846,6 +862,10 @@ SUMMARY = [
      ("CPU decode attention", "attention"), ["cpu-decode-attention-avx512.json"],
      lambda r: ", ".join(f"{x['sdpa_bf16_over_quantprep']:.1f}x" for x in r["rows"] if x["context"] <= 2048) + "; "
                + f"{_decode(r, 'quantprep_cpu', 512, 'growing') / _decode(r, 'sdpa', 512, 'concatenating'):.2f}x the speed"),
+    ("decode with RMSNorm, the SiLU product, the attention's rotary embedding and the float lm_head in quantprep's C / with "
+     "transformers' and torch's modules, real Qwen2.5-Coder-1.5B: the cpu artifact, the `--lm-head int4` one", "CPU decode speed",
+     ("CPU decode layers", "layers"), ["cpu-layers-avx512.json"],
+     lambda r: ", ".join(f"{x['c_over_torch']:.2f}x" for x in r["decode_tok_s"])),
     ("int4_a8 (int8 activations, AVX512-VNNI) / the int4 kernel, every module forced: decode speed; KL to the float model, each",
      "CPU decode speed at the same quality", LLAMACPP, ["cpu-int4-a8-qwen2.5-coder-1.5b-avx512.json"],
      lambda r: f"{r['decode_tok_s']['int4_a8']['median'] / r['decode_tok_s']['int4']['median']:.2f}x; "
@@ -911,6 +931,7 @@ RENDERERS = {
     "cpu-decode-profile": cpu_decode_profile,
     "cpu-int4-a8": cpu_int4_a8,
     "cpu-decode-attention": cpu_decode_attention,
+    "cpu-layers": cpu_layers,
     "plan-prefill": plan_prefill,
     "cuda-prefill": cuda_prefill,
     "cuda-dequant": cuda_dequant,

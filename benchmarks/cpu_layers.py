@@ -1,0 +1,106 @@
+"""Decode's layers on the CPU: quantprep's C (runtime/cpu_layers.py) against the transformers and torch ops it replaces.
+
+Per call, at one decode row, bfloat16, Qwen2.5-1.5B's sizes (medians of --reps timings, each the
+mean of --calls calls): transformers' RMSNorm module against CpuRMSNorm; the MLP's SiLU product
+(torch's silu and mul against silu_mul); and, from the artifact, its float lm_head (nn.Linear,
+torch's bfloat16 matrix-vector product, against CpuLinear's gemv_bf16; GB/s of the weight read).
+Then the whole model: greedy decode tok/s after a 16-token prompt (transformers' generate, --new
+tokens, a streamer's timestamps after the first) with the replaced modules and with each module's
+own transformers or torch forward again, interleaved, medians of --runs, for each --artifacts.
+`benchmarks/tables.py` renders the JSON into BENCHMARKS.md ("CPU decode layers").
+
+    python benchmarks/cpu_layers.py [--artifacts artifacts/qwen2.5-coder-1.5b/cpu,artifacts/qwen2.5-coder-1.5b-int4-head/cpu]
+        [--out benchmarks/results/cpu-layers-avx512.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+from common import greedy_decode, machine, median_time, save
+
+from quantprep.runtime import cpu_layers
+
+REPLACED = (cpu_layers.CpuRMSNorm, cpu_layers.CpuGatedMLP, cpu_layers.CpuDecodeAttention, cpu_layers.CpuLinear)
+
+
+def per_call_us(fn, calls: int, reps: int) -> float:
+    """Microseconds per call: the median of `reps` timings of `calls` calls each, after one untimed round."""
+    return median_time(lambda: [fn() for _ in range(calls)], reps) / calls * 1e6
+
+
+def with_c(model: torch.nn.Module, on: bool) -> None:
+    """Each replaced module's forward: its own (C where it runs), or the replaced class's again."""
+    for m in model.modules():
+        if isinstance(m, REPLACED):
+            if on:
+                vars(m).pop("forward", None)
+            else:
+                base = torch.nn.Linear if isinstance(m, cpu_layers.CpuLinear) else m.replaced
+                m.forward = base.forward.__get__(m)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--artifacts", default="artifacts/qwen2.5-coder-1.5b/cpu,artifacts/qwen2.5-coder-1.5b-int4-head/cpu")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if cpu_layers.library() is None:
+        raise SystemExit("no C compiler here: the kernels are not built")
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    import quantprep
+
+    g = torch.Generator().manual_seed(0)
+    calls = {}
+    with torch.inference_mode():
+        norm = Qwen2RMSNorm(1536, eps=1e-6).to(torch.bfloat16)
+        ours, x = cpu_layers.CpuRMSNorm(norm), torch.randn(1, 1, 1536, generator=g).to(torch.bfloat16)
+        calls["rms_norm_1536"] = {"transformers": per_call_us(lambda: norm(x), args.calls, args.reps),
+                                  "quantprep": per_call_us(lambda: ours(x), args.calls, args.reps)}
+        gu, y = torch.randn(1, 2 * 8960, generator=g).to(torch.bfloat16), torch.empty(1, 8960, dtype=torch.bfloat16)
+        lib = cpu_layers.library()
+        calls["silu_mul_8960"] = {
+            "transformers": per_call_us(lambda: F.silu(gu[:, :8960]) * gu[:, 8960:], args.calls, args.reps),
+            "quantprep": per_call_us(lambda: lib.silu_mul(gu.data_ptr(), 2 * 8960, y.data_ptr(), 8960, 1, 8960), args.calls, args.reps)}
+    models = {path: quantprep.load(path) for path in args.artifacts.split(",")}
+    for model in models.values():
+        head = model.get_output_embeddings()
+        if isinstance(head, cpu_layers.CpuLinear):
+            row = torch.randn(1, 1, head.in_features, generator=g).to(torch.bfloat16)
+            with torch.inference_mode():
+                c = {"torch": per_call_us(lambda: F.linear(row, head.weight), 5, args.reps),
+                     "quantprep": per_call_us(lambda: head(row), 5, args.reps)}
+            gb = head.weight.numel() * 2 / 1e9
+            calls[f"lm_head_{head.out_features}x{head.in_features}"] = c | {"gb_s": {k: gb / (v / 1e6) for k, v in c.items()}}
+    print(calls, flush=True)
+
+    prompt = torch.randint(0, 1000, (1, 16), generator=g)
+    tok_s = {(path, on): [] for path in models for on in (True, False)}
+    with torch.inference_mode():
+        for (path, on) in tok_s:  # warm-up
+            with_c(models[path], on)
+            greedy_decode(models[path], prompt, 8, eos_token_id=None)
+        for _ in range(args.runs):
+            for (path, on), v in tok_s.items():
+                with_c(models[path], on)
+                v.append(greedy_decode(models[path], prompt, args.new, eos_token_id=None)[0])
+            print({f"{p} {'C' if on else 'torch'}": round(v[-1], 2) for (p, on), v in tok_s.items()}, flush=True)
+    decode = [{"artifact": path, "c": statistics.median(tok_s[(path, True)]), "torch": statistics.median(tok_s[(path, False)]),
+               "c_runs": tok_s[(path, True)], "torch_runs": tok_s[(path, False)],
+               "c_over_torch": statistics.median(a / b for a, b in zip(tok_s[(path, True)], tok_s[(path, False)], strict=True))}
+              for path in models]
+    result = machine() | {"threads": torch.get_num_threads(), "dtype": "bfloat16", "reps": args.reps, "calls": args.calls,
+                          "us_per_call": calls, "new_tokens": args.new, "runs": args.runs, "decode_tok_s": decode}
+    print(save(result, args.out))
+
+
+if __name__ == "__main__":
+    main()
