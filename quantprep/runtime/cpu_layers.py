@@ -163,8 +163,8 @@ class CpuRMSNorm(nn.Module):
         self.weight, self.variance_epsilon, self.replaced, self.training = norm.weight, norm.variance_epsilon, type(norm), norm.training
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lib, w = library(), self.weight
-        if lib is None or not runs_here(x, w):
+        w = self.weight
+        if not runs_here(x, w) or (lib := library()) is None:  # runs_here first: traced code never calls into ctypes
             return self.replaced.forward(self, x)
         y, n = torch.empty_like(x), x.shape[-1]
         lib.rms_norm(x.data_ptr(), n, w.data_ptr(), y.data_ptr(), n, x.numel() // n, n, self.variance_epsilon)
@@ -185,8 +185,7 @@ class CpuGatedMLP(nn.Module):
         self.replaced, self.training = type(mlp), mlp.training
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lib = library()
-        if lib is None or not runs_here(x):
+        if not runs_here(x) or (lib := library()) is None:
             return self.replaced.forward(self, x)
         gu = self.gate_up_proj(x)
         if not runs_here(gu):
@@ -222,7 +221,7 @@ class CpuDecodeAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
         cache = kwargs.pop("past_key_values", cache)  # its name before transformers 5.40
-        if library() is None or not self.decodes_here(hidden_states, position_embeddings, attention_mask, cache, kwargs):
+        if not self.decodes_here(hidden_states, position_embeddings, attention_mask, cache, kwargs) or library() is None:
             return self.replaced.forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
         B, D = hidden_states.shape[0], self.head_dim
         q_size, kv_size = self.qkv_proj.parts[0], self.qkv_proj.parts[1]
