@@ -29,6 +29,7 @@ from quantprep import settings
 from quantprep.format.gptq import PrepackLayer
 from quantprep.targets import native
 from quantprep.targets.common import (
+    Int8PerChannelLinear,
     PackedLinear,
     Target,
     base_meta,
@@ -501,6 +502,63 @@ int int4_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int32_t *perm, 
     return -2;
 #endif
 }
+/* x [M, K] bfloat16 (row stride ldx) @ (w [N, K] int8, row-major, times scale [N] bfloat16 per row).T -> out [M, N]
+   bfloat16 (row stride ldo), the activations rounded to int8 per group of 128 as int4_a8's (quantize_group):
+   u8 x s8 dot products of (w + 128) and the codes, less 128 times the codes' sums, per 16-lane slice of each
+   group, scaled in float32. K % 128 == 0. Returns 0; -1 when out of memory; -2 when this library has no kernel. */
+int int8_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int8_t *w, const uint16_t *scale, int64_t N, int64_t K,
+                uint16_t *out, int64_t ldo, int threads) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+    const int64_t gs = 128, G = K / gs;
+    int8_t *xq = malloc(M * K + 64);
+    float *xs = malloc(2 * M * G * sizeof(float));
+    int32_t *lanes = malloc(M * G * 16 * sizeof(int32_t)); /* per group, the codes' sum in each dword lane */
+    if (xq == NULL || xs == NULL || lanes == NULL) return free(xq), free(xs), free(lanes), -1;
+#ifdef GNU_OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+    {
+        int64_t t = 0, T = 1;
+#ifdef GNU_OPENMP
+        t = omp_get_thread_num(), T = omp_get_num_threads();
+#endif
+        for (int64_t i = t; i < M * G; i += T) {
+            quantize_group(x, ldx, NULL, K, K, gs, i / G, i % G, xq, xs, xs + M * G);
+            const int8_t *q = xq + (i / G) * K + (i % G) * gs;
+            for (int l = 0; l < 16; l++) {
+                int32_t sum = 0;
+                for (int64_t c = 0; c < gs; c += 64)
+                    for (int j = 0; j < 4; j++) sum += q[c + 4 * l + j];
+                lanes[i * 16 + l] = sum;
+            }
+        }
+#ifdef GNU_OPENMP
+#pragma omp barrier
+#endif
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        int64_t per = (N + T - 1) / T, n1 = (t + 1) * per < N ? (t + 1) * per : N;
+        for (int64_t n = t * per; n < n1; n++)
+            for (int64_t m = 0; m < M; m++) {
+                __m512 acc = _mm512_setzero_ps();
+                const int8_t *wr = w + n * K, *q = xq + m * K;
+                for (int64_t g = 0; g < G; g++) {
+                    __m512i dot = _mm512_setzero_si512();
+                    for (int64_t c = 0; c < gs; c += 64)
+                        dot = _mm512_dpbusd_epi32(dot, _mm512_xor_si512(_mm512_loadu_si512(wr + g * gs + c), flip),
+                                                  _mm512_loadu_si512(q + g * gs + c));
+                    dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(_mm512_loadu_si512(lanes + (m * G + g) * 16), 7));
+                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(xs[m * G + g]), acc);
+                }
+                out[m * ldo + n] = to_bf16(_mm512_reduce_add_ps(acc) * from_bf16(scale[n]));
+            }
+    }
+    free(xq), free(xs), free(lanes);
+    return 0;
+#else
+    (void)x, (void)M, (void)ldx, (void)w, (void)scale, (void)N, (void)K, (void)out, (void)ldo, (void)threads;
+    return -2;
+#endif
+}
 """
 
 
@@ -518,6 +576,19 @@ def native_int4_a8():
     if fn(None, 0, 0, None, 0, None, None, 0, 0, 1, None, 0, 1) == -2:  # M = 0: only asks whether it has a kernel
         return None
     return fn
+
+
+@functools.cache
+def native_int8_a8():
+    """`int8_a8_cpu` from NATIVE_A8_SOURCE, or None: as native_int4_a8."""
+    lib = native.library_with_torch_openmp(NATIVE_A8_SOURCE)
+    if lib is None:
+        return None
+    fn = lib.int8_a8_cpu
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + \
+        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return None if fn(None, 0, 0, None, None, 0, 128, None, 0, 1) == -2 else fn  # M = 0: only asks whether it has a kernel
 
 
 # The dense path multiplies one column tile of the weight at a time instead of dequantizing the
@@ -725,6 +796,38 @@ class CpuInt4Linear(PackedLinear):
         return w
 
 
+class CpuInt8PerChannelLinear(Int8PerChannelLinear):
+    """Int8PerChannelLinear's paths, and "int8_a8" where it compiled (AVX512-VNNI and VBMI; bfloat16,
+    K a multiple of 128): the activations rounded to int8 per group of 128 as int4_a8's, then u8 x s8
+    dot products (int8_a8_cpu). torch's int8 kernel converts every weight to float before its
+    product, which at one row makes the per-channel int8 lm_head compute-bound on a small CPU
+    (BENCHMARKS.md, "llama.cpp, the CPU anchor"). A plan picks it only after `warm --int8-activations`."""
+
+    INT8_ACTIVATION_PATHS = ("int8_a8",)
+    TRACED_INSTEAD = {"int8_a8": "int8"}  # its C call needs real data
+
+    def paths(self) -> tuple[str, ...]:
+        a8 = self.act_dtype == torch.bfloat16 and self.in_features % 128 == 0 and native_int8_a8() is not None
+        return super().paths() + (("int8_a8",) if a8 else ())
+
+    def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
+        return self.int8_a8(x) if path == "int8_a8" else super().run(x, path)
+
+    def int8_a8(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in_features] (in the weight's K order: forward gathered it) through int8_a8_cpu."""
+        x = x.to(torch.bfloat16).contiguous()
+        w, s = self._buffers["qweight"], self._buffers["scales"]
+        if not all(eager(t) and t.device.type == "cpu" and t.is_contiguous() for t in (x, w, s)) or x.shape[1] != self.in_features \
+                or w.dtype != torch.int8 or w.shape != (self.out_features, self.in_features) or s.dtype != torch.bfloat16 or \
+                s.shape != (self.out_features,) or self.in_features % 128:
+            raise ValueError(f"int8_a8 runs real contiguous cpu tensors of {self.in_features}x{self.out_features} only, not {tuple(x.shape)}")
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
+        if native_int8_a8()(x.data_ptr(), x.shape[0], x.stride(0), w.data_ptr(), s.data_ptr(), self.out_features, self.in_features,
+                            out.data_ptr(), out.stride(0), torch.get_num_threads()):
+            raise MemoryError("int8_a8 could not allocate its quantized activations")
+        return out
+
+
 class CpuTarget(Target):
     name = "cpu"
     device = "cpu"
@@ -764,7 +867,9 @@ class CpuTarget(Target):
         return tensors, meta
 
     def make_module(self, meta: dict, act_dtype: torch.dtype) -> nn.Module:
-        return CpuInt4Linear(meta, act_dtype) if meta["bits"] == 4 else make_int8_module(meta, act_dtype)
+        if meta["bits"] == 4:
+            return CpuInt4Linear(meta, act_dtype)
+        return CpuInt8PerChannelLinear(meta, act_dtype) if meta.get("int8_kernel") == "per_channel" else make_int8_module(meta, act_dtype)
 
 
 TARGET = CpuTarget()

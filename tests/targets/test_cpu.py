@@ -451,3 +451,34 @@ def test_traced_code_takes_the_int4_kernel_for_int4_a8():
     with torch.no_grad():
         graph = torch.export.export(module, (x,)).graph_module.code
         assert "_weight_int4pack_mm_for_cpu" in graph and module.path_for(2) == "int4_a8"
+
+
+@pytest.mark.parametrize("K,N", [(640, 200), (128, 40), (1536, 64)])
+@pytest.mark.parametrize("M", [1, 3])
+def test_int8_a8_is_the_weight_times_int8_activations(K, N, M):
+    """The per-channel int8 module's int8_a8 path against tensor ops in float64: the activations
+    rounded per group of 128 to round(x / a), a = max|x| / 127, times the module's own int8 weight
+    and scales, plus the bias. Only the bfloat16 output and the bias add round: 4e-3. (One group
+    per column has no act-order permutation.) A NaN activation gives a NaN row, the other rows
+    stay finite."""
+    from quantprep.targets import cpu
+
+    if cpu.native_int8_a8() is None:
+        pytest.skip("no C compiler, or this CPU lacks AVX512-VNNI/VBMI: no int8_a8 path")
+    gen = torch.Generator().manual_seed(K * N + M)
+    _, module, meta = _module_for(random_gptq_tensors(K, N, 8, -1, True, False, True, bias=True, generator=gen),
+                                  QuantConfig(8, -1, True, False, "gptq"), torch.bfloat16)
+    assert meta["int8_kernel"] == "per_channel" and isinstance(module, cpu.CpuInt8PerChannelLinear)
+    assert "int8_a8" in module.paths() and module.perm is None
+    x = torch.randn(M, K, generator=gen).bfloat16()
+    groups = x.double().view(M, K // 128, 128)
+    a = groups.abs().amax(-1, keepdim=True) / 127
+    xq = (torch.where(a > 0, (groups / a).round().clamp(-127, 127), 0) * a).view(M, K)
+    ref = xq @ (module.qweight.double() * module.scales.double()[:, None]).T + module.bias.double()
+    module.plan, module.plan_max_m = ((1, "int8_a8"),), 64
+    with torch.no_grad():
+        assert rel_err(module(x), ref) < 4e-3
+        if M > 1:
+            x[0, 5] = float("nan")
+            y = module(x)
+            assert y[0].isnan().all() and not y[1:].isnan().any()
