@@ -1,6 +1,7 @@
 """What the cpu target's int4_a8 path (int8 activations, AVX512-VNNI) gains and costs on a real artifact.
 
-Every int4 module is forced onto one path at every M, in one process:
+Every int4 module is forced onto one path at every M, in one process (with int4_a8, the per-channel
+int8 modules of an artifact built with `--lm-head int8` onto int8_a8, and with int4 onto int8):
 
   - decode: greedy tokens/s after a 16-token prompt (transformers' generate), --new tokens, the
     paths interleaved run by run, medians of --runs;
@@ -26,7 +27,7 @@ from common import machine, save
 
 import quantprep
 from quantprep.format.artifact import read_checked
-from quantprep.targets.cpu import CpuInt4Linear
+from quantprep.targets.cpu import CpuInt4Linear, CpuInt8PerChannelLinear
 from quantprep.tools.eval import compare_window, find_reference, read_text, reference_model, token_windows
 
 PATHS = ("int4", "int4_a8")
@@ -36,6 +37,8 @@ def force(model, path: str) -> None:
     for m in model.modules():
         if isinstance(m, CpuInt4Linear):
             m.plan, m.plan_max_m = ((1, path),), 1 << 30
+        elif isinstance(m, CpuInt8PerChannelLinear):  # its int8 activations path alongside int4_a8
+            m.plan, m.plan_max_m = ((1, "int8_a8" if path == "int4_a8" else "int8"),), 1 << 30
 
 
 def main() -> int:

@@ -418,8 +418,12 @@ def cpu_layers(r: dict) -> str:
     return "\n".join(out)
 
 
-def cpu_int4_a8(r: dict) -> str:
-    """Every int4 module forced onto the int4 kernel, then onto int4_a8: decode and accuracy (benchmarks/cpu_int4_a8.py)."""
+def cpu_int4_a8(*runs: dict) -> str:
+    """Every int4 module forced onto the int4 kernel, then onto int4_a8: decode and accuracy (benchmarks/cpu_int4_a8.py), per run."""
+    return "\n\n".join(_cpu_int4_a8(r) for r in runs)
+
+
+def _cpu_int4_a8(r: dict) -> str:
     a, d, x = r["accuracy"], r["decode_tok_s"], r["int4_a8_vs_int4"]
     out = [f"{r['artifact']}, {r['cpu']} ({r['cores']} cores, {r['cpu_capability']}, {r['threads']} threads), {r['date'][:10]}; "
            f"decode: medians of {len(d['int4']['runs'])}, {r['new_tokens']} tokens; accuracy: {r['text']['windows']} windows of "
