@@ -48,6 +48,11 @@ def median_time(fn: Callable[[], Any], reps: int = 7, warmup: int = 1, cuda: boo
     return statistics.median(timed(fn, cuda) for _ in range(reps))
 
 
+def per_call_us(fn, calls: int, reps: int) -> float:
+    """Microseconds per call: the median of `reps` timings of `calls` calls each, after one untimed round."""
+    return median_time(lambda: [fn() for _ in range(calls)], reps) / calls * 1e6
+
+
 def median_and_runs(values: list[float]) -> dict:
     return {"median": statistics.median(values), "runs": values}
 

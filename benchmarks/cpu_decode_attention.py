@@ -25,17 +25,12 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-from common import greedy_decode, machine, median_time, save
+from common import greedy_decode, machine, per_call_us, save
 
 from quantprep.runtime import cpu_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 12, 2, 128
 CONTEXTS = (48, 512, 2048, 8192)
-
-
-def per_call_us(fn, calls: int, reps: int) -> float:
-    """Microseconds per call: the median of `reps` timings of `calls` calls each, after one untimed round."""
-    return median_time(lambda: [fn() for _ in range(calls)], reps) / calls * 1e6
 
 
 def model_decode(path: str, runs: int, new: int) -> dict:

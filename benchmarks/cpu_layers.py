@@ -20,16 +20,11 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-from common import greedy_decode, machine, median_time, save
+from common import greedy_decode, machine, per_call_us, save
 
 from quantprep.runtime import cpu_layers
 
 REPLACED = (cpu_layers.CpuRMSNorm, cpu_layers.CpuGatedMLP, cpu_layers.CpuDecodeAttention, cpu_layers.CpuLinear)
-
-
-def per_call_us(fn, calls: int, reps: int) -> float:
-    """Microseconds per call: the median of `reps` timings of `calls` calls each, after one untimed round."""
-    return median_time(lambda: [fn() for _ in range(calls)], reps) / calls * 1e6
 
 
 def with_c(model: torch.nn.Module, on: bool) -> None:
