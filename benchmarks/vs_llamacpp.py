@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -122,9 +123,9 @@ def decode(prompt):
     return (new - 1) / (time.perf_counter() - t), tokens
 
 prefill()
-print(json.dumps({"tokens": decode(a["prompt"])[1]}), flush=True)
+print("RUN " + json.dumps({"tokens": decode(a["prompt"])[1]}), flush=True)  # tagged: the C library may print too
 for _ in sys.stdin:
-    print(json.dumps({"prefill": prefill(), "decode": decode(a["prompt"])[0], "decode_long": decode(a["ids"])[0]}), flush=True)
+    print("RUN " + json.dumps({"prefill": prefill(), "decode": decode(a["prompt"])[0], "decode_long": decode(a["ids"])[0]}), flush=True)
 """
 
 
@@ -187,18 +188,17 @@ class LlamaCppChild:
     """CHILD_LLAMACPP_RUNS, started and warmed up; run() times one round of prefill and decodes."""
 
     def __init__(self, gguf: Path, ids: list[int], threads: int, new: int):
-        import subprocess
-
         arg = json.dumps({"ids": ids, "prompt": ids[:PROMPT], "kw": LLAMA_KW})
         self.proc = subprocess.Popen([sys.executable, "-c", CHILD_LLAMACPP_RUNS, str(gguf), str(threads), str(new), arg],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
         self.tokens = self.reply()["tokens"]
 
     def reply(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"llama.cpp child exited with {self.proc.wait()} (its stderr is above)")
-        return json.loads(line)
+        """Its next tagged line (others: the library's own output)."""
+        while line := self.proc.stdout.readline():
+            if line.startswith("RUN "):
+                return json.loads(line[4:])
+        raise RuntimeError(f"llama.cpp child exited with {self.proc.wait()} (its stderr is above)")
 
     def run(self) -> dict:
         self.proc.stdin.write("run\n")
@@ -207,7 +207,10 @@ class LlamaCppChild:
 
     def close(self) -> None:
         self.proc.stdin.close()
-        self.proc.wait()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
 def interleaved_runs(models: dict, llama: LlamaCppChild | None, ids: list[int], runs: int, new: int) -> tuple[dict, ...]:
@@ -314,9 +317,11 @@ def main() -> None:
                 models[name] = (GPTQModel.load(str(paths[name]), backend=BACKEND.TORCH, device="cpu").model.eval()
                                 if name == "gptqmodel" else quantprep.load(paths[name]))
                 load_in_process[name] = time.perf_counter() - t0
-    prefill, decode, decode_long, tokens = interleaved_runs(models, llama, ids, args.runs, args.new)
-    if llama:
-        llama.close()
+    try:
+        prefill, decode, decode_long, tokens = interleaved_runs(models, llama, ids, args.runs, args.new)
+    finally:
+        if llama:
+            llama.close()
 
     result = machine() | {
         "threads": threads,

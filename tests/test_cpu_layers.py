@@ -1,6 +1,9 @@
 """quantprep's C RMSNorm and SiLU product (runtime/cpu_layers.py) against transformers' modules and a
 float64 reference, their fallbacks, and their use by a loaded artifact."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +13,16 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from quantprep.runtime import cpu_layers
 
 pytestmark = pytest.mark.skipif(cpu_layers.library() is None, reason="no C compiler: the kernels are not built here")
+
+
+def replaced(module: torch.nn.Module, cls: type | None = None) -> torch.nn.Module:
+    """A copy of module with its class swapped: as use() swaps it, or for `cls`."""
+    module = copy.deepcopy(module)
+    if cls is not None:
+        module.__class__ = cls
+    else:
+        assert cpu_layers.replace(module) is module
+    return module
 
 
 def norm(n: int, seed: int = 0) -> Qwen2RMSNorm:
@@ -23,7 +36,8 @@ def test_rms_norm_matches_transformers_and_float64(shape):
     """Same roundings as transformers' module (float32 sum, bf16 normalize, bf16 product): at most a
     bfloat16 step apart where the float32 sums' order differs; against float64 within bf16 rounding."""
     hf = norm(shape[-1])
-    ours = cpu_layers.CpuRMSNorm(hf)
+    ours = replaced(hf)
+    assert isinstance(ours, (cpu_layers.CpuRMSNorm, Qwen2RMSNorm))
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     with torch.inference_mode():
         assert cpu_layers.runs_here(x, ours.weight)  # the kernel, not the fallback, computes it
@@ -57,16 +71,14 @@ def test_silu_mul_matches_torch_and_float64():
 def test_rms_norm_falls_back(case):
     """What C cannot compute as transformers does goes to transformers' own forward."""
     hf = norm(64).requires_grad_(False)  # only the case under test rules C out
-    ours = cpu_layers.CpuRMSNorm(hf)
     x = torch.randn(2, 3, 64).to(torch.bfloat16)
     if case == "float32":
-        hf, ours = hf.float(), cpu_layers.CpuRMSNorm(hf.float())
-        x = x.float()
+        hf, x = hf.float(), x.float()
     elif case == "strided":
         x = torch.randn(2, 3, 128).to(torch.bfloat16)[..., ::2]
     elif case == "meta":
-        hf = hf.to("meta")
-        ours, x = cpu_layers.CpuRMSNorm(hf), x.to("meta")
+        hf, x = hf.to("meta"), x.to("meta")
+    ours = replaced(hf)
     with torch.enable_grad():
         if case == "autograd":
             x.requires_grad_(True)
@@ -95,7 +107,8 @@ def test_gemv_matches_torch_and_float64(N, K):
     if not cpu_layers.gemv_bf16_built():
         pytest.skip("gemv_bf16 needs AVX512-BF16, which this CPU lacks")
     hf = linear(N, K)
-    ours = cpu_layers.CpuLinear(hf)
+    ours = replaced(hf)
+    assert type(ours) is cpu_layers.CpuLinear
     x = torch.randn(1, 1, K, generator=torch.Generator().manual_seed(K)).to(torch.bfloat16)
     with torch.inference_mode():
         y, ref = ours(x), hf(x)
@@ -113,15 +126,13 @@ def test_linear_falls_back(case):
         hf, x = hf.float(), x.float()
     if case == "autograd":
         hf.weight.requires_grad_(True)
-    ours = cpu_layers.CpuLinear(hf)
-    if case == "bias":
-        ours.bias = hf.bias  # a bias set after the replacement (use() replaces only bias-free ones)
+    ours = replaced(hf, cpu_layers.CpuLinear)  # use() swaps only bias-free bfloat16 ones
     with torch.enable_grad():
         y = ours(x)
         assert torch.equal(y, hf(x))
         if case == "autograd":
             y.float().sum().backward()
-            assert hf.weight.grad is not None
+            assert ours.weight.grad is not None
 
 
 class Counting:
@@ -153,8 +164,13 @@ def test_a_loaded_artifact_uses_them(random_artifact, monkeypatch):
     import quantprep
 
     model = quantprep.load(random_artifact)
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
+
+    for base, theirs in ((cpu_layers.CpuRMSNorm, LlamaRMSNorm), (cpu_layers.CpuGatedMLP, LlamaMLP),
+                         (cpu_layers.CpuDecodeAttention, LlamaAttention)):  # every one swapped, still an instance of its class
+        mods = [m for m in model.modules() if isinstance(m, theirs)]
+        assert mods and all(isinstance(m, base) for m in mods)
     names = {type(m).__name__ for m in model.modules()}
-    assert {"CpuRMSNorm", "CpuGatedMLP", "CpuDecodeAttention"} <= names
     if cpu_layers.gemv_bf16_built():  # the float lm_head, still an nn.Linear, still tied to the embedding
         head = model.get_output_embeddings()
         assert type(head) is cpu_layers.CpuLinear and isinstance(head, torch.nn.Linear)
@@ -178,3 +194,48 @@ def test_a_loaded_artifact_uses_them(random_artifact, monkeypatch):
     theirs = prefill_and_decode(model, prompt)
     # the same roundings: equal here; 1e-3 leaves room for another CPU's float32 sum order (a query off by 1%: 4.6e-3)
     assert rel_err(ours, theirs) < 1e-3 and top1(ours, theirs) == 1.0
+
+
+def test_a_loaded_model_keeps_hooks_attentions_and_copies(random_artifact):
+    """What transformers' own modules give stays: a hook on a fused member (q_proj, up_proj) is called
+    (the module then takes transformers' forward), output_attentions returns every layer's weights
+    (transformers records them by class), and a deep copy and a pickle give the same logits."""
+    import quantprep
+
+    model = quantprep.load(random_artifact)
+    prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
+    before = prefill_and_decode(model, prompt)
+    calls = []
+    layer = model.model.layers[0]
+    hooks = [m.register_forward_hook(lambda mod, args, out: calls.append(type(mod).__name__))
+             for m in (layer.self_attn.q_proj, layer.mlp.up_proj)]
+    prefill_and_decode(model, prompt)
+    assert calls.count("FusedMember") == 6  # each of the two members at the prefill and both decode steps
+    for h in hooks:
+        h.remove()
+    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert type(other.model.layers[0].mlp) is type(model.model.layers[0].mlp)
+        assert torch.equal(prefill_and_decode(other, prompt), before)
+    layers = model.config.num_hidden_layers
+    model.set_attn_implementation("eager")  # (recording attentions leaves transformers' hooks, which do not pickle)
+    with torch.inference_mode():
+        out = model(input_ids=prompt, output_attentions=True)
+    assert len(out.attentions) == layers and out.attentions[0].shape[-1] == prompt.shape[1]
+
+
+def test_tensors_c_cannot_read_take_the_replaced_forward():
+    """vmap's batched wrappers (no data pointer), forward-mode AD (C would drop the tangent) and a lazily
+    negated view (its memory holds -x): transformers' forward, and its results."""
+    import torch.autograd.forward_ad as fwAD
+
+    hf = norm(64).requires_grad_(False)
+    ours = replaced(hf)
+    x = torch.randn(3, 5, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(torch.vmap(ours)(x), torch.vmap(hf)(x))
+        neg = torch._neg_view(x[0])
+        assert neg.is_neg() and torch.equal(ours(neg), hf(-x[0]))
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x[0], torch.ones_like(x[0]))
+        tangent = fwAD.unpack_dual(ours(dual)).tangent
+        assert tangent is not None and torch.equal(tangent, fwAD.unpack_dual(hf(dual)).tangent)

@@ -10,13 +10,13 @@ lm_head a GPTQ checkpoint keeps is the largest read of a token, and torch's bflo
 product reads it at about half the memory speed; gemv_bf16 (AVX512-BF16) sums exact products in
 float32 as torch does.
 
-`use(model)` replaces the RMSNorm, MLP, attention and bias-free bfloat16 Linear modules of a bfloat16
-CPU model (load does it) with CpuRMSNorm, CpuGatedMLP, CpuDecodeAttention and CpuLinear (still an
-nn.Linear, its weight still tied): the same parameters and submodules under the
-same names, whose forward runs C where it computes the same (`runs_here`: eager bfloat16 CPU rows,
-no autograd; attention: one token of a "quantprep_cpu" model, no mask or sliding window) and the
-replaced class's own forward everywhere else (torch.compile, export, other dtypes, prefill's attention,
-a Linear's several rows).
+`use(model)` (load calls it) swaps the classes of the RMSNorm, MLP, attention and bias-free bfloat16
+Linear modules of a bfloat16 CPU model for subclasses of them and of CpuRMSNorm, CpuGatedMLP,
+CpuDecodeAttention and CpuLinear: each module keeps its parameters, submodules, hooks and tied
+weights, isinstance checks still hold, and its forward runs C where it computes the same
+(`runs_here`: eager bfloat16 CPU rows, no autograd; attention: one token of a "quantprep_cpu" model,
+no mask or sliding window; no hooks on fused members) and the replaced class's own forward
+everywhere else (torch.compile, export, other dtypes, prefill's attention, a Linear's several rows).
 """
 
 from __future__ import annotations
@@ -155,12 +155,47 @@ def runs_here(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
                               weight.shape[0] == x.shape[-1])
 
 
-class CpuRMSNorm(nn.Module):
-    """transformers' RMSNorm (`weight * normalize(x)`, `variance_epsilon`) with its forward in C."""
+class Replacement(nn.Module):
+    """A transformers module whose class `replace` swapped for `replacement_class(base, its class)`: a
+    subclass of both, so its parameters, submodules, attributes and hooks stay where they were and
+    isinstance checks on the replaced class still hold (transformers records attentions by class).
+    `replaced` is that class; its forward runs wherever C does not. Pickles and copies through
+    `rebuild` (the combined class is made at run time)."""
 
-    def __init__(self, norm: nn.Module):
-        super().__init__()
-        self.weight, self.variance_epsilon, self.replaced, self.training = norm.weight, norm.variance_epsilon, type(norm), norm.training
+    replaced: type
+
+    def __reduce_ex__(self, protocol):
+        return rebuild, (type(self).__bases__[0], self.replaced, self.__getstate__())
+
+
+@functools.cache
+def replacement_class(base: type, replaced: type) -> type:
+    return type(f"Cpu{replaced.__name__}", (base, replaced), {"replaced": replaced, "__module__": __name__})
+
+
+def rebuild(base: type, replaced: type, state: dict) -> nn.Module:
+    module = object.__new__(replacement_class(base, replaced))
+    module.__setstate__(state)
+    return module
+
+
+def fused_as_built(parent: nn.Module, fused: str, members: tuple[str, ...]) -> bool:
+    """Whether `parent`'s fused projection and its members are the ones load installed (runtime/fused.py),
+    with no forward hooks on them or on every module: a hook, or a member put in its place, must
+    see the member calls transformers' forward makes."""
+    from torch.nn.modules import module as torch_module
+
+    from quantprep.runtime.fused import FusedMember
+
+    mods = parent._modules
+    group = [mods.get(fused)] + [mods.get(m) for m in members]
+    return (not torch_module._global_forward_hooks and not torch_module._global_forward_pre_hooks
+            and all(type(m) is FusedMember and m.group.fused is group[0] for m in group[1:])
+            and not any(m._forward_hooks or m._forward_pre_hooks for m in group))
+
+
+class CpuRMSNorm(Replacement):
+    """transformers' RMSNorm (`weight * normalize(x)`, `variance_epsilon`) with its forward in C."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -170,22 +205,13 @@ class CpuRMSNorm(nn.Module):
         lib.rms_norm(x.data_ptr(), n, w.data_ptr(), y.data_ptr(), n, x.numel() // n, n, self.variance_epsilon)
         return y
 
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, in C (replaces {self.replaced.__name__})"
 
-
-class CpuGatedMLP(nn.Module):
+class CpuGatedMLP(Replacement):
     """transformers' gated MLP, down(silu(gate(x)) * up(x)), whose gate and up quantprep fused into
     gate_up_proj (runtime/fused.py): one fused matmul, the SiLU product in C, down_proj."""
 
-    def __init__(self, mlp: nn.Module):
-        super().__init__()
-        for name, child in mlp.named_children():
-            self.add_module(name, child)
-        self.replaced, self.training = type(mlp), mlp.training
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not runs_here(x) or (lib := library()) is None:
+        if not runs_here(x) or not fused_as_built(self, "gate_up_proj", ("gate_proj", "up_proj")) or (lib := library()) is None:
             return self.replaced.forward(self, x)
         gu = self.gate_up_proj(x)
         if not runs_here(gu):
@@ -196,25 +222,17 @@ class CpuGatedMLP(nn.Module):
         return self.down_proj(y)
 
 
-class CpuDecodeAttention(nn.Module):
+class CpuDecodeAttention(Replacement):
     """transformers' Llama/Qwen2 attention, whose q/k/v quantprep fused into qkv_proj, with one decode
     token in fewer steps: the fused matmul, the rotary embedding in C in place on its output, the
     cache's own update, the decode kernel (cpu_attention), o_proj. What is not one token of a
     "quantprep_cpu" model without a mask or a sliding window takes the replaced class's forward."""
 
-    def __init__(self, attention: nn.Module):
-        super().__init__()
-        for name, child in attention.named_children():
-            self.add_module(name, child)
-        for name, value in vars(attention).items():
-            if not name.startswith("_"):  # config, layer_idx, head_dim, scaling, training, ...
-                setattr(self, name, value)
-        self.replaced = type(attention)
-
     def decodes_here(self, x: torch.Tensor, position_embeddings, attention_mask, cache, kwargs: dict) -> bool:
         if attention_mask is not None or cache is None or position_embeddings is None or self.training or x.dim() != 3 or \
                 x.shape[1] != 1 or getattr(self, "sliding_window", None) is not None or kwargs.get("output_attentions") or \
-                self.config._attn_implementation != cpu_attention.NAME or not runs_here(x):
+                self.config._attn_implementation != cpu_attention.NAME or not runs_here(x) or \
+                not fused_as_built(self, "qkv_proj", ("q_proj", "k_proj", "v_proj")):
             return False
         cos, sin = position_embeddings
         return all(runs_here(t) and t.shape == (x.shape[0], 1, self.head_dim) for t in (cos, sin))
@@ -238,13 +256,9 @@ class CpuDecodeAttention(nn.Module):
 
 class CpuLinear(nn.Linear):
     """A dense bfloat16 Linear without bias (the float lm_head a GPTQ checkpoint keeps), one row at a
-    time in C (gemv_bf16): torch's bfloat16 matrix-vector product reads the weight at about half this
-    machine's memory speed (BENCHMARKS.md, "CPU decode attention"). Other inputs: nn.Linear's forward."""
-
-    def __init__(self, linear: nn.Linear):
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias, self.training = linear.weight, None, linear.training
+    time in C (gemv_bf16): torch's bfloat16 matrix-vector product reads the weight well below this
+    machine's memory speed (BENCHMARKS.md, "CPU decode layers"). Other inputs: nn.Linear's forward.
+    `replace` makes an nn.Linear one (a subclass without state of its own)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, K, N = self.weight, self.in_features, self.out_features
@@ -317,18 +331,25 @@ def gemv_bf16_built() -> bool:
     return library() is not None and library().gemv_bf16(x.data_ptr(), x.data_ptr(), y.data_ptr(), 1, 32) == 0
 
 
+def replace(module: nn.Module) -> nn.Module | None:
+    """Swap the class of one module this file has C for (in place; the module keeps everything it
+    holds) and return it, else None."""
+    if is_rms_norm(module):
+        module.__class__ = replacement_class(CpuRMSNorm, type(module))
+    elif is_fused_silu_mlp(module):
+        module.__class__ = replacement_class(CpuGatedMLP, type(module))
+    elif is_fused_decode_attention(module):
+        module.__class__ = replacement_class(CpuDecodeAttention, type(module))
+    elif is_dense_bf16_linear(module):
+        module.__class__ = CpuLinear
+    else:
+        return None
+    return module
+
+
 def use(model: nn.Module) -> int:
-    """Replace the RMSNorm, fused SiLU MLP, fused Llama/Qwen2 attention and dense bfloat16 Linear
-    modules of a bfloat16 CPU model; how many were replaced (0: another dtype or no C compiler)."""
+    """Give the RMSNorm, fused SiLU MLP, fused Llama/Qwen2 attention and dense bfloat16 Linear modules
+    of a bfloat16 CPU model their C forwards (replace); how many (0: another dtype or no C compiler)."""
     if model.dtype != torch.bfloat16 or library() is None:
         return 0
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            new = (CpuRMSNorm(child) if is_rms_norm(child) else CpuGatedMLP(child) if is_fused_silu_mlp(child)
-                   else CpuDecodeAttention(child) if is_fused_decode_attention(child)
-                   else CpuLinear(child) if is_dense_bf16_linear(child) else None)
-            if new is not None:
-                setattr(parent, name, new)
-                replaced += 1
-    return replaced
+    return sum(replace(m) is not None for m in list(model.modules()))

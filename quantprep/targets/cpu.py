@@ -275,8 +275,11 @@ def native_dequantizer():
 def eager(t: torch.Tensor) -> bool:
     """Real data in an eager call: export and torch.compile trace fake tensors, which have no data to
     hand to C (they take the tensor ops, which Inductor fuses), and torch.jit.trace records only
-    tensor ops (a C call would be missing from its graph)."""
-    return type(t) is torch.Tensor and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+    tensor ops (a C call would be missing from its graph). Nor under torch.func's vmap or grad (their
+    wrappers have no data pointer), with forward-mode AD active (C would drop the tangents), or a
+    lazily negated view (its memory holds -t)."""
+    return (type(t) is torch.Tensor and not torch.compiler.is_compiling() and not torch.jit.is_tracing() and not t.is_neg()
+            and not torch._C._functorch.is_functorch_wrapped_tensor(t) and torch.autograd.forward_ad._current_level < 0)
 
 
 class NativeWeight:
@@ -351,10 +354,16 @@ NATIVE_A8_SOURCE = BF16_C + r"""
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 /* Group g of row m: packed row k = x[m, perm[k]] (perm NULL: k; k >= K_in or a perm value out of range: 0),
-   xq = round(x / a), a = max|x| / 127 (round half to even, as nearbyintf: exact for |x / a| <= 127 by the
-   1.5 * 2^23 addition, which unlike nearbyintf, fmaxf and fabsf vectorizes); xs = a, xsum = sum of xq. */
+   xq = round(x / a), a = max|x| / 127 (round half to even of the float product, as nearbyintf, by the
+   1.5 * 2^23 addition: exact for |x / a| <= 127 without a libm call); xs = a, xsum = sum of xq. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off"))) /* x / a rounded to float before the addition, never one fused multiply-add */
+#endif
 static void quantize_group(const uint16_t *x, int64_t ldx, const int32_t *perm, int64_t K_in, int64_t Kp, int64_t gs,
                            int64_t m, int64_t g, int8_t *xq, float *xs, float *xsum) {
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
     int64_t G = Kp / gs;
     float tmp[256]; /* gs <= 256: KERNEL_GROUP_SIZES */
     for (int64_t i = 0; i < gs; i++) {
