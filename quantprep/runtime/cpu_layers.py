@@ -272,11 +272,15 @@ class CpuLinear(nn.Linear):
         return y
 
 
-def same_forward(module: nn.Module, reference: type) -> bool:
-    """Whether module's class has reference's forward, instruction for instruction (transformers
-    copies Llama's into each family that shares it: "Copied from")."""
-    a, b = inspect.unwrap(type(module).forward).__code__, inspect.unwrap(reference.forward).__code__
+def same_code(f, g) -> bool:
+    """Whether two functions are the same instructions on the same names and constants (transformers
+    copies Llama's code into each family that shares it: "Copied from")."""
+    a, b = inspect.unwrap(f).__code__, inspect.unwrap(g).__code__
     return (a.co_code, a.co_names, a.co_consts) == (b.co_code, b.co_names, b.co_consts)
+
+
+def same_forward(module: nn.Module, reference: type) -> bool:
+    return same_code(type(module).forward, reference.forward)
 
 
 def is_rms_norm(module: nn.Module) -> bool:
@@ -306,11 +310,8 @@ def is_fused_decode_attention(module: nn.Module) -> bool:
     if not any(same_forward(module, c) for c in (modeling_llama.LlamaAttention, Qwen2Attention)):
         return False
     rotary = inspect.unwrap(type(module).forward).__globals__
-    for name in ("apply_rotary_pos_emb", "rotate_half"):
-        a, b = rotary.get(name), getattr(modeling_llama, name)
-        if not callable(a) or (a.__code__.co_code, a.__code__.co_names, a.__code__.co_consts) != \
-                (b.__code__.co_code, b.__code__.co_names, b.__code__.co_consts):
-            return False
+    if not all(callable(rotary.get(f)) and same_code(rotary[f], getattr(modeling_llama, f)) for f in ("apply_rotary_pos_emb", "rotate_half")):
+        return False
     c, D = module.config, getattr(module, "head_dim", 0)
     parts = getattr(getattr(module, "qkv_proj", None), "parts", ())
     return isinstance(D, int) and 0 < D <= cpu_attention.MAX_HEAD_DIM and D % 16 == 0 and \
