@@ -1,5 +1,6 @@
-"""quantprep's C RMSNorm and SiLU product (runtime/cpu_layers.py) against transformers' modules and a
-float64 reference, their fallbacks, and their use by a loaded artifact."""
+"""quantprep's C decode layers (runtime/cpu_layers.py: RMSNorm, the SiLU product, decode attention, the
+bf16 GEMV) against transformers' modules, torch and float64, their fallbacks, and their use by a
+loaded artifact (hooks, attentions, copies kept)."""
 
 import copy
 import pickle
@@ -37,7 +38,7 @@ def test_rms_norm_matches_transformers_and_float64(shape):
     bfloat16 step apart where the float32 sums' order differs; against float64 within bf16 rounding."""
     hf = norm(shape[-1])
     ours = replaced(hf)
-    assert isinstance(ours, (cpu_layers.CpuRMSNorm, Qwen2RMSNorm))
+    assert isinstance(ours, cpu_layers.CpuRMSNorm) and isinstance(ours, Qwen2RMSNorm)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     with torch.inference_mode():
         assert cpu_layers.runs_here(x, ours.weight)  # the kernel, not the fallback, computes it
