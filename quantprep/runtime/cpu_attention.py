@@ -113,8 +113,6 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
               **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [B, H, T, D], key/value [B, KV, S, D] ->
     ([B, T, H, D], None)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     fn = kernel()
     if fn is not None and runs_here(query, key, value, attention_mask, dropout, kwargs):
         B, H, _, D = query.shape
@@ -125,6 +123,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
               value.data_ptr(), value.stride(0), value.stride(1), value.stride(2),
               out.data_ptr(), B, H, key.shape[1], key.shape[2], D, scale) == 0:
             return out, None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # only here: not per decode call
+
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 

@@ -27,8 +27,10 @@ import inspect
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from quantprep.runtime import cpu_attention
+from quantprep.runtime.fused import FusedMember
 from quantprep.targets import native
 from quantprep.targets.cpu import BF16_C, eager
 
@@ -142,17 +144,17 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def runs_here(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
-    """Whether C may compute on x (and a layer's weight): eager, contiguous, bfloat16, on the CPU, not
-    empty, no autograd. Checked in the order of what is cheapest to rule out: these run per layer
-    and token."""
+def runs_here(x: torch.Tensor, weight: torch.Tensor | None = None, weight_shape: tuple[int, ...] | None = None) -> bool:
+    """Whether C may compute on x (and a layer's weight, of weight_shape: default x's last dimension):
+    eager, contiguous, bfloat16, on the CPU, not empty, no autograd. Checked in the order of what is
+    cheapest to rule out: these run per layer and token."""
     if x.dtype is not torch.bfloat16 or not x.is_contiguous() or x.device.type != "cpu" or not eager(x) or x.numel() == 0:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
         return False
     return weight is None or (type(weight) in (torch.Tensor, nn.Parameter) and weight.dtype is torch.bfloat16 and
-                              weight.device.type == "cpu" and weight.dim() == 1 and weight.is_contiguous() and
-                              weight.shape[0] == x.shape[-1])
+                              weight.device.type == "cpu" and weight.is_contiguous() and
+                              weight.shape == (weight_shape or x.shape[-1:]))
 
 
 class Replacement(nn.Module):
@@ -183,10 +185,6 @@ def fused_as_built(parent: nn.Module, fused: str, members: tuple[str, ...]) -> b
     """Whether `parent`'s fused projection and its members are the ones load installed (runtime/fused.py),
     with no forward hooks on them or on every module: a hook, or a member put in its place, must
     see the member calls transformers' forward makes."""
-    from torch.nn.modules import module as torch_module
-
-    from quantprep.runtime.fused import FusedMember
-
     mods = parent._modules
     group = [mods.get(fused)] + [mods.get(m) for m in members]
     return (not torch_module._global_forward_hooks and not torch_module._global_forward_pre_hooks
@@ -239,13 +237,13 @@ class CpuDecodeAttention(Replacement):
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
         cache = kwargs.pop("past_key_values", cache)  # its name before transformers 5.40
-        if not self.decodes_here(hidden_states, position_embeddings, attention_mask, cache, kwargs) or library() is None:
+        if not self.decodes_here(hidden_states, position_embeddings, attention_mask, cache, kwargs) or (lib := library()) is None:
             return self.replaced.forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
         B, D = hidden_states.shape[0], self.head_dim
         q_size, kv_size = self.qkv_proj.parts[0], self.qkv_proj.parts[1]
         qkv = self.qkv_proj(hidden_states).contiguous()  # [B, 1, q + 2 kv]
         cos, sin = position_embeddings
-        library().rotary(qkv.data_ptr(), qkv.shape[-1], B, (q_size + kv_size) // D, D, cos.data_ptr(), sin.data_ptr())
+        lib.rotary(qkv.data_ptr(), qkv.shape[-1], B, (q_size + kv_size) // D, D, cos.data_ptr(), sin.data_ptr())
         q = qkv[..., :q_size].view(B, 1, -1, D).transpose(1, 2)
         k = qkv[..., q_size:q_size + kv_size].view(B, 1, -1, D).transpose(1, 2)
         v = qkv[..., q_size + kv_size:].view(B, 1, -1, D).transpose(1, 2)
@@ -262,9 +260,7 @@ class CpuLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, K, N = self.weight, self.in_features, self.out_features
-        if x.numel() != K or self.bias is not None or not runs_here(x) or type(w) not in (torch.Tensor, nn.Parameter) or \
-                w.dtype is not torch.bfloat16 or w.device.type != "cpu" or not w.is_contiguous() or w.shape != (N, K) or \
-                (torch.is_grad_enabled() and w.requires_grad):
+        if x.numel() != K or self.bias is not None or not runs_here(x, w, (N, K)):
             return super().forward(x)
         y = x.new_empty(*x.shape[:-1], N)
         if library().gemv_bf16(x.data_ptr(), w.data_ptr(), y.data_ptr(), N, K) != 0:

@@ -127,8 +127,10 @@ def pack_int8(layer: PrepackLayer, act_dtype: torch.dtype, per_channel_kernel: b
     return {"qweight": layer.codes, "scales": layer.scales.to(act_dtype), "qzeros": layer.zeros}, "dequant"
 
 
-def make_int8_module(meta: dict, act_dtype: torch.dtype) -> nn.Module:
-    return (Int8PerChannelLinear if meta.get("int8_kernel") == "per_channel" else DequantInt8Linear)(meta, act_dtype)
+def make_int8_module(meta: dict, act_dtype: torch.dtype, per_channel: type | None = None) -> nn.Module:
+    """The int8 module for meta's kernel; per_channel: a target's own subclass of Int8PerChannelLinear."""
+    per_channel_class = per_channel or Int8PerChannelLinear
+    return (per_channel_class if meta.get("int8_kernel") == "per_channel" else DequantInt8Linear)(meta, act_dtype)
 
 
 class PackedLinear(nn.Module):

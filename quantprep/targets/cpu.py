@@ -876,9 +876,7 @@ class CpuTarget(Target):
         return tensors, meta
 
     def make_module(self, meta: dict, act_dtype: torch.dtype) -> nn.Module:
-        if meta["bits"] == 4:
-            return CpuInt4Linear(meta, act_dtype)
-        return CpuInt8PerChannelLinear(meta, act_dtype) if meta.get("int8_kernel") == "per_channel" else make_int8_module(meta, act_dtype)
+        return CpuInt4Linear(meta, act_dtype) if meta["bits"] == 4 else make_int8_module(meta, act_dtype, CpuInt8PerChannelLinear)
 
 
 TARGET = CpuTarget()
