@@ -7,7 +7,7 @@ call with the same arithmetic and the same roundings as transformers': RMSNorm s
 float32, rounds the normalized row, then multiplies by the weight and rounds again; the MLP rounds
 SiLU(gate) before the product; the rotary embedding rounds each product and their sum. The float
 lm_head a GPTQ checkpoint keeps is the largest read of a token, and torch's bfloat16 matrix-vector
-product reads it at about half the memory speed; gemv_bf16 (AVX512-BF16) sums exact products in
+product reads it at a fraction of the memory speed; gemv_bf16 (AVX512-BF16 or AVX2) sums exact products in
 float32 as torch does.
 
 `use(model)` (load calls it) swaps the classes of the RMSNorm, MLP, attention and bias-free bfloat16
@@ -36,12 +36,14 @@ from quantprep.targets.cpu import BF16_C, eager
 
 SOURCE = BF16_C + f"#define MAX_D {cpu_attention.MAX_HEAD_DIM}\n" + r"""
 #include <math.h>
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if (defined(__AVX512BF16__) && defined(__AVX512F__)) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 /* y[n] = bf16(sum_k x[k] w[n, k]) for one bfloat16 row x of K % 32 == 0 and w [N, K] row-major: products
-   exact in float32, sums in float32, as torch's bfloat16 linear; four rows of w at a time. 0, or -2: not built
-   with AVX512-BF16. */
+   exact in float32 (a bfloat16 product has 16 significant bits), sums in float32, as torch's bfloat16
+   linear; four rows of w at a time. AVX512-BF16's dot products, or with AVX2 each 16 values widened to
+   float32 in two halves (the even ones shifted up, the odd ones masked) and fused multiply-adds. 0, or -2:
+   built with neither. */
 int gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t N, int64_t K) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
     #pragma omp parallel for schedule(static)
@@ -54,6 +56,31 @@ int gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t N, int6
                 acc[r] = _mm512_dpbf16_ps(acc[r], xv, (__m512bh)_mm512_loadu_si512(w + (n0 + r) * K + k));
         }
         for (int r = 0; r < rows; r++) y[n0 + r] = to_bf16(_mm512_reduce_add_ps(acc[r]));
+    }
+    return 0;
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256i odd = _mm256_set1_epi32((int)0xffff0000);
+    #pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += 4) {
+        __m256 even_acc[4], odd_acc[4];
+        for (int r = 0; r < 4; r++) even_acc[r] = odd_acc[r] = _mm256_setzero_ps();
+        int rows = N - n0 < 4 ? (int)(N - n0) : 4;
+        for (int64_t k = 0; k < K; k += 16) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(x + k));
+            __m256 xe = _mm256_castsi256_ps(_mm256_slli_epi32(xv, 16)), xo = _mm256_castsi256_ps(_mm256_and_si256(xv, odd));
+            for (int r = 0; r < rows; r++) {
+                __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (n0 + r) * K + k));
+                even_acc[r] = _mm256_fmadd_ps(xe, _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16)), even_acc[r]);
+                odd_acc[r] = _mm256_fmadd_ps(xo, _mm256_castsi256_ps(_mm256_and_si256(wv, odd)), odd_acc[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            __m256 s = _mm256_add_ps(even_acc[r], odd_acc[r]);
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_add_ss(h, _mm_movehdup_ps(h));
+            y[n0 + r] = to_bf16(_mm_cvtss_f32(h));
+        }
     }
     return 0;
 #else
@@ -322,7 +349,7 @@ def is_dense_bf16_linear(module: nn.Module) -> bool:
 
 @functools.cache
 def gemv_bf16_built() -> bool:
-    """Whether gemv_bf16 was compiled for this CPU (AVX512-BF16), by calling it on one 32-long row."""
+    """Whether gemv_bf16 was compiled for this CPU (AVX512-BF16, or AVX2 and FMA), by calling it on one 32-long row."""
     x = torch.zeros(32, dtype=torch.bfloat16)
     y = torch.empty(1, dtype=torch.bfloat16)
     return library() is not None and library().gemv_bf16(x.data_ptr(), x.data_ptr(), y.data_ptr(), 1, 32) == 0
