@@ -109,6 +109,15 @@ def save(result: dict, path: str | Path | None) -> str:
     return text
 
 
+RTN_RECORD = "rtn.json"  # beside a checkpoint benchmarks/rtn_gptq.py rounded to nearest
+
+
+def rtn_record(gptq_dir: Path) -> dict:
+    """What rtn_gptq.py wrote beside a checkpoint it made ({} for any other): its GGUF and `codes`."""
+    record = gptq_dir / RTN_RECORD
+    return json.loads(record.read_text()) if record.is_file() else {}
+
+
 def greedy_decode(model, ids, new: int, **generate_kwargs) -> tuple[float, list[int]]:
     """transformers' greedy `generate` of `new` tokens after `ids` [1, n] -> (tokens/s over the new - 1
     after the first, which the prompt's forward gives; the new tokens), timed by a streamer's

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import machine, median_and_runs, save, timed
+from common import machine, median_and_runs, rtn_record, save, timed
 
 
 def kind(name: str, module) -> str:
@@ -185,6 +185,7 @@ def main() -> None:
         "model": manifest["source"].get("model", gptq.name),
         "artifact": str(art),
         "gptq_checkpoint": gptq.name,
+        "codes": rtn_record(gptq).get("codes", "the recipe's GPTQ"),
         "dtypes": dtypes,
         "load_in_process_s": {"gptqmodel": load_theirs, "quantprep": load_ours, **({"openvino": load_ov} if args.openvino else {})},
         "prefill_512_s": {k: median_and_runs(v) for k, v in prefill.items()},

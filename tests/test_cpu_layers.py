@@ -3,6 +3,7 @@ bf16 GEMV) against transformers' modules, torch and float64, their fallbacks, an
 loaded artifact (hooks, attentions, copies kept)."""
 
 import copy
+import inspect
 import pickle
 
 import pytest
@@ -240,3 +241,24 @@ def test_tensors_c_cannot_read_take_the_replaced_forward():
         dual = fwAD.make_dual(x[0], torch.ones_like(x[0]))
         tangent = fwAD.unpack_dual(ours(dual)).tangent
         assert tangent is not None and torch.equal(tangent, fwAD.unpack_dual(hf(dual)).tangent)
+
+
+def test_an_attention_whose_rotary_helpers_differ_is_not_replaced(random_artifact):
+    """Llama's attention forward instruction for instruction, but resolving apply_rotary_pos_emb in
+    a module of its own (a family that rotates differently behind the same forward): not fused
+    decode attention, so its own forward and its own rotation run."""
+    import types
+
+    from transformers.models.llama import modeling_llama
+
+    import quantprep
+
+    attn = quantprep.load(random_artifact).model.layers[0].self_attn
+    attn.__class__ = own = attn.replaced  # as load found it
+    assert cpu_layers.is_fused_decode_attention(attn)
+    forward = inspect.unwrap(own.forward)
+    elsewhere = dict(forward.__globals__, apply_rotary_pos_emb=lambda q, k, cos, sin, *a, **kw: (q, k))
+    moved = types.FunctionType(forward.__code__, elsewhere, forward.__name__, forward.__defaults__)
+    assert cpu_layers.same_code(moved, forward) and cpu_layers.same_code(elsewhere["rotate_half"], modeling_llama.rotate_half)
+    attn.__class__ = type(own.__name__, (own,), {"forward": moved})
+    assert not cpu_layers.is_fused_decode_attention(attn)
