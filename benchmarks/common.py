@@ -112,10 +112,19 @@ def save(result: dict, path: str | Path | None) -> str:
 RTN_RECORD = "rtn.json"  # beside a checkpoint benchmarks/rtn_gptq.py rounded to nearest
 
 
-def rtn_record(gptq_dir: Path) -> dict:
+def rtn_record(gptq_dir: Path | None) -> dict:
     """What rtn_gptq.py wrote beside a checkpoint it made ({} for any other): its GGUF and `codes`."""
-    record = gptq_dir / RTN_RECORD
-    return json.loads(record.read_text()) if record.is_file() else {}
+    record = gptq_dir / RTN_RECORD if gptq_dir else None
+    return json.loads(record.read_text()) if record and record.is_file() else {}
+
+
+def artifact_codes(artifact: Path) -> dict:
+    """Which codes an artifact's speed run ran: the checkpoint it was built from (found in the build
+    cache by content, else None) and `codes`: rtn_gptq.py's rounding, or the checkpoint's own."""
+    from quantprep.build.pipeline import cached_checkpoint
+
+    gptq = cached_checkpoint(json.loads((Path(artifact) / "manifest.json").read_text())["source"]["sha256"])
+    return {"gptq_checkpoint": gptq and gptq.name, "codes": rtn_record(gptq).get("codes", "the checkpoint's own (GPTQ)")}
 
 
 def greedy_decode(model, ids, new: int, **generate_kwargs) -> tuple[float, list[int]]:

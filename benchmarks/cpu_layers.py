@@ -20,7 +20,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-from common import greedy_decode, machine, per_call_us, save
+from common import artifact_codes, greedy_decode, machine, per_call_us, save
 
 from quantprep.runtime import cpu_layers
 
@@ -57,7 +57,8 @@ def main() -> None:
     calls = {}
     with torch.inference_mode():
         norm = Qwen2RMSNorm(1536, eps=1e-6).to(torch.bfloat16)
-        ours, x = cpu_layers.CpuRMSNorm(norm), torch.randn(1, 1, 1536, generator=g).to(torch.bfloat16)
+        ours = cpu_layers.replace(Qwen2RMSNorm(1536, eps=1e-6).to(torch.bfloat16))  # the same module, its class swapped
+        x = torch.randn(1, 1, 1536, generator=g).to(torch.bfloat16)
         calls["rms_norm_1536"] = {"transformers": per_call_us(lambda: norm(x), args.calls, args.reps),
                                   "quantprep": per_call_us(lambda: ours(x), args.calls, args.reps)}
         gu, y = torch.randn(1, 2 * 8960, generator=g).to(torch.bfloat16), torch.empty(1, 8960, dtype=torch.bfloat16)
@@ -88,7 +89,7 @@ def main() -> None:
                 with_c(models[path], on)
                 v.append(greedy_decode(models[path], prompt, args.new, eos_token_id=None)[0])
             print({f"{p} {'C' if on else 'torch'}": round(v[-1], 2) for (p, on), v in tok_s.items()}, flush=True)
-    decode = [{"artifact": path, "c": statistics.median(tok_s[(path, True)]), "torch": statistics.median(tok_s[(path, False)]),
+    decode = [{"artifact": path, **artifact_codes(path), "c": statistics.median(tok_s[(path, True)]), "torch": statistics.median(tok_s[(path, False)]),
                "c_runs": tok_s[(path, True)], "torch_runs": tok_s[(path, False)],
                "c_over_torch": statistics.median(a / b for a, b in zip(tok_s[(path, True)], tok_s[(path, False)], strict=True))}
               for path in models]

@@ -6,12 +6,14 @@ Same format, sizes and kernel work as the recipe's GPTQ checkpoint: int4, groups
 act-order (desc_act: a g_idx permutation, shared by q/k/v and by gate/up as gptqmodel writes it; here a
 seeded random one), v1 zeros, float16 scales and float tensors. Only the codes differ (round to
 nearest, no calibration), so decode and prefill times are the recipe's and its quality is not: a
-speed run on it says so in its JSON (`codes`, from the checkpoint's rtn.json).
+speed run on it says so in its JSON (`codes`, from rtn.json beside the checkpoint).
 
-It is written into the build cache (artifacts/.cache/gptq/RECIPE-rtn-SEED), where vs_llamacpp.py and
-vs_gptqmodel.py find a checkpoint by the content the artifact names; then
+It is written into the build cache (artifacts/.cache/gptq/RECIPE-rtn-SEED), where the benchmarks find
+an artifact's checkpoint by content (common.artifact_codes: they record `codes`); then, at the paths
+vs_llamacpp.py reads (RECIPE/cpu, and the heads beside it; no calibrated build there):
 
-    quantprep prepack artifacts/.cache/gptq/qwen2.5-coder-1.5b-rtn-0 --target cpu --out artifacts/qwen2.5-coder-1.5b-rtn
+    quantprep prepack artifacts/.cache/gptq/qwen2.5-coder-1.5b-rtn-0 --target cpu --out artifacts/qwen2.5-coder-1.5b/cpu
+    quantprep prepack ... --lm-head int8 --out artifacts/qwen2.5-coder-1.5b-int8-head/cpu   (and int4)
 
     python benchmarks/rtn_gptq.py qwen2.5-coder-1.5b   (after `make real-setup`; the float model comes from
                                                         quantprep's GGUF export, as `quantprep build` makes it)
@@ -44,8 +46,9 @@ def rtn_codes(w: torch.Tensor, order: torch.Tensor) -> dict[str, torch.Tensor]:
     N, K = w.shape
     G = K // GROUP
     grouped = w.float()[:, order].reshape(N, G, GROUP)
-    scales = (grouped.abs().amax(-1) / 7).clamp_min(1e-8).half()  # [N, G]
+    scales = (grouped.abs().amax(-1) / 7).half().clamp_min(torch.finfo(torch.float16).tiny)  # [N, G]; never 0 (0 / 0)
     codes = (grouped / scales.float()[..., None]).round().clamp(-8, 7).to(torch.int32) + 8
+    assert 0 <= int(codes.min()) and int(codes.max()) <= 15, "non-finite weights"
     unordered = torch.empty(N, K, dtype=torch.int32)
     unordered[:, order] = codes.reshape(N, K)
     g_idx = torch.empty(K, dtype=torch.int32)

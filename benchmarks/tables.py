@@ -248,7 +248,7 @@ def vs_gptqmodel(*runs: dict) -> str:
     """GPTQModel's CPU kernel against quantprep's artifact of the same checkpoint (benchmarks/vs_gptqmodel.py)."""
     out = ["| model, machine, date | | GPTQModel (TORCH backend) | quantprep (cpu artifact) | quantprep / GPTQModel |", "| --- | --- | --- | --- | --- |"]
     for r in runs:
-        q, head = r["quality"], f"{r['model']}, {r['machine']} ({r['cpu_capability']}), {r['date'][:10]}"
+        q, head = r["quality"], f"{r['model']}, {r['machine']} ({r['cpu_capability']}), {r['date'][:10]}{_codes(r)}"
         pf, dc = r["prefill_512_s"], r["decode_tok_s"]
         out += [f"| {head} | activations | {r['dtypes']['gptqmodel']} | {r['dtypes']['quantprep']} | |",
                 f"| | perplexity, held-out text, {q['windows']} x {q['ctx']} tokens | {q['ppl']['gptqmodel']:.3f} | {q['ppl']['quantprep']:.3f} "
@@ -293,7 +293,7 @@ def vs_gptqmodel_dense(*runs: dict) -> str:
     out = ["| model, machine, date | | GPTQModel (TORCH backend) | quantprep (cpu artifact, kernel plan) | dense bf16 | quantprep / GPTQModel "
            "| quantprep / dense |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in runs:
-        head = f"{r['model']}, {r['cpu']} ({r['cores']} cores, {r['cpu_capability']}, {r['threads']} threads), {r['date'][:10]}"
+        head = f"{r['model']}, {r['cpu']} ({r['cores']} cores, {r['cpu_capability']}, {r['threads']} threads), {r['date'][:10]}{_codes(r)}"
         pf, dc = r["prefill_512_s"], r["decode_tok_s"]
         out += [f"| {head} | 512-token prefill (median of {len(pf['quantprep']['runs'])}) | {pf['gptqmodel']['median']:.2f} s | "
                 f"{pf['quantprep']['median']:.2f} s | {pf['dense']['median']:.2f} s | {pf['quantprep_over_gptqmodel']:.2f}x the time "
@@ -362,7 +362,7 @@ def vs_llamacpp(*runs: dict) -> str:
         dl = r["decode_after_512_tok_s"]
         out += [""] * bool(out) + [
                 f"{r['_file']}: {r['model']}, {r['cpu']} ({r['cores']} cores, {r['cpu_capability']}), {r['threads']} threads each, {r['date'][:16]}; "
-                f"llama-cpp-python {r['versions']['llama_cpp']}; medians of {len(dc['quantprep']['runs'])} (first token: "
+                f"llama-cpp-python {r['versions']['llama_cpp']}{_codes(r)}; medians of {len(dc['quantprep']['runs'])} (first token: "
                 f"{len(ft['quantprep']['runs'])} fresh processes)", "",
                 "| runtime | decode, tok/s | decode after 512 tokens, tok/s | 512-token prefill, s | spawn to first token, s "
                 "(imports / load / first token) |",
@@ -402,9 +402,13 @@ def cpu_decode_attention(r: dict) -> str:
     return "\n".join(out)
 
 
-def cpu_layers(r: dict) -> str:
+def cpu_layers(*runs: dict) -> str:
     """Decode's RMSNorm, SiLU product and float lm_head in C against transformers' and torch's ops, and the model's decode with and without (benchmarks/cpu_layers.py)."""
-    out = [f"{r['cpu']} ({r['cores']} cores, {r['cpu_capability']}, {r['threads']} threads), {r['date'][:10]}, torch {r['torch']}; "
+    return "\n\n".join(_cpu_layers(r) for r in runs)
+
+
+def _cpu_layers(r: dict) -> str:
+    out = [f"`{r['_file']}`: {r['cpu']} ({r['cores']} cores, {r['cpu_capability']}, {r['threads']} threads), {r['date'][:10]}, torch {r['torch']}{_codes(r)}; "
            f"one decode row, {r['dtype']}; medians of {r['reps']} timings", "",
            "| call | transformers / torch, µs | quantprep's C, µs | speed-up |", "| --- | --- | --- | --- |"]
     for name, c in r["us_per_call"].items():
@@ -635,6 +639,13 @@ def _where(r: dict) -> str:
     return ", ".join(x for x in parts if x) or (f"cpu ({machine.split('-x86_64')[0]})" if machine else "not in the JSON")
 
 
+def _codes(r: dict) -> str:
+    """'; codes rounded to nearest ...' for a run on benchmarks/rtn_gptq.py's checkpoint (speed only), else ''."""
+    codes = {r.get("codes")} | {x.get("codes") for x in r.get("decode_tok_s", []) if isinstance(x, dict)}
+    rtn = sorted(c for c in codes if c and c.startswith("round to nearest"))
+    return f"; its shapes, codes {rtn[0]}" if rtn else ""
+
+
 def _anchor(heading: str) -> str:
     """GitHub's link target for a heading: lower case, punctuation dropped, spaces to hyphens."""
     return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
@@ -797,6 +808,8 @@ OPENVINO = ("OpenVINO target", "openvino")
 PLANS, LLAMACPP = ("Kernel plans", "plans"), ("llama.cpp, the CPU anchor", "llama.cpp")
 CPU, CUDA, FUSION, KCACHE = (("CPU int4 and int8 at large M", "CPU large M"), ("CUDA target", "CUDA"), ("Fusion of q/k/v and gate/up", "fusion"),
                              ("Kernel cache: time to first token with compile=True", "kcache"))
+# AVX512, then AVX2 (Qwen2.5-Coder-1.5B's shapes with codes rounded to nearest: benchmarks/rtn_gptq.py)
+LLAMACPP_RUNS = ["vs-llamacpp-qwen2.5-coder-1.5b-cpu-avx512.json", "vs-llamacpp-qwen2.5-coder-1.5b-cpu-avx2.json"]
 # (figure, goal it serves, section, result files: the first gives machine and date, result(*files))
 SUMMARY = [
     ("spawn to first token, `quantprep.load` / GPTQModel (Inductor cache warm, cold), real Qwen2.5-Coder-1.5B", "load in seconds",
@@ -855,11 +868,11 @@ SUMMARY = [
      "GPU prefill (<= 1.2x dense)", PLANS, ["cuda-prefill-h100.json"],
      lambda r: ", ".join(f"{x['plan_over_dense']:.2f}x ({x['model']})" for x in r["plan"]["summary"] if x["M"] == 512)),
     ("quantprep (cpu artifact, kernel plan) / llama.cpp on the recipe's Q4_K_M GGUF, real Qwen2.5-Coder-1.5B: decode speed "
-     "after 16 and after 512 tokens, 512-token prefill time, spawn to first token", "at least llama.cpp (decode >= 1x, first token <= 1x)",
-     LLAMACPP, ["vs-llamacpp-qwen2.5-coder-1.5b-cpu-avx512.json"], lambda r: _vs_llamacpp(r, "quantprep")),
+     "after 16 and after 512 tokens, 512-token prefill time, spawn to first token (AVX2: its shapes, codes rounded to nearest)", "at least llama.cpp (decode >= 1x, first token <= 1x)",
+     LLAMACPP, LLAMACPP_RUNS, _each(lambda r: _vs_llamacpp(r, "quantprep"))),
     *[(f"the same run, the artifact built with `--lm-head {h}` (opted into: it changes the model; its quality in the section)",
-       "at least llama.cpp (decode >= 1x, first token <= 1x)", LLAMACPP, ["vs-llamacpp-qwen2.5-coder-1.5b-cpu-avx512.json"],
-       lambda r, k=f"quantprep_{h}_head": _vs_llamacpp(r, k)) for h in ("int8", "int4")],
+       "at least llama.cpp (decode >= 1x, first token <= 1x)", LLAMACPP, LLAMACPP_RUNS,
+       _each(lambda r, k=f"quantprep_{h}_head": _vs_llamacpp(r, k))) for h in ("int8", "int4")],
     ("one decode token's attention per layer, Qwen2.5-1.5B's heads, bf16: torch's SDPA time / quantprep's C kernel's at 48, 512 "
      "and 2048 cached tokens; the int4-head model's decode after 512 tokens with the kernel and the growing KV cache / with SDPA "
      "and transformers' concatenating cache", "CPU decode speed",
@@ -867,9 +880,10 @@ SUMMARY = [
      lambda r: ", ".join(f"{x['sdpa_bf16_over_quantprep']:.1f}x" for x in r["rows"] if x["context"] <= 2048) + "; "
                + f"{_decode(r, 'quantprep_cpu', 512, 'growing') / _decode(r, 'sdpa', 512, 'concatenating'):.2f}x the speed"),
     ("decode with RMSNorm, the SiLU product, the attention's rotary embedding and the float lm_head in quantprep's C / with "
-     "transformers' and torch's modules, real Qwen2.5-Coder-1.5B: the cpu artifact, the `--lm-head int4` one", "CPU decode speed",
-     ("CPU decode layers", "layers"), ["cpu-layers-avx512.json"],
-     lambda r: ", ".join(f"{x['c_over_torch']:.2f}x" for x in r["decode_tok_s"])),
+     "transformers' and torch's modules, real Qwen2.5-Coder-1.5B (AVX2: its shapes, codes rounded to nearest): the cpu artifact, "
+     "the `--lm-head int4` one", "CPU decode speed",
+     ("CPU decode layers", "layers"), ["cpu-layers-avx512.json", "cpu-layers-avx2.json"],
+     _each(lambda r: ", ".join(f"{x['c_over_torch']:.2f}x" for x in r["decode_tok_s"]))),
     ("int4_a8 (int8 activations, AVX512-VNNI) / the int4 kernel, every module forced: decode speed; KL to the float model, each",
      "CPU decode speed at the same quality", LLAMACPP, ["cpu-int4-a8-qwen2.5-coder-1.5b-avx512.json"],
      lambda r: f"{r['decode_tok_s']['int4_a8']['median'] / r['decode_tok_s']['int4']['median']:.2f}x; "

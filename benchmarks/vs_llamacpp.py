@@ -47,7 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import REPO, greedy_decode, machine, median_and_runs, rtn_record, save, timed
+from common import REPO, artifact_codes, greedy_decode, machine, median_and_runs, rtn_record, save, timed
 from load import fresh_process, medians
 
 RUNTIMES = ("llamacpp", "quantprep", "quantprep_int8_head", "quantprep_int4_head", "gptqmodel")
@@ -278,7 +278,7 @@ def main() -> None:
     recipe = find_recipe(args.recipe)
     gguf = find_gguf(recipe)
     gguf_sha256 = recipe.source.get("gguf_sha256") or sha256_file(gguf)
-    paths, manifest, art, rtn = {"llamacpp": gguf}, None, None, {}
+    paths, manifest, art, rtn, codes = {"llamacpp": gguf}, None, None, {}, {}
     if {"quantprep", "gptqmodel"} & set(runtimes):
         art = Path(args.artifact or REPO / "artifacts" / recipe.name / "cpu")
         if not (art / "manifest.json").is_file():
@@ -288,6 +288,7 @@ def main() -> None:
         if gptq is None:
             sys.exit(f"the GPTQ checkpoint {art} was built from is not in the build cache")
         rtn = rtn_record(gptq)  # or rounded to nearest from the same GGUF (benchmarks/rtn_gptq.py)
+        codes = artifact_codes(art)
         if (manifest["source"].get("gguf_sha256") or rtn.get("gguf_sha256")) != gguf_sha256:
             sys.exit(f"{art} was not built from {gguf} (its source: {manifest['source'].get('gguf_sha256')})")
         paths["quantprep"] = art
@@ -333,8 +334,7 @@ def main() -> None:
         "gguf": {"file": gguf.name, "sha256": gguf_sha256, "bytes": gguf.stat().st_size},
         "artifact": art and str(art.relative_to(REPO) if art.is_relative_to(REPO) else art),
         "head_artifacts": {k: str(v.relative_to(REPO) if v.is_relative_to(REPO) else v) for k, v in paths.items() if k.endswith("_head")},
-        "gptq_checkpoint": paths.get("gptqmodel") and paths["gptqmodel"].name,
-        "codes": rtn.get("codes", "the recipe's GPTQ") if art else None,
+        **(codes if art else {"gptq_checkpoint": None, "codes": None}),
         "llamacpp_settings": LLAMA_KW | {"n_threads": threads, "n_threads_batch": threads},
         "tokens": tokens_info | {"prefill": PREFILL, "prompt": PROMPT, "new": args.new},
         "decode_tok_s": {k: median_and_runs(v) for k, v in decode.items()},
