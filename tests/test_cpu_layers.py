@@ -246,7 +246,7 @@ def test_tensors_c_cannot_read_take_the_replaced_forward():
 def test_an_attention_whose_rotary_helpers_differ_is_not_replaced(random_artifact):
     """Llama's attention forward instruction for instruction, but resolving apply_rotary_pos_emb in
     a module of its own (a family that rotates differently behind the same forward): not fused
-    decode attention, so its own forward and its own rotation run."""
+    decode attention, and use() leaves it as it is, so its own forward and its own rotation run."""
     import types
 
     from transformers.models.llama import modeling_llama
@@ -260,5 +260,6 @@ def test_an_attention_whose_rotary_helpers_differ_is_not_replaced(random_artifac
     elsewhere = dict(forward.__globals__, apply_rotary_pos_emb=lambda q, k, cos, sin, *a, **kw: (q, k))
     moved = types.FunctionType(forward.__code__, elsewhere, forward.__name__, forward.__defaults__)
     assert cpu_layers.same_code(moved, forward) and cpu_layers.same_code(elsewhere["rotate_half"], modeling_llama.rotate_half)
-    attn.__class__ = type(own.__name__, (own,), {"forward": moved})
+    attn.__class__ = odd = type(own.__name__, (own,), {"forward": moved})
     assert not cpu_layers.is_fused_decode_attention(attn)
+    assert cpu_layers.replace(attn) is None and type(attn) is odd  # left as it is: its own forward runs
