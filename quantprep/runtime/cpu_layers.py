@@ -157,7 +157,10 @@ void silu_mul(const uint16_t *gu, int64_t ldg, uint16_t *y, int64_t ldy, int64_t
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """SOURCE compiled (native.py, with torch's OpenMP where it can), or None without a C compiler."""
-    lib = native.library_with_torch_openmp(SOURCE)
+    # No code here reads floating-point exception flags, and without trapping math gcc vectorizes
+    # exp_poly's selects with AVX2 too (with AVX512 it used masks; on AVX2 silu_mul stayed scalar,
+    # 3x torch's time: BENCHMARKS.md, "CPU decode layers"). The results are the same.
+    lib = native.library_with_torch_openmp(SOURCE, ("-fno-trapping-math",))
     if lib is None:
         return None
     lib.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_float]

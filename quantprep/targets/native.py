@@ -92,7 +92,7 @@ def library(source: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         return None
 
 
-def library_with_torch_openmp(source: str) -> ctypes.CDLL | None:
+def library_with_torch_openmp(source: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """`source` compiled with -fopenmp where torch's OpenMP runtime is libgomp (torch_openmp: the
     library's threads are then torch's), else without OpenMP; None as `library`."""
-    return (library(source, ("-fopenmp",)) if torch_openmp() else None) or library(source)
+    return (library(source, ("-fopenmp", *flags)) if torch_openmp() else None) or library(source, flags)
