@@ -14,13 +14,14 @@ from quantprep.format.artifact import read_manifest, sha256_file
 from quantprep.runtime import plan
 from quantprep.runtime.kcache import KCACHE, PLAN
 from quantprep.runtime.warm import warm
-from quantprep.targets.common import PackedLinear
+from quantprep.targets.common import PackedLinear, dense_path
 from quantprep.targets.cpu import CpuInt4Linear
 
 LENGTHS = [1, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 104, 120, 136, 152, 168, 192, 216, 240, 264, 296, 328, 368,
            408, 456, 504, 512]  # the 1.5B recipe's warm shapes
 CONFIG = dict(TINY_LLAMA, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 INT4_OP = "_weight_int4pack_mm_for_cpu"
+DENSE = dense_path(torch.bfloat16, "cpu")  # "dequant_f32" below AVX512, whose bfloat16 GEMM is a slow loop
 
 
 def _module(K=128, N=256) -> CpuInt4Linear:
@@ -47,22 +48,22 @@ def test_int8_activation_paths_only_when_asked():
     m = _module()
     if "int4_a8" not in m.paths():
         pytest.skip("no int4_a8 path on this CPU (AVX512-VNNI and VBMI, and a C compiler)")
-    fastest = affine({"int4": (0, 0.1), "dequant": (20, 0.01), "int4_a8": (0, 0.001)}, [])
-    assert plan.decide_shape(m, [1, 512], fastest)[0] == [[1, "int4"], [512, "dequant"]]
+    fastest = affine({"int4": (0, 0.1), DENSE: (20, 0.01), "int4_a8": (0, 0.001)}, [])
+    assert plan.decide_shape(m, [1, 512], fastest)[0] == [[1, "int4"], [512, DENSE]]
     assert plan.decide_shape(m, [1, 512], fastest, int8_activations=True)[0] == [[1, "int4_a8"]]
 
 
 def test_search_finds_the_crossover_with_a_few_timings():
     calls = []
     # int4: 0.1 ms per row; dequant: 20 ms + 0.01 ms per row: they cross at M = 222.2
-    ranges, timings = plan.decide_shape(_module(), LENGTHS, affine({"int4": (0, 0.1), "dequant": (20, 0.01)}, calls))
-    assert ranges == [[1, "int4"], [240, "dequant"]]  # 216 < 222.2 < 240
+    ranges, timings = plan.decide_shape(_module(), LENGTHS, affine({"int4": (0, 0.1), DENSE: (20, 0.01)}, calls))
+    assert ranges == [[1, "int4"], [240, DENSE]]  # 216 < 222.2 < 240
     assert len(calls) <= 2 + 5 and set(calls) == {int(m) for m in timings}  # log2(27) bisections, not 27 lengths
 
 
 @pytest.mark.parametrize("costs,expected", [
-    ({"int4": (0, 0.1), "dequant": (100, 0.01)}, [[1, "int4"]]),  # never crosses within the lengths
-    ({"int4": (5, 0.1), "dequant": (0, 0.01)}, [[1, "dequant"]]),
+    ({"int4": (0, 0.1), DENSE: (100, 0.01)}, [[1, "int4"]]),  # never crosses within the lengths
+    ({"int4": (5, 0.1), DENSE: (0, 0.01)}, [[1, DENSE]]),
 ])
 def test_search_with_one_winner_times_the_two_ends_only(costs, expected):
     calls = []
@@ -132,7 +133,7 @@ def test_warm_ships_a_plan_for_every_shape_and_load_applies_it(planned):
 def test_load_runs_the_planned_path(planned, copy_of):
     art = copy_of(planned[0])
     reference, _ = _logits_and_ops(quantprep.load(art, kcache=False), 8)
-    for forced, int4_calls in (("int4", 8), ("dequant", 0)):
+    for forced, int4_calls in (("int4", 8), (DENSE, 0)):
         _rewrite_plan(art, lambda d, forced=forced: d["shapes"].update({s: [[1, forced]] for s in d["shapes"]}))
         model = quantprep.load(art, trust_kcache=True)
         logits, ops = _logits_and_ops(model, 8)
@@ -143,10 +144,10 @@ def test_load_runs_the_planned_path(planned, copy_of):
 
 def test_above_the_longest_length_timed_the_fixed_rule_runs(planned, copy_of):
     art = copy_of(planned[0])
-    _rewrite_plan(art, lambda d: d["shapes"].update({s: [[1, "dequant"]] for s in d["shapes"]}))
+    _rewrite_plan(art, lambda d: d["shapes"].update({s: [[1, DENSE]] for s in d["shapes"]}))
     model = quantprep.load(art, trust_kcache=True)
     m = next(m for m in model.modules() if isinstance(m, CpuInt4Linear))
-    assert [m.path_for(n) for n in (1, 64, 65, CpuInt4Linear.DEQUANT_MIN_M)] == ["dequant", "dequant", "int4", "dequant"]
+    assert [m.path_for(n) for n in (1, 64, 65, CpuInt4Linear.DEQUANT_MIN_M)] == [DENSE, DENSE, "int4", DENSE]
 
 
 def test_without_a_plan_the_fixed_rule_runs(planned):
@@ -159,7 +160,7 @@ def test_without_a_plan_the_fixed_rule_runs(planned):
 
 def test_an_untrusted_plan_is_not_applied(planned, copy_of):
     art = copy_of(planned[0])
-    _rewrite_plan(art, lambda d: d["shapes"].update({s: [[1, "dequant"]] for s in d["shapes"]}))  # now another kcache
+    _rewrite_plan(art, lambda d: d["shapes"].update({s: [[1, DENSE]] for s in d["shapes"]}))  # now another kcache
     with pytest.warns(UserWarning, match="not trusted here"):
         model = quantprep.load(art)
     assert model.quantprep_kcache["status"] == "untrusted" and "plan" not in model.quantprep_kcache
@@ -215,7 +216,7 @@ def test_compiled_packages_split_where_the_plan_switches(planned):
     model = quantprep.load(planned[0], kcache=False)
     shapes = set(plan.planned_modules(model))
     plan.apply(model, {"version": 1, "key": plan.plan_key("cpu"), "max_m": 8,
-                       "shapes": {s: [[1, "int4"], [4, "dequant"]] for s in shapes}}, "cpu")
+                       "shapes": {s: [[1, "int4"], [4, DENSE]] for s in shapes}}, "cpu")
     spans = [(lo, hi) for lo, hi, _ in export_ranges(decoder_mlps(model)[0], model.config.hidden_size, 1024)]
     assert spans == [(1, 1), (2, 3), (4, 8), (9, CpuInt4Linear.DEQUANT_MIN_M - 1), (CpuInt4Linear.DEQUANT_MIN_M, 1024)]
 
@@ -266,7 +267,7 @@ def test_zero_rows_and_autograd(monkeypatch):
     assert m(torch.zeros(0, m.in_features, dtype=torch.bfloat16)).shape == (0, m.out_features)
     if cpu.native_dequantizer() is None:
         pytest.skip("no C compiler here: the dense path is the tensor ops' whole weight")
-    m.plan, m.plan_max_m = ((1, "dequant"),), 64
+    m.plan, m.plan_max_m = ((1, DENSE),), 64
     tiled, original = [], cpu.tiled_matmul
     monkeypatch.setattr(cpu, "tiled_matmul", lambda *a: tiled.append(1) or original(*a))
     x = torch.randn(8, m.in_features, dtype=torch.bfloat16)
