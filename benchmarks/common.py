@@ -123,7 +123,11 @@ def artifact_codes(artifact: Path) -> dict:
     cache by content, else None) and `codes`: rtn_gptq.py's rounding, or the checkpoint's own."""
     from quantprep.build.pipeline import cached_checkpoint
 
-    gptq = cached_checkpoint(json.loads((Path(artifact) / "manifest.json").read_text())["source"]["sha256"])
+    return checkpoint_codes(cached_checkpoint(json.loads((Path(artifact) / "manifest.json").read_text())["source"]["sha256"]))
+
+
+def checkpoint_codes(gptq: Path | None) -> dict:
+    """artifact_codes for a checkpoint already found (no second search of the build cache)."""
     return {"gptq_checkpoint": gptq and gptq.name, "codes": rtn_record(gptq).get("codes", "the checkpoint's own (GPTQ)")}
 
 

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import artifact_codes, machine, median_and_runs, save, timed
+from common import checkpoint_codes, machine, median_and_runs, save, timed
 
 
 def kind(name: str, module) -> str:
@@ -184,7 +184,7 @@ def main() -> None:
         "gptqmodel": __import__("gptqmodel").__version__,
         "model": manifest["source"].get("model", gptq.name),
         "artifact": str(art),
-        **artifact_codes(art),
+        **checkpoint_codes(gptq),
         "dtypes": dtypes,
         "load_in_process_s": {"gptqmodel": load_theirs, "quantprep": load_ours, **({"openvino": load_ov} if args.openvino else {})},
         "prefill_512_s": {k: median_and_runs(v) for k, v in prefill.items()},

@@ -47,7 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import REPO, artifact_codes, greedy_decode, machine, median_and_runs, rtn_record, save, timed
+from common import REPO, checkpoint_codes, greedy_decode, machine, median_and_runs, rtn_record, save, timed
 from load import fresh_process, medians
 
 RUNTIMES = ("llamacpp", "quantprep", "quantprep_int8_head", "quantprep_int4_head", "gptqmodel")
@@ -288,7 +288,7 @@ def main() -> None:
         if gptq is None:
             sys.exit(f"the GPTQ checkpoint {art} was built from is not in the build cache")
         rtn = rtn_record(gptq)  # or rounded to nearest from the same GGUF (benchmarks/rtn_gptq.py)
-        codes = artifact_codes(art)
+        codes = checkpoint_codes(gptq)
         if (manifest["source"].get("gguf_sha256") or rtn.get("gguf_sha256")) != gguf_sha256:
             sys.exit(f"{art} was not built from {gguf} (its source: {manifest['source'].get('gguf_sha256')})")
         paths["quantprep"] = art
