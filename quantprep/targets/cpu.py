@@ -334,16 +334,18 @@ def dequantize_native(packed: torch.Tensor, scales_and_zeros: torch.Tensor, K: i
 
 
 # The "int4_a8" path, for decode: activations quantized to int8 per kernel group (absmax / 127, as
-# llama.cpp's Q8 blocks and OpenVINO's CPU plugin do) and multiplied by the 4-bit codes with
-# AVX512-VNNI's u8 x s8 dot products, in pack_int4's AVX512 layout as stored. Per group g of
-# packed rows: y += a_g * (scale * sum(q * xq) + (zero - 8 * scale) * sum(xq)), exactly the
-# kernel's w = (q - 8) * scale + zero times x = a_g * xq. Four packed rows of a 64-column block are
-# 128 contiguous bytes; one VBMI byte permute per 16 columns turns them into dwords of four
-# consecutive rows' codes, which vpdpbusd wants. The act-order gather is folded into the
-# quantization (packed row k reads x[perm[k]]). Its error is the int8 rounding of the activations
-# (tests/targets/test_cpu.py states the tolerance; BENCHMARKS.md, "llama.cpp, the CPU anchor",
-# measures it on the real model). Without AVX512-VNNI and VBMI the library has no kernel and the
-# path is not offered.
+# llama.cpp's Q8 blocks and OpenVINO's CPU plugin do) and multiplied by the 4-bit codes with integer
+# dot products, in pack_int4's layout as stored. Per group g of packed rows:
+# y += a_g * (scale * sum(q * xq) + (zero - 8 * scale) * sum(xq)), exactly the kernel's
+# w = (q - 8) * scale + zero times x = a_g * xq. AVX512-VNNI (64-column blocks): four packed rows
+# are 128 contiguous bytes; one VBMI byte permute per 16 columns turns them into dwords of four
+# consecutive rows' codes, which vpdpbusd wants. AVX2 (32-column blocks): two packed rows are 32
+# bytes; a qword permute and a byte shuffle pair each column's two codes, vpmaddubsw multiplies
+# them by the two activations (at most 2 * 15 * 127 per pair, so eight pairs add up in int16
+# before they widen). The act-order gather is folded into the quantization (packed row k reads
+# x[perm[k]]). Its error is the int8 rounding of the activations (tests/targets/test_cpu.py states
+# the tolerance; BENCHMARKS.md, "llama.cpp, the CPU anchor", measures it on the real model). The
+# library's A8_BLOCK says which layout it reads (a8_block()); 0, and no path: neither ISA.
 NATIVE_A8_SOURCE = BF16_C + r"""
 #include <math.h>
 #include <stdlib.h>
@@ -352,6 +354,14 @@ NATIVE_A8_SOURCE = BF16_C + r"""
 #define GNU_OPENMP 1
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define A8_BLOCK 64
+#elif defined(__AVX2__) && defined(__FMA__)
+#define A8_BLOCK 32
+#else
+#define A8_BLOCK 0
+#endif
+int a8_block(void) { return A8_BLOCK; }
+#if A8_BLOCK
 #include <immintrin.h>
 /* Group g of row m: packed row k = x[m, perm[k]] (perm NULL: k; k >= K_in or a perm value out of range: 0),
    xq = round(x / a), a = max|x| / 127 (round half to even of the float product, as nearbyintf, by the
@@ -390,6 +400,8 @@ static void quantize_group(const uint16_t *x, int64_t ldx, const int32_t *perm, 
     }
     xs[m * G + g] = finite ? amax / 127.f : NAN, xsum[m * G + g] = (float)sum;
 }
+#endif
+#if A8_BLOCK == 64
 /* Columns n0..n0+63 (a full block, `blk`: [Kp, 32] bytes) for rows r0..r0+MR-1 into acc [MR][64] */
 #define BLOCK(MR)                                                                                                  \
     static void block_##MR(const uint8_t *blk, const uint32_t *sz, int64_t N, int64_t n0, int64_t Kp, int64_t gs,    \
@@ -436,6 +448,59 @@ static void quantize_group(const uint16_t *x, int64_t ldx, const int32_t *perm, 
             }                                                                                                      \
         }                                                                                                          \
     }
+#elif A8_BLOCK == 32
+/* Columns n0..n0+31 (a full block, `blk`: [Kp, 16] bytes) for rows r0..r0+MR-1 into acc [MR][32] */
+#define BLOCK(MR)                                                                                                  \
+    static void block_##MR(const uint8_t *blk, const uint32_t *sz, int64_t N, int64_t n0, int64_t Kp, int64_t gs,    \
+                           const int8_t *xq, const float *xs, const float *xsum, float *acc) {                       \
+        const __m256i m15 = _mm256_set1_epi8(15), hi16 = _mm256_set1_epi32((int)0xFFFF0000u);                      \
+        /* in each 128-bit lane, byte j of row k then byte j of row k + 1 */                                      \
+        const __m256i pair = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,                 \
+                                              0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);                \
+        int64_t G = Kp / gs;                                                                                       \
+        for (int64_t g = 0; g < G; g++) {                                                                          \
+            /* int32 sums of the even and odd columns of 0..15 ([0]) and 16..31 ([1]) */                          \
+            __m256i ev[MR][2], od[MR][2];                                                                          \
+            for (int r = 0; r < MR; r++)                                                                           \
+                for (int c = 0; c < 2; c++) ev[r][c] = od[r][c] = _mm256_setzero_si256();                         \
+            for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 16) {                                               \
+                __m256i s16[MR][2]; /* int16 sums of eight row pairs, column j in lane j */                        \
+                for (int r = 0; r < MR; r++) s16[r][0] = s16[r][1] = _mm256_setzero_si256();                      \
+                for (int64_t k = k0; k < k0 + 16; k += 2) {                                                        \
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(blk + k * 16)); /* rows k, k + 1 */           \
+                    v = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(v, 0xD8), pair);                              \
+                    __m256i lo = _mm256_and_si256(v, m15), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);    \
+                    for (int r = 0; r < MR; r++) {                                                                 \
+                        int16_t x2;                                                                                \
+                        memcpy(&x2, xq + r * Kp + k, 2);                                                           \
+                        __m256i xv = _mm256_set1_epi16(x2);                                                        \
+                        s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_maddubs_epi16(lo, xv));                     \
+                        s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_maddubs_epi16(hi, xv));                     \
+                    }                                                                                              \
+                }                                                                                                  \
+                for (int r = 0; r < MR; r++)                                                                       \
+                    for (int c = 0; c < 2; c++) {                                                                  \
+                        ev[r][c] = _mm256_add_epi32(ev[r][c], _mm256_srai_epi32(_mm256_slli_epi32(s16[r][c], 16), 16)); \
+                        od[r][c] = _mm256_add_epi32(od[r][c], _mm256_srai_epi32(s16[r][c], 16));                   \
+                    }                                                                                              \
+            }                                                                                                      \
+            for (int c = 0; c < 2; c++)                                                                            \
+                for (int h = 0; h < 2; h++) { /* columns 16c + 8h .. 16c + 8h + 7 */                              \
+                    __m256i w = _mm256_loadu_si256((const __m256i *)(sz + g * N + n0 + 16 * c + 8 * h));             \
+                    __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));                                      \
+                    __m256 zs = _mm256_fmadd_ps(s, _mm256_set1_ps(-8.f), _mm256_castsi256_ps(_mm256_and_si256(w, hi16))); \
+                    for (int r = 0; r < MR; r++) {                                                                 \
+                        __m256i a = _mm256_unpacklo_epi32(ev[r][c], od[r][c]), b = _mm256_unpackhi_epi32(ev[r][c], od[r][c]); \
+                        __m256i dot = h ? _mm256_permute2x128_si256(a, b, 0x31) : _mm256_permute2x128_si256(a, b, 0x20); \
+                        __m256 t = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dot), _mm256_mul_ps(zs, _mm256_set1_ps(xsum[r * G + g]))); \
+                        float *o = acc + r * 32 + 16 * c + 8 * h;                                                  \
+                        _mm256_storeu_ps(o, _mm256_fmadd_ps(t, _mm256_set1_ps(xs[r * G + g]), _mm256_loadu_ps(o))); \
+                    }                                                                                              \
+                }                                                                                                  \
+        }                                                                                                          \
+    }
+#endif
+#if A8_BLOCK
 BLOCK(1)
 BLOCK(2)
 BLOCK(3)
@@ -458,14 +523,15 @@ static void tail_columns(const uint8_t *blk, const uint32_t *sz, int64_t N, int6
     }
 }
 #endif
-/* x [M, >= K_in] bfloat16 (row stride ldx) @ pack_int4's AVX512 layout (Kp packed rows, N columns,
-   blocks of 64) with (scale, zero) bfloat16 pairs sz [Kp / gs, N] -> out [M, N] bfloat16 (row
-   stride ldo). Returns 0; -1 when out of memory; -2 when this library has no kernel (no
-   AVX512-VNNI/VBMI at compile time). */
+/* x [M, >= K_in] bfloat16 (row stride ldx) @ pack_int4's layout of `block`-column blocks (Kp packed
+   rows, N columns) with (scale, zero) bfloat16 pairs sz [Kp / gs, N] -> out [M, N] bfloat16 (row
+   stride ldo). Returns 0; -1 when out of memory; -2 when this library has no kernel for `block`. */
 int int4_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int32_t *perm, int64_t K_in, const uint8_t *packed,
-                const uint32_t *sz, int64_t Kp, int64_t N, int64_t gs, uint16_t *out, int64_t ldo, int threads) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
-    int64_t G = Kp / gs, blocks = N / 64, n_full = blocks * 64;
+                const uint32_t *sz, int64_t Kp, int64_t N, int64_t gs, int64_t block, uint16_t *out, int64_t ldo, int threads) {
+#if A8_BLOCK
+    if (block != A8_BLOCK) return -2;
+    const int64_t B = A8_BLOCK;
+    int64_t G = Kp / gs, blocks = N / B, n_full = blocks * B;
     int8_t *xq = malloc(M * Kp + 64);
     float *xs = malloc(2 * M * G * sizeof(float));
     if (xq == NULL || xs == NULL) return free(xq), free(xs), -1;
@@ -482,21 +548,21 @@ int int4_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int32_t *perm, 
 #ifdef GNU_OPENMP
 #pragma omp barrier
 #endif
-        float acc[4 * 64];
+        float acc[4 * A8_BLOCK];
         int64_t per = (blocks + T - 1) / T, b1 = (t + 1) * per < blocks ? (t + 1) * per : blocks;
         for (int64_t b = t * per; b < b1; b++)
             for (int64_t r0 = 0; r0 < M; r0 += 4) {
                 int64_t mr = M - r0 < 4 ? M - r0 : 4;
                 memset(acc, 0, sizeof(acc));
-                const uint8_t *blk = packed + b * 64 * Kp / 2;
+                const uint8_t *blk = packed + b * B * Kp / 2;
                 const int8_t *q = xq + r0 * Kp;
                 const float *s = xs + r0 * G, *sum = xsum + r0 * G;
-                if (mr == 4) block_4(blk, sz, N, b * 64, Kp, gs, q, s, sum, acc);
-                else if (mr == 3) block_3(blk, sz, N, b * 64, Kp, gs, q, s, sum, acc);
-                else if (mr == 2) block_2(blk, sz, N, b * 64, Kp, gs, q, s, sum, acc);
-                else block_1(blk, sz, N, b * 64, Kp, gs, q, s, sum, acc);
+                if (mr == 4) block_4(blk, sz, N, b * B, Kp, gs, q, s, sum, acc);
+                else if (mr == 3) block_3(blk, sz, N, b * B, Kp, gs, q, s, sum, acc);
+                else if (mr == 2) block_2(blk, sz, N, b * B, Kp, gs, q, s, sum, acc);
+                else block_1(blk, sz, N, b * B, Kp, gs, q, s, sum, acc);
                 for (int64_t r = 0; r < mr; r++)
-                    for (int j = 0; j < 64; j++) out[(r0 + r) * ldo + b * 64 + j] = to_bf16(acc[r * 64 + j]);
+                    for (int j = 0; j < B; j++) out[(r0 + r) * ldo + b * B + j] = to_bf16(acc[r * B + j]);
             }
         if (t == T - 1 && n_full < N)
             for (int64_t m = 0; m < M; m++) {
@@ -507,17 +573,20 @@ int int4_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int32_t *perm, 
     free(xq), free(xs);
     return 0;
 #else
-    (void)x, (void)M, (void)ldx, (void)perm, (void)K_in, (void)packed, (void)sz, (void)Kp, (void)N, (void)gs, (void)out, (void)ldo, (void)threads;
+    (void)x, (void)M, (void)ldx, (void)perm, (void)K_in, (void)packed, (void)sz, (void)Kp, (void)N, (void)gs, (void)block, (void)out, (void)ldo,
+        (void)threads;
     return -2;
 #endif
 }
 /* x [M, K] bfloat16 (row stride ldx) @ (w [N, K] int8, row-major, times scale [N] bfloat16 per row).T -> out [M, N]
-   bfloat16 (row stride ldo), the activations rounded to int8 per group of 128 as int4_a8's (quantize_group):
-   u8 x s8 dot products of (w + 128) and the codes, less 128 times the codes' sums, per 16-lane slice of each
-   group, scaled in float32. K % 128 == 0. Returns 0; -1 when out of memory; -2 when this library has no kernel. */
+   bfloat16 (row stride ldo), the activations rounded to int8 per group of 128 as int4_a8's (quantize_group),
+   then integer dot products per group scaled in float32. AVX512-VNNI: u8 x s8 dot products of (w + 128) and
+   the codes, less 128 times the codes' sums, per 16-lane slice of each group. AVX2: vpmaddubsw of |w| and
+   the codes with w's signs (at most 2 * 128 * 127 per pair: no saturation), widened by vpmaddwd.
+   K % 128 == 0. Returns 0; -1 when out of memory; -2 when this library has no kernel. */
 int int8_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int8_t *w, const uint16_t *scale, int64_t N, int64_t K,
                 uint16_t *out, int64_t ldo, int threads) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#if A8_BLOCK
     const int64_t gs = 128, G = K / gs;
     int8_t *xq = malloc(M * K + 64);
     float *xs = malloc(2 * M * G * sizeof(float));
@@ -534,7 +603,7 @@ int int8_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int8_t *w, cons
         for (int64_t i = t; i < M * G; i += T) {
             quantize_group(x, ldx, NULL, K, K, gs, i / G, i % G, xq, xs, xs + M * G);
             const int8_t *q = xq + (i / G) * K + (i % G) * gs;
-            for (int l = 0; l < 16; l++) {
+            for (int l = 0; l < 16 && A8_BLOCK == 64; l++) {
                 int32_t sum = 0;
                 for (int64_t c = 0; c < gs; c += 64)
                     for (int j = 0; j < 4; j++) sum += q[c + 4 * l + j];
@@ -544,8 +613,9 @@ int int8_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int8_t *w, cons
 #ifdef GNU_OPENMP
 #pragma omp barrier
 #endif
-        const __m512i flip = _mm512_set1_epi8((char)0x80);
         int64_t per = (N + T - 1) / T, n1 = (t + 1) * per < N ? (t + 1) * per : N;
+#if A8_BLOCK == 64
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
         for (int64_t n = t * per; n < n1; n++)
             for (int64_t m = 0; m < M; m++) {
                 __m512 acc = _mm512_setzero_ps();
@@ -560,6 +630,28 @@ int int8_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int8_t *w, cons
                 }
                 out[m * ldo + n] = to_bf16(_mm512_reduce_add_ps(acc) * from_bf16(scale[n]));
             }
+#else
+        const __m256i ones = _mm256_set1_epi16(1);
+        for (int64_t n = t * per; n < n1; n++)
+            for (int64_t m = 0; m < M; m++) {
+                __m256 acc = _mm256_setzero_ps();
+                const int8_t *wr = w + n * K, *q = xq + m * K;
+                for (int64_t g = 0; g < G; g++) {
+                    __m256i dot = _mm256_setzero_si256();
+                    for (int64_t c = 0; c < gs; c += 32) {
+                        __m256i wv = _mm256_loadu_si256((const __m256i *)(wr + g * gs + c));
+                        __m256i qv = _mm256_loadu_si256((const __m256i *)(q + g * gs + c));
+                        __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(qv, wv));
+                        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, ones));
+                    }
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xs[m * G + g]), acc);
+                }
+                __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+                h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+                h = _mm_add_ss(h, _mm_movehdup_ps(h));
+                out[m * ldo + n] = to_bf16(_mm_cvtss_f32(h) * from_bf16(scale[n]));
+            }
+#endif
     }
     free(xq), free(xs), free(lanes);
     return 0;
@@ -572,32 +664,36 @@ int int8_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int8_t *w, cons
 
 
 @functools.cache
-def native_int4_a8():
-    """`int4_a8_cpu` from NATIVE_A8_SOURCE, or None: no compiler, or a CPU without AVX512-VNNI and
-    VBMI (the library then has no kernel). OpenMP as native_dequantizer."""
+def native_a8_block() -> int:
+    """The pack block whose layout NATIVE_A8_SOURCE's int4_a8_cpu reads on this machine (64:
+    AVX512-VNNI and VBMI; 32: AVX2 and FMA), or 0: no compiler, or neither ISA (no int4_a8 or
+    int8_a8 path). OpenMP as native_dequantizer."""
     lib = native.library_with_torch_openmp(NATIVE_A8_SOURCE)
-    if lib is None:
+    return 0 if lib is None else lib.a8_block()
+
+
+@functools.cache
+def native_int4_a8():
+    """`int4_a8_cpu` from NATIVE_A8_SOURCE, or None without a kernel (native_a8_block)."""
+    if not native_a8_block():
         return None
-    fn = lib.int4_a8_cpu
+    fn = native.library_with_torch_openmp(NATIVE_A8_SOURCE).int4_a8_cpu
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                   ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+                   ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     fn.restype = ctypes.c_int
-    if fn(None, 0, 0, None, 0, None, None, 0, 0, 1, None, 0, 1) == -2:  # M = 0: only asks whether it has a kernel
-        return None
     return fn
 
 
 @functools.cache
 def native_int8_a8():
-    """`int8_a8_cpu` from NATIVE_A8_SOURCE, or None: as native_int4_a8."""
-    lib = native.library_with_torch_openmp(NATIVE_A8_SOURCE)
-    if lib is None:
+    """`int8_a8_cpu` from NATIVE_A8_SOURCE, or None without a kernel (native_a8_block)."""
+    if not native_a8_block():
         return None
-    fn = lib.int8_a8_cpu
+    fn = native.library_with_torch_openmp(NATIVE_A8_SOURCE).int8_a8_cpu
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + \
         [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     fn.restype = ctypes.c_int
-    return None if fn(None, 0, 0, None, None, 0, 128, None, 0, 1) == -2 else fn  # M = 0: only asks whether it has a kernel
+    return fn
 
 
 # The dense path multiplies one column tile of the weight at a time instead of dequantizing the
@@ -712,7 +808,7 @@ class CpuInt4Linear(PackedLinear):
     def paths(self) -> tuple[str, ...]:
         if not self.pack_block_n:
             return ()
-        a8 = ("int4_a8",) if self.pack_block_n == 64 and self.act_dtype == torch.bfloat16 and native_int4_a8() else ()
+        a8 = ("int4_a8",) if self.act_dtype == torch.bfloat16 and self.pack_block_n == native_a8_block() else ()
         return ("int4", dense_path(self.act_dtype, "cpu"), *a8)
 
     def default_path(self, m: int) -> str:
@@ -761,7 +857,7 @@ class CpuInt4Linear(PackedLinear):
         out = torch.empty(x.shape[0], self.padded_out, dtype=torch.bfloat16)
         perm, qweight, sz, K, N, gs = self.int4_a8_weight()
         if native_int4_a8()(x.data_ptr(), x.shape[0], x.stride(0), perm, self.in_features, qweight, sz, K, N, gs,
-                            out.data_ptr(), out.stride(0), torch.get_num_threads()):
+                            self.pack_block_n, out.data_ptr(), out.stride(0), torch.get_num_threads()):
             raise MemoryError("int4_a8 could not allocate its quantized activations")
         return out
 
@@ -777,7 +873,7 @@ class CpuInt4Linear(PackedLinear):
                 raise ValueError(f"int4_a8 runs real cpu tensors only ({self.in_features}x{self.out_features})")
             perm, qweight, sz = buffers
             if any(t is not None and not t.is_contiguous() for t in buffers) or sz.dtype != torch.bfloat16 or \
-                    sz.shape != (self.padded_in // self.kernel_group_size, self.padded_out, 2) or self.pack_block_n != 64 or \
+                    sz.shape != (self.padded_in // self.kernel_group_size, self.padded_out, 2) or self.pack_block_n != native_a8_block() or \
                     qweight.dtype != torch.uint8 or qweight.numel() * 2 != self.padded_in * self.padded_out or \
                     (perm is not None and (perm.numel() != self.in_features or perm.dtype != torch.int32)):
                 raise ValueError(f"int4_a8 cannot run a {self.in_features}x{self.out_features} module with these tensors")
@@ -806,7 +902,7 @@ class CpuInt4Linear(PackedLinear):
 
 
 class CpuInt8PerChannelLinear(Int8PerChannelLinear):
-    """Int8PerChannelLinear's paths, and "int8_a8" where it compiled (AVX512-VNNI and VBMI; bfloat16,
+    """Int8PerChannelLinear's paths, and "int8_a8" where it compiled (native_a8_block; bfloat16,
     K a multiple of 128): the activations rounded to int8 per group of 128 as int4_a8's, then u8 x s8
     dot products (int8_a8_cpu). torch's int8 kernel converts every weight to float before its
     product, which at one row makes the per-channel int8 lm_head compute-bound on a small CPU
@@ -816,7 +912,7 @@ class CpuInt8PerChannelLinear(Int8PerChannelLinear):
     TRACED_INSTEAD = {"int8_a8": "int8"}  # its C call needs real data
 
     def paths(self) -> tuple[str, ...]:
-        a8 = self.act_dtype == torch.bfloat16 and self.in_features % 128 == 0 and native_int8_a8() is not None
+        a8 = self.act_dtype == torch.bfloat16 and self.in_features % 128 == 0 and native_a8_block() != 0
         return super().paths() + (("int8_a8",) if a8 else ())
 
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:

@@ -367,8 +367,8 @@ def test_fused_members_are_written_into_their_own_outputs(sizes, direct, monkeyp
 def _int4_a8_or_skip():
     from quantprep.targets import cpu
 
-    if cpu.native_int4_a8() is None or cpu.FAST_PACK_BLOCK_N.get(torch.backends.cpu.get_cpu_capability()) != 64:
-        pytest.skip("no C compiler, this CPU lacks AVX512-VNNI/VBMI, or torch packs another ISA's layout: no int4_a8 path")
+    if not cpu.native_a8_block() or cpu.FAST_PACK_BLOCK_N.get(torch.backends.cpu.get_cpu_capability()) != cpu.native_a8_block():
+        pytest.skip("no C compiler, this CPU has neither AVX512-VNNI/VBMI nor AVX2/FMA, or torch packs another ISA's layout: no int4_a8 path")
 
 
 def test_int4_a8_gives_nan_for_nan_and_follows_a_moved_buffer():
@@ -398,7 +398,7 @@ def test_int4_a8_is_the_kernel_s_weight_times_int8_activations(K, N, gs, act_ord
     """int4_a8 against tensor ops in float64: the activations gathered into act-order, quantized per
     kernel group to round(x / a), a = max|x| / 127, clamped to +-127, times the module's own dequantized
     weight. Only the bfloat16 output rounds (relative 2^-9 per element, ~1.1e-3 RMS): 2.5e-3. Full 64-column
-    blocks, a partial last block (208, 80, 48), K padding (80 -> 96, 200 -> 224) and groups 32-256."""
+    blocks (32 below AVX512), a partial last block (208, 80, 48), K padding (80 -> 96, 200 -> 224) and groups 32-256."""
     _int4_a8_or_skip()
     gen = torch.Generator().manual_seed(K * N + M)
     _, module, _ = _module_for(random_gptq_tensors(K, N, 4, gs, False, act_order, True, generator=gen),
@@ -464,7 +464,7 @@ def test_int8_a8_is_the_weight_times_int8_activations(K, N, M):
     from quantprep.targets import cpu
 
     if cpu.native_int8_a8() is None:
-        pytest.skip("no C compiler, or this CPU lacks AVX512-VNNI/VBMI: no int8_a8 path")
+        pytest.skip("no C compiler, or this CPU has neither AVX512-VNNI/VBMI nor AVX2/FMA: no int8_a8 path")
     gen = torch.Generator().manual_seed(K * N + M)
     _, module, meta = _module_for(random_gptq_tensors(K, N, 8, -1, True, False, True, bias=True, generator=gen),
                                   QuantConfig(8, -1, True, False, "gptq"), torch.bfloat16)
