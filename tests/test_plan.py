@@ -47,7 +47,7 @@ def test_int8_activation_paths_only_when_asked():
     alone: warm --int8-activations lets it."""
     m = _module()
     if "int4_a8" not in m.paths():
-        pytest.skip("no int4_a8 path on this CPU (AVX512-VNNI and VBMI, and a C compiler)")
+        pytest.skip("no int4_a8 path on this CPU (AVX512-VNNI and VBMI, or AVX2 and FMA; and a C compiler)")
     fastest = affine({"int4": (0, 0.1), DENSE: (20, 0.01), "int4_a8": (0, 0.001)}, [])
     assert plan.decide_shape(m, [1, 512], fastest)[0] == [[1, "int4"], [512, DENSE]]
     assert plan.decide_shape(m, [1, 512], fastest, int8_activations=True)[0] == [[1, "int4_a8"]]
@@ -77,6 +77,25 @@ def test_real_timings_give_ascending_ranges_of_the_module_s_paths():
     assert ranges[0][0] == 1 and [r[0] for r in ranges] == sorted({r[0] for r in ranges})
     timed = set(m.paths()) - set(m.INT8_ACTIVATION_PATHS)  # those only with int8_activations
     assert {p for _, p in ranges} <= timed and all(set(t) == timed for t in timings.values())
+
+
+def test_a_long_first_call_is_its_own_timing(monkeypatch):
+    """On a CPU a path whose first call takes plan.LONG_CALL_S or more runs once, and that call is
+    its timing; a faster path runs once more per REPS."""
+    m = _module()
+    calls = []
+    original = type(m).run
+    monkeypatch.setattr(type(m), "run", lambda self, x, path: calls.append(path) or original(self, x, path))
+    x = torch.randn(4, m.in_features).bfloat16()
+    monkeypatch.setattr(plan, "LONG_CALL_S", float("inf"))
+    with torch.inference_mode():
+        plan.time_paths(m, x, ("int4", DENSE))
+    assert calls.count("int4") == calls.count(DENSE) == 1 + plan.REPS
+    calls.clear()
+    monkeypatch.setattr(plan, "LONG_CALL_S", 0.0)
+    with torch.inference_mode():
+        ms = plan.time_paths(m, x, ("int4", DENSE))
+    assert calls == ["int4", DENSE] and set(ms) == {"int4", DENSE} and all(t > 0 for t in ms.values())
 
 
 class Ops(TorchDispatchMode):

@@ -38,7 +38,11 @@ VERSION = 1
 MAX_BYTES = 1 << 20  # a plan is a few kilobytes
 MAX_SHAPES = 4096
 MAX_RANGES = 64
-REPS = 3  # timed calls per path and length, after an untimed one
+REPS = 3  # timed calls per path and length, after an uncounted one
+# On a CPU, a path whose first call takes this long is timed by that call alone: its allocations
+# are noise beside it, and the 1.5B's lm_head at M = 512 (seconds per call on AVX2) made the plan
+# take a minute (BENCHMARKS.md, "Kernel plans").
+LONG_CALL_S = 0.25
 
 
 def plan_key(device_type: str) -> dict:
@@ -62,7 +66,8 @@ def planned_modules(model) -> dict[str, list[PackedLinear]]:
 def time_paths(module: PackedLinear, x: torch.Tensor, paths: tuple[str, ...]) -> dict[str, float]:
     """Milliseconds of the module's forward on x with each path forced (the act-order gather
     included where the path needs it): the fastest of REPS calls, the paths interleaved, so that
-    another process's load (noise only ever adds time) biases none of them. On a GPU each path's
+    another process's load (noise only ever adds time) biases none of them; on a CPU, the first
+    call alone where it took LONG_CALL_S or more. On a GPU each path's
     forward is captured once as a CUDA graph and its replays are timed: the GPU's own work. Timed
     from the host, a small layer's kernels (microseconds) hid behind Python's launches and the
     winner flipped from run to run (BENCHMARKS.md, "Kernel plans")."""
@@ -72,10 +77,14 @@ def time_paths(module: PackedLinear, x: torch.Tensor, paths: tuple[str, ...]) ->
         module.plan, module.plan_max_m = ((1, path),), x.shape[0]
         module(x)
 
-    best = {}
+    best, first = {}, {}
     try:
-        for p in paths:
-            call(p)  # untimed: first-call allocations, a path's prepare (mslk's layout), oneDNN primitives, Triton's compile
+        for p in paths:  # not counted: first-call allocations, a path's prepare (mslk's layout), oneDNN primitives, Triton's compile
+            t0 = time.perf_counter()
+            call(p)
+            first[p] = time.perf_counter() - t0
+        once = {p for p, t in first.items() if t >= LONG_CALL_S} if x.device.type == "cpu" else set()
+        best = {p: first[p] for p in once}
         replays = None
         if x.is_cuda:
             try:
@@ -85,6 +94,8 @@ def time_paths(module: PackedLinear, x: torch.Tensor, paths: tuple[str, ...]) ->
         sync = {"cuda": torch.cuda.synchronize, "xpu": torch.xpu.synchronize}.get(x.device.type, lambda: None)  # kernels run async
         for _ in range(REPS):
             for p in paths:
+                if p in once:
+                    continue
                 if replays:
                     t = gpu_seconds(replays[p])
                 else:
