@@ -81,17 +81,19 @@ def test_real_timings_give_ascending_ranges_of_the_module_s_paths():
 
 def test_a_long_first_call_is_its_own_timing(monkeypatch):
     """On a CPU a path whose first call takes plan.LONG_CALL_S or more runs once, and that call is
-    its timing; a faster path runs once more per REPS."""
+    its timing; a faster path runs once more per REPS (SHORT_REPS where the first calls were short)."""
     m = _module()
     calls = []
     original = type(m).run
     monkeypatch.setattr(type(m), "run", lambda self, x, path: calls.append(path) or original(self, x, path))
     x = torch.randn(4, m.in_features).bfloat16()
     monkeypatch.setattr(plan, "LONG_CALL_S", float("inf"))
-    with torch.inference_mode():
-        plan.time_paths(m, x, ("int4", DENSE))
-    assert calls.count("int4") == calls.count(DENSE) == 1 + plan.REPS
-    calls.clear()
+    for short, reps in ((0.0, plan.REPS), (float("inf"), plan.SHORT_REPS)):  # every first call long, or short
+        monkeypatch.setattr(plan, "SHORT_CALL_S", short)
+        with torch.inference_mode():
+            plan.time_paths(m, x, ("int4", DENSE))
+        assert calls.count("int4") == calls.count(DENSE) == 1 + reps
+        calls.clear()
     monkeypatch.setattr(plan, "LONG_CALL_S", 0.0)
     with torch.inference_mode():
         ms = plan.time_paths(m, x, ("int4", DENSE))

@@ -43,6 +43,9 @@ REPS = 3  # timed calls per path and length, after an uncounted one
 # are noise beside it, and the 1.5B's lm_head at M = 512 (seconds per call on AVX2) made the plan
 # take a minute (BENCHMARKS.md, "Kernel plans").
 LONG_CALL_S = 0.25
+# Below a millisecond, three calls let one thread wake-up or cache miss pick the winner (two M = 1
+# paths of 0.13 and 0.28 ms timed 0.50 and 0.49); ten such calls cost nothing beside the rest.
+SHORT_CALL_S, SHORT_REPS = 1e-3, 10
 
 
 def plan_key(device_type: str) -> dict:
@@ -66,8 +69,8 @@ def planned_modules(model) -> dict[str, list[PackedLinear]]:
 def time_paths(module: PackedLinear, x: torch.Tensor, paths: tuple[str, ...]) -> dict[str, float]:
     """Milliseconds of the module's forward on x with each path forced (the act-order gather
     included where the path needs it): the fastest of REPS calls, the paths interleaved, so that
-    another process's load (noise only ever adds time) biases none of them; on a CPU, the first
-    call alone where it took LONG_CALL_S or more. On a GPU each path's
+    another process's load (noise only ever adds time) biases none of them (SHORT_REPS where a
+    first call took under SHORT_CALL_S); on a CPU, the first call alone where it took LONG_CALL_S or more. On a GPU each path's
     forward is captured once as a CUDA graph and its replays are timed: the GPU's own work. Timed
     from the host, a small layer's kernels (microseconds) hid behind Python's launches and the
     winner flipped from run to run (BENCHMARKS.md, "Kernel plans")."""
@@ -92,7 +95,7 @@ def time_paths(module: PackedLinear, x: torch.Tensor, paths: tuple[str, ...]) ->
             except RuntimeError:  # a path that cannot be captured: every path timed from the host
                 torch.cuda.synchronize()
         sync = {"cuda": torch.cuda.synchronize, "xpu": torch.xpu.synchronize}.get(x.device.type, lambda: None)  # kernels run async
-        for _ in range(REPS):
+        for _ in range(REPS if min(first.values()) >= SHORT_CALL_S else SHORT_REPS):
             for p in paths:
                 if p in once:
                     continue
