@@ -104,6 +104,36 @@ def test_logits_vs_dense(smollm2):
     assert measured["bf16"][0] < 6e-2 and measured["bf16"][1] >= 0.9, measured
 
 
+def test_int8_activations_vs_dense(smollm2):
+    """The cpu int4_a8 path (`warm --int8-activations`: activations rounded to int8 per group, on
+    AVX512-VNNI or AVX2) on every int4 module, against the dense float32 model on test_logits_vs_dense's
+    tokens, beside the int4 kernel. Measured (2026-11-27, 2-core AMD EPYC, AVX2): MEASURED_A8 below;
+    bounds: rel < 1e-1, top-1 >= 0.8, and at most 3x the int4 kernel's error."""
+    gptq_dir, art, _ = smollm2
+    from transformers import AutoTokenizer
+
+    from quantprep.targets.cpu import CpuInt4Linear
+    from quantprep.tools.eval import HELDOUT_FILE
+
+    model = quantprep.load(art)
+    modules = [m for m in model.modules() if isinstance(m, CpuInt4Linear)]
+    if "int4_a8" not in modules[0].paths():
+        pytest.skip("no int4_a8 path on this CPU (AVX512-VNNI and VBMI, or AVX2 and FMA; and a C compiler)")
+    text = AutoTokenizer.from_pretrained(art)(HELDOUT_FILE.read_text()[:4000], add_special_tokens=False, return_tensors="pt")
+    ids = torch.cat([_prompt_ids(art), text["input_ids"][:, :64]], dim=1)
+    measured = {}
+    with torch.no_grad():
+        dense = dense_reference_model(gptq_dir)(input_ids=ids).logits
+        for path in ("int4", "int4_a8"):
+            for m in modules:
+                m.plan, m.plan_max_m = ((1, path),), 1 << 20
+            logits = model(input_ids=ids).logits
+            measured[path] = (rel_err(logits, dense), top1(logits, dense))
+    print(measured)
+    assert measured["int4_a8"][0] < 1e-1 and measured["int4_a8"][1] >= 0.8, measured
+    assert measured["int4_a8"][0] < 3 * measured["int4"][0], measured
+
+
 # --- the openvino target on the real model (issue 31) ---
 
 @pytest.fixture(scope="module")
