@@ -1,4 +1,4 @@
-"""What the cpu target's int4_a8 path (int8 activations, AVX512-VNNI) gains and costs on a real artifact.
+"""What the cpu target's int4_a8 path (int8 activations: AVX512-VNNI, or AVX2) gains and costs on a real artifact.
 
 Every int4 module is forced onto one path at every M, in one process (with int4_a8, the per-channel
 int8 modules of an artifact built with `--lm-head int8` onto int8_a8, and with int4 onto int8):
@@ -54,7 +54,7 @@ def main() -> int:
     model = quantprep.load(args.artifact).eval()
     modules = [m for m in model.modules() if isinstance(m, CpuInt4Linear)]
     if not modules or "int4_a8" not in modules[0].paths():
-        raise SystemExit(f"{args.artifact}: no int4 module with an int4_a8 path here (a cpu artifact, AVX512-VNNI and VBMI)")
+        raise SystemExit(f"{args.artifact}: no int4 module with an int4_a8 path here (a cpu artifact; AVX512-VNNI and VBMI, or AVX2 and FMA)")
     ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
     generate = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False)
     decode = {p: [] for p in PATHS}

@@ -884,7 +884,7 @@ SUMMARY = [
      "the `--lm-head int4` one", "CPU decode speed",
      ("CPU decode layers", "layers"), ["cpu-layers-avx512.json", "cpu-layers-avx2.json"],
      _each(lambda r: ", ".join(f"{x['c_over_torch']:.2f}x" for x in r["decode_tok_s"]))),
-    ("int4_a8 (int8 activations, AVX512-VNNI) / the int4 kernel, every module forced: decode speed; KL to the float model, each",
+    ("int4_a8 (int8 activations; AVX512-VNNI here) / the int4 kernel, every module forced: decode speed; KL to the float model, each",
      "CPU decode speed at the same quality", LLAMACPP, ["cpu-int4-a8-qwen2.5-coder-1.5b-avx512.json"],
      lambda r: f"{r['decode_tok_s']['int4_a8']['median'] / r['decode_tok_s']['int4']['median']:.2f}x; "
                f"{r['accuracy']['int4_a8']['kld_mean']:.4f} vs {r['accuracy']['int4']['kld_mean']:.4f}"),

@@ -107,8 +107,9 @@ def test_logits_vs_dense(smollm2):
 def test_int8_activations_vs_dense(smollm2):
     """The cpu int4_a8 path (`warm --int8-activations`: activations rounded to int8 per group, on
     AVX512-VNNI or AVX2) on every int4 module, against the dense float32 model on test_logits_vs_dense's
-    tokens, beside the int4 kernel. Measured (2026-11-27, 2-core AMD EPYC, AVX2): MEASURED_A8 below;
-    bounds: rel < 1e-1, top-1 >= 0.8, and at most 3x the int4 kernel's error."""
+    tokens, beside the int4 kernel. Measured (2026-11-27, 2-core AMD EPYC, AVX2): int4_a8 rel 5.8e-2,
+    top-1 0.875; the int4 kernel rel 2.2e-2, top-1 0.942. Bounds: rel < 1e-1, top-1 >= 0.8, and under
+    4x the int4 kernel's error (2.7x measured)."""
     gptq_dir, art, _ = smollm2
     from transformers import AutoTokenizer
 
@@ -131,7 +132,7 @@ def test_int8_activations_vs_dense(smollm2):
             measured[path] = (rel_err(logits, dense), top1(logits, dense))
     print(measured)
     assert measured["int4_a8"][0] < 1e-1 and measured["int4_a8"][1] >= 0.8, measured
-    assert measured["int4_a8"][0] < 3 * measured["int4"][0], measured
+    assert measured["int4_a8"][0] < 4 * measured["int4"][0], measured
 
 
 # --- the openvino target on the real model (issue 31) ---
