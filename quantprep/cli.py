@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                         "which load without dynamo (default: on)")
     w.add_argument("--int8-activations", action="store_true",
                    help="let the kernel plan pick paths that round the activations to int8 where faster (cpu: int4_a8, "
-                        "int8_a8; AVX512-VNNI or AVX2); they change the model's numbers slightly (docs/usage.md)")
+                        "int8_a8; AVX512-VNNI, or AVX2 and FMA); they change the model's numbers slightly (docs/usage.md)")
     w.add_argument("--json", action="store_true")
     w.set_defaults(func=cmd_warm)
 

@@ -79,25 +79,32 @@ def test_real_timings_give_ascending_ranges_of_the_module_s_paths():
     assert {p for _, p in ranges} <= timed and all(set(t) == timed for t in timings.values())
 
 
-def test_a_long_first_call_is_its_own_timing(monkeypatch):
-    """On a CPU a path whose first call takes plan.LONG_CALL_S or more runs once, and that call is
-    its timing; a faster path runs once more per REPS (SHORT_REPS where the first calls were short)."""
+def test_long_first_calls_cut_the_timed_calls(monkeypatch):
+    """On a CPU: first calls all short, SHORT_REPS timed calls per path after them, or REPS where
+    they were not that short; a path whose first call took plan.LONG_CALL_S or more is called once
+    more, or not again where that first call was a clear loss (CLEAR_LOSS times the fastest's), and
+    then that call is its timing."""
     m = _module()
     calls = []
     original = type(m).run
     monkeypatch.setattr(type(m), "run", lambda self, x, path: calls.append(path) or original(self, x, path))
     x = torch.randn(4, m.in_features).bfloat16()
-    monkeypatch.setattr(plan, "LONG_CALL_S", float("inf"))
-    for short, reps in ((0.0, plan.REPS), (float("inf"), plan.SHORT_REPS)):  # every first call long, or short
+
+    def timed_calls(long: float, loss: float, short: float) -> dict:
+        monkeypatch.setattr(plan, "LONG_CALL_S", long)
+        monkeypatch.setattr(plan, "CLEAR_LOSS", loss)
         monkeypatch.setattr(plan, "SHORT_CALL_S", short)
-        with torch.inference_mode():
-            plan.time_paths(m, x, ("int4", DENSE))
-        assert calls.count("int4") == calls.count(DENSE) == 1 + reps
         calls.clear()
-    monkeypatch.setattr(plan, "LONG_CALL_S", 0.0)
-    with torch.inference_mode():
-        ms = plan.time_paths(m, x, ("int4", DENSE))
-    assert calls == ["int4", DENSE] and set(ms) == {"int4", DENSE} and all(t > 0 for t in ms.values())
+        with torch.inference_mode():
+            ms = plan.time_paths(m, x, ("int4", DENSE))
+        assert set(ms) == {"int4", DENSE} and all(t > 0 for t in ms.values())
+        return {p: calls.count(p) for p in ("int4", DENSE)}
+
+    inf = float("inf")
+    assert timed_calls(inf, inf, 0.0) == {"int4": 1 + plan.REPS, DENSE: 1 + plan.REPS}
+    assert timed_calls(inf, inf, inf) == {"int4": 1 + plan.SHORT_REPS, DENSE: 1 + plan.SHORT_REPS}
+    assert timed_calls(0.0, inf, 0.0) == {"int4": 2, DENSE: 2}  # every call long, none a clear loss
+    assert timed_calls(0.0, 0.0, 0.0) == {"int4": 1, DENSE: 1}  # every call long and a clear loss
 
 
 class Ops(TorchDispatchMode):

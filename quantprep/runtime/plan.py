@@ -39,12 +39,13 @@ MAX_BYTES = 1 << 20  # a plan is a few kilobytes
 MAX_SHAPES = 4096
 MAX_RANGES = 64
 REPS = 3  # timed calls per path and length, after an uncounted one
-# On a CPU, a path whose first call takes this long is timed by that call alone: its allocations
-# are noise beside it, and the 1.5B's lm_head at M = 512 (seconds per call on AVX2) made the plan
-# take a minute (BENCHMARKS.md, "Kernel plans").
-LONG_CALL_S = 0.25
-# Below a millisecond, three calls let one thread wake-up or cache miss pick the winner (two M = 1
-# paths of 0.13 and 0.28 ms timed 0.50 and 0.49); ten such calls cost nothing beside the rest.
+# On a CPU, a path whose first call takes LONG_CALL_S or more is timed by one more call, and one
+# whose first call took CLEAR_LOSS times the fastest first call's time or more by none (it has
+# lost): the 1.5B's lm_head at M = 512 (seconds a call on AVX2) made the plan take a minute
+# (BENCHMARKS.md, "Kernel plans"). What a first call builds (a native library) prepare() builds.
+LONG_CALL_S, CLEAR_LOSS = 0.25, 1.5
+# Below a millisecond, three calls let one thread wake-up or cache miss pick the CPU's winner (two
+# M = 1 paths of 0.13 and 0.28 ms timed 0.50 and 0.49); ten such calls cost nothing beside the rest.
 SHORT_CALL_S, SHORT_REPS = 1e-3, 10
 
 
@@ -69,8 +70,8 @@ def planned_modules(model) -> dict[str, list[PackedLinear]]:
 def time_paths(module: PackedLinear, x: torch.Tensor, paths: tuple[str, ...]) -> dict[str, float]:
     """Milliseconds of the module's forward on x with each path forced (the act-order gather
     included where the path needs it): the fastest of REPS calls, the paths interleaved, so that
-    another process's load (noise only ever adds time) biases none of them (SHORT_REPS where a
-    first call took under SHORT_CALL_S); on a CPU, the first call alone where it took LONG_CALL_S or more. On a GPU each path's
+    another process's load (noise only ever adds time) biases none of them; on a CPU, SHORT_REPS
+    calls where the first calls were short, and fewer where they were long (LONG_CALL_S). On a GPU each path's
     forward is captured once as a CUDA graph and its replays are timed: the GPU's own work. Timed
     from the host, a small layer's kernels (microseconds) hid behind Python's launches and the
     winner flipped from run to run (BENCHMARKS.md, "Kernel plans")."""
@@ -82,11 +83,13 @@ def time_paths(module: PackedLinear, x: torch.Tensor, paths: tuple[str, ...]) ->
 
     best, first = {}, {}
     try:
-        for p in paths:  # not counted: first-call allocations, a path's prepare (mslk's layout), oneDNN primitives, Triton's compile
+        for p in paths:  # counted for a clear loss only: first-call allocations, oneDNN primitives, Triton's compile
             t0 = time.perf_counter()
             call(p)
             first[p] = time.perf_counter() - t0
-        once = {p for p, t in first.items() if t >= LONG_CALL_S} if x.device.type == "cpu" else set()
+        cpu = x.device.type == "cpu"
+        long = {p for p, t in first.items() if t >= LONG_CALL_S} if cpu else set()
+        once = {p for p in long if first[p] >= CLEAR_LOSS * min(first.values())}
         best = {p: first[p] for p in once}
         replays = None
         if x.is_cuda:
@@ -95,9 +98,9 @@ def time_paths(module: PackedLinear, x: torch.Tensor, paths: tuple[str, ...]) ->
             except RuntimeError:  # a path that cannot be captured: every path timed from the host
                 torch.cuda.synchronize()
         sync = {"cuda": torch.cuda.synchronize, "xpu": torch.xpu.synchronize}.get(x.device.type, lambda: None)  # kernels run async
-        for _ in range(REPS if min(first.values()) >= SHORT_CALL_S else SHORT_REPS):
+        for r in range(SHORT_REPS if cpu and min(first.values()) < SHORT_CALL_S else REPS):
             for p in paths:
-                if p in once:
+                if p in once or (p in long and r > 0):
                     continue
                 if replays:
                     t = gpu_seconds(replays[p])

@@ -590,7 +590,7 @@ int int8_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int8_t *w, cons
     const int64_t gs = 128, G = K / gs;
     int8_t *xq = malloc(M * K + 64);
     float *xs = malloc(2 * M * G * sizeof(float));
-    int32_t *lanes = malloc(M * G * 16 * sizeof(int32_t)); /* per group, the codes' sum in each dword lane */
+    int32_t *lanes = malloc((A8_BLOCK == 64 ? M * G * 16 : 1) * sizeof(int32_t)); /* AVX512: per group, the codes' sum in each dword lane */
     if (xq == NULL || xs == NULL || lanes == NULL) return free(xq), free(xs), free(lanes), -1;
 #ifdef GNU_OPENMP
 #pragma omp parallel num_threads(threads)
@@ -667,7 +667,8 @@ int int8_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int8_t *w, cons
 def native_a8_block() -> int:
     """The pack block whose layout NATIVE_A8_SOURCE's int4_a8_cpu reads on this machine (64:
     AVX512-VNNI and VBMI; 32: AVX2 and FMA), or 0: no compiler, or neither ISA (no int4_a8 or
-    int8_a8 path). OpenMP as native_dequantizer."""
+    int8_a8 path). An AVX512 CPU without VNNI or VBMI gets 32, and torch packs 64 there: int8_a8
+    only. OpenMP as native_dequantizer."""
     lib = native.library_with_torch_openmp(NATIVE_A8_SOURCE)
     return 0 if lib is None else lib.a8_block()
 
@@ -814,6 +815,10 @@ class CpuInt4Linear(PackedLinear):
     def default_path(self, m: int) -> str:
         return dense_path(self.act_dtype, "cpu") if self.pack_block_n and m >= self.DEQUANT_MIN_M else "int4"
 
+    def prepare(self, path: str) -> None:
+        if path in ("dequant", "dequant_f32"):
+            native_dequantizer()  # compiled (once a machine) here, not inside a first call that a plan times
+
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
         if path == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
@@ -856,8 +861,11 @@ class CpuInt4Linear(PackedLinear):
             raise ValueError(f"int4_a8 takes real cpu activations of {self.in_features} columns, not {tuple(x.shape)}")
         out = torch.empty(x.shape[0], self.padded_out, dtype=torch.bfloat16)
         perm, qweight, sz, K, N, gs = self.int4_a8_weight()
-        if native_int4_a8()(x.data_ptr(), x.shape[0], x.stride(0), perm, self.in_features, qweight, sz, K, N, gs,
-                            self.pack_block_n, out.data_ptr(), out.stride(0), torch.get_num_threads()):
+        status = native_int4_a8()(x.data_ptr(), x.shape[0], x.stride(0), perm, self.in_features, qweight, sz, K, N, gs,
+                                  self.pack_block_n, out.data_ptr(), out.stride(0), torch.get_num_threads())
+        if status == -2:
+            raise ValueError(f"int4_a8's library reads {native_a8_block()}-column blocks, this module's are {self.pack_block_n}")
+        if status:
             raise MemoryError("int4_a8 could not allocate its quantized activations")
         return out
 

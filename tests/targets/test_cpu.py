@@ -393,12 +393,12 @@ def test_int4_a8_gives_nan_for_nan_and_follows_a_moved_buffer():
 
 @pytest.mark.parametrize("K,N,gs,act_order", [(576, 208, 128, True), (80, 80, 64, True), (1536, 256, 128, False),
                                               (200, 48, 32, True), (512, 64, 256, False)])
-@pytest.mark.parametrize("M", [1, 3, 4, 9])  # the kernel takes rows four at a time
+@pytest.mark.parametrize("M", [1, 3, 4, 6, 9])  # the kernel takes rows four at a time
 def test_int4_a8_is_the_kernel_s_weight_times_int8_activations(K, N, gs, act_order, M):
     """int4_a8 against tensor ops in float64: the activations gathered into act-order, quantized per
     kernel group to round(x / a), a = max|x| / 127, clamped to +-127, times the module's own dequantized
     weight. Only the bfloat16 output rounds (relative 2^-9 per element, ~1.1e-3 RMS): 2.5e-3. Full 64-column
-    blocks (32 below AVX512), a partial last block (208, 80, 48), K padding (80 -> 96, 200 -> 224) and groups 32-256."""
+    blocks (32 where the CPU packs AVX2's layout), a partial last block (208, 80, 48), K padding (80 -> 96, 200 -> 224) and groups 32-256."""
     _int4_a8_or_skip()
     gen = torch.Generator().manual_seed(K * N + M)
     _, module, _ = _module_for(random_gptq_tensors(K, N, 4, gs, False, act_order, True, generator=gen),
@@ -420,6 +420,45 @@ def test_int4_a8_is_the_kernel_s_weight_times_int8_activations(K, N, gs, act_ord
         y = module(x).double()
     assert rel_err(y, ref) < 2.5e-3
     assert top1(y, ref) == 1.0 or M > 1 and top1(y, ref) >= 0.75  # a near-tie may flip in bf16
+
+
+@pytest.mark.parametrize("K_in,Kp,N,gs,act_order", [(200, 256, 80, 64, True), (512, 512, 96, 128, False)])
+@pytest.mark.parametrize("M", [1, 2, 6])
+def test_the_avx2_int4_a8_kernel_on_any_x86_host(K_in, Kp, N, gs, act_order, M):
+    """NATIVE_A8_SOURCE built without AVX512 (its AVX2 kernel, on AVX512 hosts too), called on
+    pack_int4's AVX2 layout (32-column blocks; 80 and 96 end on a partial one) against float64: the
+    activations gathered by perm (packed row k reads x[perm[k]], rows past K_in read 0), rounded per
+    group to round(x / a), a = max|x| / 127, times w = (q - 8) * scale + zero. Tolerance as above."""
+    import ctypes
+
+    from quantprep.targets import cpu, native
+
+    lib = native.library(cpu.NATIVE_A8_SOURCE, ("-mno-avx512f",))
+    if lib is None or lib.a8_block() != 32:
+        pytest.skip("no C compiler, or this CPU has no AVX2 and FMA")
+    gen = torch.Generator().manual_seed(K_in * N + M)
+    codes = torch.randint(0, 16, (Kp, N), generator=gen, dtype=torch.uint8)
+    sz = (torch.randn(Kp // gs, N, 2, generator=gen) * torch.tensor([0.02, 0.1])).bfloat16()
+    perm = torch.randperm(K_in, generator=gen).to(torch.int32) if act_order else None
+    x = torch.randn(M, K_in, generator=gen).bfloat16()
+    packed = cpu.pack_int4(codes, "AVX2")
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    fn = lib.int4_a8_cpu
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    assert fn(x.data_ptr(), M, K_in, None if perm is None else perm.data_ptr(), K_in, packed.data_ptr(), sz.data_ptr(),
+              Kp, N, gs, 64, out.data_ptr(), N, 1) == -2  # another layout's block: refused
+    assert fn(x.data_ptr(), M, K_in, None if perm is None else perm.data_ptr(), K_in, packed.data_ptr(), sz.data_ptr(),
+              Kp, N, gs, 32, out.data_ptr(), N, 1) == 0
+    xp = torch.zeros(M, Kp, dtype=torch.float64)
+    xp[:, :K_in] = x.double()[:, perm.long()] if act_order else x.double()
+    groups = xp.view(M, Kp // gs, gs)
+    a = groups.abs().amax(-1, keepdim=True) / 127
+    xq = (torch.where(a > 0, (groups / a).round().clamp(-127, 127), 0) * a).view(M, Kp)
+    s, z = sz.double().unbind(-1)
+    w = (codes.double() - 8) * s.repeat_interleave(gs, 0) + z.repeat_interleave(gs, 0)
+    ref = xq @ w
+    assert rel_err(out.double(), ref) < 2.5e-3
 
 
 def test_int4_a8_writes_a_fused_module_s_parts():
