@@ -578,6 +578,41 @@ int int4_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int32_t *perm, 
     return -2;
 #endif
 }
+#if A8_BLOCK == 64
+/* int8_a8's sum over the G groups of row wr's integer dot product with the codes q, each times its
+   activations' scale xs[g]; lanes: per group, the codes' sum in each dword lane */
+static float int8_row(const int8_t *wr, const int8_t *q, const float *xs, const int32_t *lanes, int64_t G, int64_t gs) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512i dot = _mm512_setzero_si512();
+        for (int64_t c = 0; c < gs; c += 64)
+            dot = _mm512_dpbusd_epi32(dot, _mm512_xor_si512(_mm512_loadu_si512(wr + g * gs + c), flip), _mm512_loadu_si512(q + g * gs + c));
+        dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(_mm512_loadu_si512(lanes + g * 16), 7));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(xs[g]), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+#elif A8_BLOCK == 32
+static float int8_row(const int8_t *wr, const int8_t *q, const float *xs, const int32_t *lanes, int64_t G, int64_t gs) {
+    (void)lanes;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m256i dot = _mm256_setzero_si256();
+        for (int64_t c = 0; c < gs; c += 32) {
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(wr + g * gs + c));
+            __m256i qv = _mm256_loadu_si256((const __m256i *)(q + g * gs + c));
+            __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(qv, wv));
+            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, ones));
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xs[g]), acc);
+    }
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+#endif
 /* x [M, K] bfloat16 (row stride ldx) @ (w [N, K] int8, row-major, times scale [N] bfloat16 per row).T -> out [M, N]
    bfloat16 (row stride ldo), the activations rounded to int8 per group of 128 as int4_a8's (quantize_group),
    then integer dot products per group scaled in float32. AVX512-VNNI: u8 x s8 dot products of (w + 128) and
@@ -614,44 +649,10 @@ int int8_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int8_t *w, cons
 #pragma omp barrier
 #endif
         int64_t per = (N + T - 1) / T, n1 = (t + 1) * per < N ? (t + 1) * per : N;
-#if A8_BLOCK == 64
-        const __m512i flip = _mm512_set1_epi8((char)0x80);
         for (int64_t n = t * per; n < n1; n++)
-            for (int64_t m = 0; m < M; m++) {
-                __m512 acc = _mm512_setzero_ps();
-                const int8_t *wr = w + n * K, *q = xq + m * K;
-                for (int64_t g = 0; g < G; g++) {
-                    __m512i dot = _mm512_setzero_si512();
-                    for (int64_t c = 0; c < gs; c += 64)
-                        dot = _mm512_dpbusd_epi32(dot, _mm512_xor_si512(_mm512_loadu_si512(wr + g * gs + c), flip),
-                                                  _mm512_loadu_si512(q + g * gs + c));
-                    dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(_mm512_loadu_si512(lanes + (m * G + g) * 16), 7));
-                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(xs[m * G + g]), acc);
-                }
-                out[m * ldo + n] = to_bf16(_mm512_reduce_add_ps(acc) * from_bf16(scale[n]));
-            }
-#else
-        const __m256i ones = _mm256_set1_epi16(1);
-        for (int64_t n = t * per; n < n1; n++)
-            for (int64_t m = 0; m < M; m++) {
-                __m256 acc = _mm256_setzero_ps();
-                const int8_t *wr = w + n * K, *q = xq + m * K;
-                for (int64_t g = 0; g < G; g++) {
-                    __m256i dot = _mm256_setzero_si256();
-                    for (int64_t c = 0; c < gs; c += 32) {
-                        __m256i wv = _mm256_loadu_si256((const __m256i *)(wr + g * gs + c));
-                        __m256i qv = _mm256_loadu_si256((const __m256i *)(q + g * gs + c));
-                        __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(qv, wv));
-                        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, ones));
-                    }
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xs[m * G + g]), acc);
-                }
-                __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-                h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-                h = _mm_add_ss(h, _mm_movehdup_ps(h));
-                out[m * ldo + n] = to_bf16(_mm_cvtss_f32(h) * from_bf16(scale[n]));
-            }
-#endif
+            for (int64_t m = 0; m < M; m++)
+                out[m * ldo + n] = to_bf16(int8_row(w + n * K, xq + m * K, xs + m * G, A8_BLOCK == 64 ? lanes + m * G * 16 : NULL, G, gs) *
+                                           from_bf16(scale[n]));
     }
     free(xq), free(xs), free(lanes);
     return 0;
@@ -678,7 +679,12 @@ def native_int4_a8():
     """`int4_a8_cpu` from NATIVE_A8_SOURCE, or None without a kernel (native_a8_block)."""
     if not native_a8_block():
         return None
-    fn = native.library_with_torch_openmp(NATIVE_A8_SOURCE).int4_a8_cpu
+    return int4_a8_function(native.library_with_torch_openmp(NATIVE_A8_SOURCE))
+
+
+def int4_a8_function(lib: ctypes.CDLL):
+    """`lib`'s int4_a8_cpu (a build of NATIVE_A8_SOURCE) with its C signature."""
+    fn = lib.int4_a8_cpu
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                    ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     fn.restype = ctypes.c_int

@@ -429,7 +429,6 @@ def test_the_avx2_int4_a8_kernel_on_any_x86_host(K_in, Kp, N, gs, act_order, M):
     pack_int4's AVX2 layout (32-column blocks; 80 and 96 end on a partial one) against float64: the
     activations gathered by perm (packed row k reads x[perm[k]], rows past K_in read 0), rounded per
     group to round(x / a), a = max|x| / 127, times w = (q - 8) * scale + zero. Tolerance as above."""
-    import ctypes
 
     from quantprep.targets import cpu, native
 
@@ -443,9 +442,7 @@ def test_the_avx2_int4_a8_kernel_on_any_x86_host(K_in, Kp, N, gs, act_order, M):
     x = torch.randn(M, K_in, generator=gen).bfloat16()
     packed = cpu.pack_int4(codes, "AVX2")
     out = torch.empty(M, N, dtype=torch.bfloat16)
-    fn = lib.int4_a8_cpu
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                   ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    fn = cpu.int4_a8_function(lib)
     assert fn(x.data_ptr(), M, K_in, None if perm is None else perm.data_ptr(), K_in, packed.data_ptr(), sz.data_ptr(),
               Kp, N, gs, 64, out.data_ptr(), N, 1) == -2  # another layout's block: refused
     assert fn(x.data_ptr(), M, K_in, None if perm is None else perm.data_ptr(), K_in, packed.data_ptr(), sz.data_ptr(),
