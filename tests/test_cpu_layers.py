@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import rel_err, top1
+from conftest import random_cpu_artifact, rel_err, top1
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 from quantprep.runtime import cpu_layers
@@ -141,7 +141,7 @@ class Counting:
     """The library, counting the calls of each kernel."""
 
     def __init__(self, lib):
-        self.lib, self.calls = lib, {"rms_norm": 0, "silu_mul": 0, "rotary": 0, "gemv_bf16": 0}
+        self.lib, self.calls = lib, {"rms_norm": 0, "silu_mul": 0, "rotary": 0, "gemv_bf16": 0, "decode_layer": 0}
 
     def __getattr__(self, name):
         self.calls[name] += 1
@@ -187,7 +187,7 @@ def test_a_loaded_artifact_uses_them(random_artifact, monkeypatch):
     layers = model.config.num_hidden_layers
     # gemv: the decode steps' one row each (the prefill's logits of every position take torch's)
     assert counting.calls == {"rms_norm": 3 * (2 * layers + 1), "silu_mul": 3 * layers, "rotary": 2 * layers,
-                              "gemv_bf16": 2 * cpu_layers.gemv_bf16_built()}
+                              "gemv_bf16": 2 * cpu_layers.gemv_bf16_built(), "decode_layer": 0}  # no int4_a8 plan
     for m in model.modules():  # each replaced module with its own class's forward again
         if isinstance(m, (cpu_layers.CpuRMSNorm, cpu_layers.CpuGatedMLP, cpu_layers.CpuDecodeAttention)):
             m.forward = m.replaced.forward.__get__(m)
@@ -263,3 +263,67 @@ def test_an_attention_whose_rotary_helpers_differ_is_not_replaced(random_artifac
     attn.__class__ = odd = type(own.__name__, (own,), {"forward": moved})
     assert not cpu_layers.is_fused_decode_attention(attn)
     assert cpu_layers.replace(attn) is None and type(attn) is odd  # left as it is: its own forward runs
+
+
+TINY_QWEN2 = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}  # q/k/v with biases
+
+
+def test_a_decode_layer_is_one_c_call(tmp_path, monkeypatch):
+    """With int4_a8 planned at one row, each decoder layer of a decode step is one decode_layer call,
+    whose logits equal those of the modules' own forwards (the same C calls in the same order: equal,
+    not close), on a Qwen2 (q/k/v biases, grouped heads) over a prefill and two decode steps. A hook on
+    a member, another plan, or autograd takes the modules' forwards (the hook is called); a weight
+    moved in memory (share_memory_) is read at its new address."""
+    import quantprep
+    from quantprep.targets.cpu import CpuInt4Linear
+
+    model = quantprep.load(random_cpu_artifact(tmp_path, TINY_QWEN2, bits=4, group_size=64, desc_act=True, sym=False))
+    linears = [m for m in model.modules() if isinstance(m, CpuInt4Linear)]
+    if "int4_a8" not in linears[0].paths():
+        pytest.skip("no int4_a8 path on this CPU (AVX512-VNNI and VBMI, or AVX2 and FMA; and a C compiler)")
+    for m in linears:
+        m.plan, m.plan_max_m = ((1, "int4_a8"),), 1 << 20
+    layers = model.model.layers
+    assert all(isinstance(layer, cpu_layers.CpuDecoderLayer) for layer in layers)
+    prompt = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(3))
+    counting = Counting(cpu_layers.library())
+    monkeypatch.setattr(cpu_layers, "library", lambda: counting)
+    fused = prefill_and_decode(model, prompt)
+    assert counting.calls["decode_layer"] == 2 * len(layers)  # the two decode steps; the prefill takes the modules
+    for layer in layers:
+        layer.forward = layer.replaced.forward.__get__(layer)
+    modules = prefill_and_decode(model, prompt)
+    assert counting.calls["decode_layer"] == 2 * len(layers)
+    assert torch.equal(fused, modules)
+    for layer in layers:
+        del layer.forward
+
+    calls = []
+    hook = layers[1].self_attn.o_proj.register_forward_hook(lambda mod, args, out: calls.append(out.shape))
+    assert torch.equal(prefill_and_decode(model, prompt), modules)
+    assert len(calls) == 3 and counting.calls["decode_layer"] == 2 * len(layers) + 2  # layer 0 still fused
+    hook.remove()
+    layers[0].mlp.down_proj.plan = ((1, "int4"),)
+    prefill_and_decode(model, prompt)
+    assert counting.calls["decode_layer"] == 2 * len(layers) + 4  # layer 1 only
+    layers[0].mlp.down_proj.plan = ((1, "int4_a8"),)
+    with torch.no_grad():
+        out = model(input_ids=prompt, use_cache=True)
+        with torch.enable_grad():
+            model(input_ids=torch.tensor([[7]]), past_key_values=out.past_key_values, use_cache=True)
+    assert counting.calls["decode_layer"] == 2 * len(layers) + 4
+    assert torch.equal(prefill_and_decode(model, prompt), modules)
+    assert counting.calls["decode_layer"] == 4 * len(layers) + 4
+
+    moved = layers[0].mlp.gate_up_proj.qweight
+    before = moved.data_ptr()
+    moved.share_memory_()  # a new address, and new codes there that C must read
+    moved.copy_(moved.flip(0))
+    assert moved.data_ptr() != before
+    fused = prefill_and_decode(model, prompt)
+    assert counting.calls["decode_layer"] == 6 * len(layers) + 4
+    for layer in layers:
+        layer.forward = layer.replaced.forward.__get__(layer)
+    modules_now = prefill_and_decode(model, prompt)
+    assert torch.equal(fused, modules_now) and not torch.equal(modules_now, modules)

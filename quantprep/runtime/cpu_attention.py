@@ -129,23 +129,32 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
 
 
 def append(cached: torch.Tensor, buffer: torch.Tensor | None, filled: int, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """cached ++ new along the sequence (dim -2) -> (a view of buffer, buffer, rows of it written).
-
-    new goes into the buffer's spare room when `cached` is still exactly the rows written so far,
-    else (a cropped, reordered or replaced cache, no room left, an inference-mode buffer outside
-    inference mode) into a new buffer a quarter larger than needed (at least 256 more rows), into
-    which `cached` is copied once: so a row once handed out in a view is never written again."""
-    n = cached.shape[-2] if cached.dim() == 4 else 0
+    """cached ++ new along the sequence (dim -2) -> (a view of buffer, buffer, rows of it written)."""
+    buffer, n = with_room(cached, buffer, filled, new.shape, new.dtype, new.device)
     end = n + new.shape[-2]
-    if not (buffer is not None and n and n == filled and cached.data_ptr() == buffer.data_ptr()
-            and cached.stride() == buffer.stride() and cached.shape[:2] == new.shape[:2] == buffer.shape[:2]
-            and cached.shape[-1] == new.shape[-1] and end <= buffer.shape[-2] and buffer.dtype == new.dtype
-            and buffer.device == new.device and (torch.is_inference_mode_enabled() or not buffer.is_inference())):
-        buffer = new.new_empty(*new.shape[:2], end + max(256, end // 4), new.shape[-1])
-        if n:
-            buffer[:, :, :n] = cached
     buffer[:, :, n:end] = new
     return buffer[:, :, :end], buffer, end
+
+
+def with_room(cached: torch.Tensor, buffer: torch.Tensor | None, filled: int, shape: torch.Size, dtype: torch.dtype,
+              device: torch.device) -> tuple[torch.Tensor, int]:
+    """(a buffer whose first n rows are `cached` and that has room for rows of `shape` [B, KV, rows, D]
+    after them, n).
+
+    The same buffer when `cached` is still exactly the rows written into it so far, else (a cropped,
+    reordered or replaced cache, no room left, an inference-mode buffer outside inference mode) a new
+    one a quarter larger than needed (at least 256 more rows), into which `cached` is copied once: so
+    a row once handed out in a view is never written again."""
+    n = cached.shape[-2] if cached.dim() == 4 else 0
+    end = n + shape[-2]
+    if not (buffer is not None and n and n == filled and cached.data_ptr() == buffer.data_ptr()
+            and cached.stride() == buffer.stride() and cached.shape[:2] == shape[:2] == buffer.shape[:2]
+            and cached.shape[-1] == shape[-1] and end <= buffer.shape[-2] and buffer.dtype == dtype
+            and buffer.device == device and (torch.is_inference_mode_enabled() or not buffer.is_inference())):
+        buffer = torch.empty(*shape[:2], end + max(256, end // 4), shape[-1], dtype=dtype, device=device)
+        if n:
+            buffer[:, :, :n] = cached
+    return buffer, n
 
 
 def plain_layer(state: dict):

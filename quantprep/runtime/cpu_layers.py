@@ -32,10 +32,11 @@ from torch.nn.modules import module as torch_module
 from quantprep.runtime import cpu_attention
 from quantprep.runtime.fused import FusedMember
 from quantprep.targets import native
-from quantprep.targets.cpu import BF16_C, eager
+from quantprep.targets.cpu import BF16_C, CpuInt4Linear, eager, native_int4_a8
 
 SOURCE = BF16_C + f"#define MAX_D {cpu_attention.MAX_HEAD_DIM}\n" + r"""
 #include <math.h>
+#include <stdlib.h>
 #if (defined(__AVX512BF16__) && defined(__AVX512F__)) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -151,6 +152,69 @@ void silu_mul(const uint16_t *gu, int64_t ldg, uint16_t *y, int64_t ldy, int64_t
         }
     }
 }
+/* One decode token through a Llama/Qwen2 decoder layer whose four projections run int4_a8 (targets/cpu.py)
+   and whose attention runs decode_attention (cpu_attention.py), both called through the pointers in L:
+   the same calls, in the same order and with the same roundings, as the modules' own C forwards, with no
+   Python between them (BENCHMARKS.md, "CPU decode layers"). x and out: one row of `hidden`; cos, sin: the
+   row's rotary embedding; the new key and value go into row `filled` of each head of k_cache, v_cache
+   ([kv_heads, capacity, D]), and attention reads rows 0..filled. 0, -1 (no memory) or a kernel's error. */
+typedef int (*int4_a8_fn)(const uint16_t *, int64_t, int64_t, const int32_t *, int64_t, const uint8_t *, const uint32_t *,
+                          int64_t, int64_t, int64_t, int64_t, uint16_t *, int64_t, int);
+typedef int (*attention_fn)(const uint16_t *, int64_t, int64_t, const uint16_t *, int64_t, int64_t, int64_t,
+                            const uint16_t *, int64_t, int64_t, int64_t, uint16_t *, int64_t, int64_t, int64_t, int64_t,
+                            int64_t, float);
+typedef struct {
+    const int32_t *perm; const uint8_t *qweight; const uint32_t *scales_and_zeros; const uint16_t *bias;
+    int64_t in, padded_in, out, group, block;
+} QuantLinear;
+typedef struct {
+    int4_a8_fn int4_a8; attention_fn attention;
+    const uint16_t *norm1, *norm2;
+    float eps1, eps2, scaling;
+    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    QuantLinear qkv, o, gate_up, down;
+} DecodeLayer;
+
+static int quant_linear(const DecodeLayer *L, const QuantLinear *p, const uint16_t *x, uint16_t *y, int threads) {
+    int status = L->int4_a8(x, 1, p->in, p->perm, p->in, p->qweight, p->scales_and_zeros, p->padded_in, p->out, p->group,
+                            p->block, y, p->out, threads);
+    if (status == 0 && p->bias)  /* as the module's y + bias: rounded once */
+        for (int64_t n = 0; n < p->out; n++) y[n] = to_bf16(from_bf16(y[n]) + from_bf16(p->bias[n]));
+    return status;
+}
+
+static void add_to(const uint16_t *residual, uint16_t *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = to_bf16(from_bf16(residual[i]) + from_bf16(y[i]));
+}
+
+int decode_layer(const DecodeLayer *L, const uint16_t *x, uint16_t *out, const uint16_t *cos, const uint16_t *sin,
+                 uint16_t *k_cache, uint16_t *v_cache, int64_t capacity, int64_t filled, int threads) {
+    int64_t n = L->hidden, D = L->head_dim, I = L->intermediate, q_size = L->heads * D, kv_size = L->kv_heads * D;
+    int64_t qkv_size = q_size + 2 * kv_size;
+    uint16_t *buffer = malloc((size_t)(3 * n + qkv_size + q_size + 3 * I) * sizeof(uint16_t));
+    if (!buffer) return -1;
+    uint16_t *xn = buffer, *qkv = xn + n, *attn = qkv + qkv_size, *h = attn + q_size, *hn = h + n, *gu = hn + n, *act = gu + 2 * I;
+    int status;
+    rms_norm(x, n, L->norm1, xn, n, 1, n, L->eps1);
+    if ((status = quant_linear(L, &L->qkv, xn, qkv, threads))) goto done;
+    rotary(qkv, qkv_size, 1, (q_size + kv_size) / D, D, cos, sin);
+    for (int64_t g = 0; g < L->kv_heads; g++) {
+        memcpy(k_cache + (g * capacity + filled) * D, qkv + q_size + g * D, D * sizeof(uint16_t));
+        memcpy(v_cache + (g * capacity + filled) * D, qkv + q_size + kv_size + g * D, D * sizeof(uint16_t));
+    }
+    if ((status = L->attention(qkv, q_size, D, k_cache, kv_size * capacity, capacity * D, D, v_cache, kv_size * capacity,
+                               capacity * D, D, attn, 1, L->heads, L->kv_heads, filled + 1, D, L->scaling))) goto done;
+    if ((status = quant_linear(L, &L->o, attn, h, threads))) goto done;
+    add_to(x, h, n);
+    rms_norm(h, n, L->norm2, hn, n, 1, n, L->eps2);
+    if ((status = quant_linear(L, &L->gate_up, hn, gu, threads))) goto done;
+    silu_mul(gu, 2 * I, act, I, 1, I);
+    if ((status = quant_linear(L, &L->down, act, out, threads))) goto done;
+    add_to(h, out, n);
+done:
+    free(buffer);
+    return status;
+}
 """
 
 
@@ -171,7 +235,23 @@ def library() -> ctypes.CDLL | None:
     lib.rotary.restype = None
     lib.gemv_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
     lib.gemv_bf16.restype = ctypes.c_int
+    lib.decode_layer.argtypes = [ctypes.POINTER(DecodeLayerArgs)] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    lib.decode_layer.restype = ctypes.c_int
     return lib
+
+
+class QuantLinearArgs(ctypes.Structure):
+    """SOURCE's QuantLinear: one projection's int4_a8 arguments."""
+    _fields_ = [("perm", ctypes.c_void_p), ("qweight", ctypes.c_void_p), ("scales_and_zeros", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p)] + [(f, ctypes.c_int64) for f in ("in_features", "padded_in", "out", "group", "block")]
+
+
+class DecodeLayerArgs(ctypes.Structure):
+    """SOURCE's DecodeLayer."""
+    _fields_ = [("int4_a8", ctypes.c_void_p), ("attention", ctypes.c_void_p), ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p),
+                ("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("scaling", ctypes.c_float)] + \
+        [(f, ctypes.c_int64) for f in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")] + \
+        [(f, QuantLinearArgs) for f in ("qkv", "o", "gate_up", "down")]
 
 
 def runs_here(x: torch.Tensor, weight: torch.Tensor | None = None, weight_shape: tuple[int, ...] | None = None) -> bool:
@@ -282,6 +362,140 @@ class CpuDecodeAttention(Replacement):
         return self.o_proj(out.reshape(B, 1, q_size)), None
 
 
+def quant_linear_args(linear: nn.Module) -> QuantLinearArgs | None:
+    """int4_a8's arguments for a projection that runs it at one row (its plan's choice at M = 1) and
+    writes its outputs unpadded, with a bfloat16 bias if any; else None."""
+    if type(linear) is not CpuInt4Linear or linear.path_for(1) != "int4_a8" or linear.padded_out != linear.out_features or \
+            linear._forward_hooks or linear._forward_pre_hooks:
+        return None
+    bias = linear.bias
+    if bias is not None and not runs_here(bias, bias, (linear.out_features,)):
+        return None
+    perm, qweight, sz, K, N, group = linear.int4_a8_weight()
+    return QuantLinearArgs(perm, qweight, sz, None if bias is None else bias.data_ptr(), linear.in_features, K, N, group,
+                           linear.pack_block_n)
+
+
+ATTENTION_MEMBERS, MLP_MEMBERS = ("qkv_proj", "o_proj", "q_proj", "k_proj", "v_proj"), ("gate_up_proj", "down_proj", "gate_proj", "up_proj")
+
+
+class CpuDecoderLayer(Replacement):
+    """transformers' Llama/Qwen2 decoder layer. At one decode token of a layer whose norms, attention and
+    MLP are this file's and whose four projections run int4_a8 at one row (a plan's choice, after
+    `warm --int8-activations`), the whole layer is one C call (decode_layer): the calls those modules'
+    forwards make, in their order, without Python between them. Everything else (prefill, batches,
+    autograd, hooks on a member, another cache or kernel) takes the replaced forward, which calls the modules."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        cache = kwargs.pop("past_key_values", cache)  # its name before transformers 5.40
+        args = self.decode_args(hidden_states, attention_mask, cache, position_embeddings, kwargs)
+        if args is not None:
+            layer = cache.layers[self.self_attn.layer_idx]
+            shape = (1, args.kv_heads, 1, args.head_dim)
+            keys, n = cpu_attention.with_room(layer.keys, getattr(layer, "key_buffer", None), getattr(layer, "key_rows", 0),
+                                              shape, torch.bfloat16, hidden_states.device)
+            values, n_values = cpu_attention.with_room(layer.values, getattr(layer, "value_buffer", None),
+                                                       getattr(layer, "value_rows", 0), shape, torch.bfloat16, hidden_states.device)
+            if n == n_values:
+                out = torch.empty_like(hidden_states)
+                cos, sin = position_embeddings
+                status = library().decode_layer(ctypes.byref(args), hidden_states.data_ptr(), out.data_ptr(), cos.data_ptr(),
+                                                sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2], n,
+                                                torch.get_num_threads())
+                if status:
+                    raise MemoryError(f"decode_layer failed ({status}): out of memory")
+                layer.keys, layer.key_buffer, layer.key_rows = keys[:, :, :n + 1], keys, n + 1
+                layer.values, layer.value_buffer, layer.value_rows = values[:, :, :n + 1], values, n + 1
+                return out
+        return self.replaced.forward(self, hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings,
+                                     **kwargs)
+
+    def decode_args(self, x: torch.Tensor, attention_mask, cache, position_embeddings, kwargs: dict) -> DecodeLayerArgs | None:
+        """decode_layer's arguments where it computes what the replaced forward would, else None.
+
+        The inputs and the cache are checked at every call. The layer's modules, hooks, plans and
+        tensors are checked whole (layer_args) when `watched` changes: after a layer that streamed its
+        weights through the caches, each Python object a check touches comes from memory, and checking
+        everything at every call cost 14 ms a token of 96 on a 1.5B (BENCHMARKS.md, "CPU decode layers")."""
+        if attention_mask is not None or position_embeddings is None or torch.is_grad_enabled() or x.dim() != 3 or \
+                x.shape[:2] != (1, 1) or not runs_here(x) or kwargs.get("output_attentions") or \
+                torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+            return None
+        watched = self.watched()
+        state = vars(self).get("_decode_layer")
+        if state is None or state[0] != watched:
+            state = self._decode_layer = (watched, self.layer_args(x))
+        args = state[1][0] if state[1] else None
+        layers = getattr(cache, "layers", None)
+        if args is None or layers is None or not 0 <= self.self_attn.layer_idx < len(layers) or \
+                getattr(cache, "offloading", False) or type(cache).update is not cache_update():
+            return None
+        cos, sin = position_embeddings
+        D, kv_heads, layer = args.head_dim, args.kv_heads, layers[self.self_attn.layer_idx]
+        if not (runs_here(cos) and runs_here(sin) and cos.shape == sin.shape == (1, 1, D)
+                and type(layer) is cpu_attention.growing_layer_class() and layer.is_initialized
+                and all(type(t) is torch.Tensor and t.dim() == 4 and t.dtype == torch.bfloat16 and t.shape[0] == 1
+                        and t.shape[1] == kv_heads and t.shape[3] == D for t in (layer.keys, layer.values))):
+            return None
+        return args
+
+    def watched(self) -> tuple:
+        """What layer_args' result depends on, compared at each call: the member modules themselves (a
+        tuple compares them by identity), their hooks and modes, each projection's plan, the ids and
+        addresses of their tensors (kept alive by the state that holds the tuple, so no other tensor
+        takes their ids), and the attention's settings."""
+        mods = self._modules
+        attn, mlp = mods.get("self_attn"), mods.get("mlp")
+        members = [attn, mlp, mods.get("input_layernorm"), mods.get("post_attention_layernorm")] + \
+            [getattr(attn, "_modules", {}).get(m) for m in ATTENTION_MEMBERS] + [getattr(mlp, "_modules", {}).get(m) for m in MLP_MEMBERS]
+        out: list = list(members)
+        for m in members:
+            if m is None:
+                continue
+            out += [bool(m._forward_hooks or m._forward_pre_hooks), m.training]
+            if type(m) is CpuInt4Linear:
+                out += [m.plan, m.plan_max_m]
+            tensors = (*m._parameters.values(), *m._buffers.values())
+            out += [(id(t), None if t is None else t.data_ptr()) for t in tensors]
+        config = getattr(attn, "config", None)
+        out += [getattr(attn, "sliding_window", None), getattr(config, "_attn_implementation", None)]
+        return tuple(out)
+
+    def layer_args(self, x: torch.Tensor) -> tuple[DecodeLayerArgs, list] | None:
+        """(decode_layer's arguments, the tensors they point into), or None where this layer does not run
+        it. x: a row that runs_here."""
+        hidden = x.shape[-1]
+        mods = self._modules
+        attn, mlp, norm1, norm2 = (mods.get(m) for m in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))
+        if not (isinstance(attn, CpuDecodeAttention) and isinstance(mlp, CpuGatedMLP) and isinstance(norm1, CpuRMSNorm)
+                and isinstance(norm2, CpuRMSNorm) and not attn.training and getattr(attn, "sliding_window", None) is None
+                and attn.config._attn_implementation == cpu_attention.NAME
+                and fused_as_built(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+                and fused_as_built(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
+                and all(runs_here(x, n.weight) for n in (norm1, norm2))
+                and not any(m._forward_hooks or m._forward_pre_hooks for m in (attn, mlp, norm1, norm2, attn.o_proj, mlp.down_proj))):
+            return None
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        linears = [quant_linear_args(m) for m in projections]
+        D = attn.head_dim
+        if None in linears or (attention := cpu_attention.kernel()) is None or attn.qkv_proj.in_features != hidden or \
+                attn.qkv_proj.parts[0] + 2 * attn.qkv_proj.parts[1] != attn.qkv_proj.out_features:
+            return None
+        args = DecodeLayerArgs(ctypes.cast(native_int4_a8(), ctypes.c_void_p).value, ctypes.cast(attention, ctypes.c_void_p).value,
+                               norm1.weight.data_ptr(), norm2.weight.data_ptr(), norm1.variance_epsilon, norm2.variance_epsilon,
+                               attn.scaling, hidden, attn.qkv_proj.parts[0] // D, attn.qkv_proj.parts[1] // D, D,
+                               mlp.gate_up_proj.parts[0], *linears)
+        return args, [norm1.weight, norm2.weight, *(t for m in projections for t in (*m._buffers.values(), m.bias))]
+
+
+@functools.cache
+def cache_update():
+    from transformers.cache_utils import Cache
+
+    return Cache.update
+
+
 class CpuLinear(nn.Linear):
     """A dense bfloat16 Linear without bias (the float lm_head a GPTQ checkpoint keeps), one row at a
     time in C (gemv_bf16): torch's bfloat16 matrix-vector product reads the weight well below this
@@ -344,6 +558,14 @@ def is_fused_decode_attention(module: nn.Module) -> bool:
         parts == (c.num_attention_heads * D, c.num_key_value_heads * D, c.num_key_value_heads * D)
 
 
+def is_decoder_layer(module: nn.Module) -> bool:
+    """Llama's or Qwen2's decoder layer (forward instruction for instruction), with its four members."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return same_forward(module, LlamaDecoderLayer) and \
+        all(m in module._modules for m in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))
+
+
 def is_dense_bf16_linear(module: nn.Module) -> bool:
     """An nn.Linear (exactly) with a bfloat16 weight, no bias and K % 32 == 0, where this library has gemv_bf16."""
     return type(module) is nn.Linear and module.bias is None and module.weight.dtype == torch.bfloat16 and \
@@ -367,6 +589,8 @@ def replace(module: nn.Module) -> nn.Module | None:
         module.__class__ = replacement_class(CpuGatedMLP, type(module))
     elif is_fused_decode_attention(module):
         module.__class__ = replacement_class(CpuDecodeAttention, type(module))
+    elif is_decoder_layer(module):
+        module.__class__ = replacement_class(CpuDecoderLayer, type(module))
     elif is_dense_bf16_linear(module):
         module.__class__ = CpuLinear
     else:
