@@ -5,8 +5,10 @@ mean of --calls calls): transformers' RMSNorm module against CpuRMSNorm; the MLP
 (torch's silu and mul against silu_mul); and, from the artifact, its float lm_head (nn.Linear,
 torch's bfloat16 matrix-vector product, against CpuLinear's gemv_bf16; GB/s of the weight read).
 Then the whole model: greedy decode tok/s after a 16-token prompt (transformers' generate, --new
-tokens, a streamer's timestamps after the first) with the replaced modules and with each module's
-own transformers or torch forward again, interleaved, medians of --runs, for each --artifacts.
+tokens, a streamer's timestamps after the first) in three ways, interleaved, medians of --runs, for
+each --artifacts: as loaded (the replaced modules; where a plan runs int4_a8 at one row, each
+decoder layer one decode_layer call), module by module (the replaced modules, each decoder layer
+its own forward calling them), and with each module's own transformers or torch forward again.
 `benchmarks/tables.py` renders the JSON into BENCHMARKS.md ("CPU decode layers").
 
     python benchmarks/cpu_layers.py [--artifacts artifacts/qwen2.5-coder-1.5b/cpu,artifacts/qwen2.5-coder-1.5b-int4-head/cpu]
@@ -24,14 +26,17 @@ from common import artifact_codes, greedy_decode, machine, per_call_us, save
 
 from quantprep.runtime import cpu_layers
 
-REPLACED = (cpu_layers.CpuRMSNorm, cpu_layers.CpuGatedMLP, cpu_layers.CpuDecodeAttention, cpu_layers.CpuLinear)
+REPLACED = (cpu_layers.CpuRMSNorm, cpu_layers.CpuGatedMLP, cpu_layers.CpuDecodeAttention, cpu_layers.CpuLinear,
+            cpu_layers.CpuDecoderLayer)
+MODES = ("c", "c_modules", "torch")  # as loaded; the decoder layers' own forward; every module's own forward
 
 
-def with_c(model: torch.nn.Module, on: bool) -> None:
-    """Each replaced module's forward: its own (C where it runs), or the replaced class's again."""
+def with_c(model: torch.nn.Module, mode: str) -> None:
+    """Each replaced module's forward: its own (C where it runs), or the replaced class's again (mode
+    "torch"; "c_modules": the decoder layers only)."""
     for m in model.modules():
         if isinstance(m, REPLACED):
-            if on:
+            if mode == "c" or (mode == "c_modules" and not isinstance(m, cpu_layers.CpuDecoderLayer)):
                 vars(m).pop("forward", None)
             else:
                 base = torch.nn.Linear if isinstance(m, cpu_layers.CpuLinear) else m.replaced
@@ -79,19 +84,23 @@ def main() -> None:
     print(calls, flush=True)
 
     prompt = torch.randint(0, 1000, (1, 16), generator=g)
-    tok_s = {(path, on): [] for path in models for on in (True, False)}
+    tok_s = {(path, mode): [] for path in models for mode in MODES}
     with torch.inference_mode():
-        for (path, on) in tok_s:  # warm-up
-            with_c(models[path], on)
+        for (path, mode) in tok_s:  # warm-up
+            with_c(models[path], mode)
             greedy_decode(models[path], prompt, 8, eos_token_id=None)
         for _ in range(args.runs):
-            for (path, on), v in tok_s.items():
-                with_c(models[path], on)
+            for (path, mode), v in tok_s.items():
+                with_c(models[path], mode)
                 v.append(greedy_decode(models[path], prompt, args.new, eos_token_id=None)[0])
-            print({f"{p} {'C' if on else 'torch'}": round(v[-1], 2) for (p, on), v in tok_s.items()}, flush=True)
-    decode = [{"artifact": path, **artifact_codes(path), "c": statistics.median(tok_s[(path, True)]), "torch": statistics.median(tok_s[(path, False)]),
-               "c_runs": tok_s[(path, True)], "torch_runs": tok_s[(path, False)],
-               "c_over_torch": statistics.median(a / b for a, b in zip(tok_s[(path, True)], tok_s[(path, False)], strict=True))}
+            print({f"{p} {mode}": round(v[-1], 2) for (p, mode), v in tok_s.items()}, flush=True)
+
+    def ratio(path: str, a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(tok_s[(path, a)], tok_s[(path, b)], strict=True))
+
+    decode = [{"artifact": path, **artifact_codes(path), **{m: statistics.median(tok_s[(path, m)]) for m in MODES},
+               **{f"{m}_runs": tok_s[(path, m)] for m in MODES},
+               "c_over_torch": ratio(path, "c", "torch"), "c_over_c_modules": ratio(path, "c", "c_modules")}
               for path in models]
     result = machine() | {"threads": torch.get_num_threads(), "dtype": "bfloat16", "reps": args.reps, "calls": args.calls,
                           "us_per_call": calls, "new_tokens": args.new, "runs": args.runs, "decode_tok_s": decode}

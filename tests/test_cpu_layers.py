@@ -273,8 +273,8 @@ def test_a_decode_layer_is_one_c_call(tmp_path, monkeypatch):
     """With int4_a8 planned at one row, each decoder layer of a decode step is one decode_layer call,
     whose logits equal those of the modules' own forwards (the same C calls in the same order: equal,
     not close), on a Qwen2 (q/k/v biases, grouped heads) over a prefill and two decode steps. A hook on
-    a member, another plan, or autograd takes the modules' forwards (the hook is called); a weight
-    moved in memory (share_memory_) is read at its new address."""
+    a member, another plan, or autograd takes the modules' forwards (the hook is called); a deep copy
+    and a pickle decode alike; a weight moved in memory (share_memory_) is read at its new address."""
     import quantprep
     from quantprep.targets.cpu import CpuInt4Linear
 
@@ -315,6 +315,9 @@ def test_a_decode_layer_is_one_c_call(tmp_path, monkeypatch):
     assert counting.calls["decode_layer"] == 2 * len(layers) + 4
     assert torch.equal(prefill_and_decode(model, prompt), modules)
     assert counting.calls["decode_layer"] == 4 * len(layers) + 4
+    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):  # its C arguments are not copied
+        assert torch.equal(prefill_and_decode(other, prompt), modules)
+    assert counting.calls["decode_layer"] == 8 * len(layers) + 4
 
     moved = layers[0].mlp.gate_up_proj.qweight
     before = moved.data_ptr()
@@ -322,7 +325,7 @@ def test_a_decode_layer_is_one_c_call(tmp_path, monkeypatch):
     moved.copy_(moved.flip(0))
     assert moved.data_ptr() != before
     fused = prefill_and_decode(model, prompt)
-    assert counting.calls["decode_layer"] == 6 * len(layers) + 4
+    assert counting.calls["decode_layer"] == 10 * len(layers) + 4
     for layer in layers:
         layer.forward = layer.replaced.forward.__get__(layer)
     modules_now = prefill_and_decode(model, prompt)

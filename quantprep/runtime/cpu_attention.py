@@ -149,7 +149,7 @@ def with_room(cached: torch.Tensor, buffer: torch.Tensor | None, filled: int, sh
     end = n + shape[-2]
     if not (buffer is not None and n and n == filled and cached.data_ptr() == buffer.data_ptr()
             and cached.stride() == buffer.stride() and cached.shape[:2] == shape[:2] == buffer.shape[:2]
-            and cached.shape[-1] == shape[-1] and end <= buffer.shape[-2] and buffer.dtype == dtype
+            and cached.shape[-1] == shape[-1] == buffer.shape[-1] and end <= buffer.shape[-2] and buffer.dtype == dtype
             and buffer.device == device and (torch.is_inference_mode_enabled() or not buffer.is_inference())):
         buffer = torch.empty(*shape[:2], end + max(256, end // 4), shape[-1], dtype=dtype, device=device)
         if n:

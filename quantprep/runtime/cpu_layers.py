@@ -10,13 +10,16 @@ lm_head a GPTQ checkpoint keeps is the largest read of a token, and torch's bflo
 product reads it at a fraction of the memory speed; gemv_bf16 (AVX512-BF16 or AVX2) sums exact products in
 float32 as torch does.
 
-`use(model)` (load calls it) swaps the classes of the RMSNorm, MLP, attention and bias-free bfloat16
-Linear modules of a bfloat16 CPU model for subclasses of them and of CpuRMSNorm, CpuGatedMLP,
-CpuDecodeAttention and CpuLinear: each module keeps its parameters, submodules, hooks and tied
-weights, isinstance checks still hold, and its forward runs C where it computes the same
-(`runs_here`: eager bfloat16 CPU rows, no autograd; attention: one token of a "quantprep_cpu" model,
-no mask or sliding window; no hooks on fused members) and the replaced class's own forward
-everywhere else (torch.compile, export, other dtypes, prefill's attention, a Linear's several rows).
+`use(model)` (load calls it) swaps the classes of the RMSNorm, MLP, attention, decoder layer and
+bias-free bfloat16 Linear modules of a bfloat16 CPU model for subclasses of them and of CpuRMSNorm,
+CpuGatedMLP, CpuDecodeAttention, CpuDecoderLayer and CpuLinear: each module keeps its parameters,
+submodules, hooks and tied weights, isinstance checks still hold, and its forward runs C where it
+computes the same (`runs_here`: eager bfloat16 CPU rows, no autograd; attention: one token of a
+"quantprep_cpu" model, no mask or sliding window; no hooks on fused members) and the replaced
+class's own forward everywhere else (torch.compile, export, other dtypes, prefill's attention, a
+Linear's several rows). Where a decode token's four projections run int4_a8, a decoder layer is one
+C call (decode_layer) that makes its modules' C calls in turn: on a slow core the Python between
+them cost more than a fifth of a token (BENCHMARKS.md, "CPU decode layers").
 """
 
 from __future__ import annotations
@@ -397,19 +400,26 @@ class CpuDecoderLayer(Replacement):
                                               shape, torch.bfloat16, hidden_states.device)
             values, n_values = cpu_attention.with_room(layer.values, getattr(layer, "value_buffer", None),
                                                        getattr(layer, "value_rows", 0), shape, torch.bfloat16, hidden_states.device)
-            if n == n_values:
+            if n == n_values and keys.is_contiguous() and values.is_contiguous():  # C writes row n of each head
                 out = torch.empty_like(hidden_states)
                 cos, sin = position_embeddings
                 status = library().decode_layer(ctypes.byref(args), hidden_states.data_ptr(), out.data_ptr(), cos.data_ptr(),
                                                 sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2], n,
                                                 torch.get_num_threads())
+                if status == -1:
+                    raise MemoryError("decode_layer could not allocate its buffers")
                 if status:
-                    raise MemoryError(f"decode_layer failed ({status}): out of memory")
+                    raise ValueError(f"decode_layer's kernels refused this layer ({status})")
                 layer.keys, layer.key_buffer, layer.key_rows = keys[:, :, :n + 1], keys, n + 1
                 layer.values, layer.value_buffer, layer.value_rows = values[:, :, :n + 1], values, n + 1
                 return out
         return self.replaced.forward(self, hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings,
                                      **kwargs)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.pop("_decode_layer", None)  # addresses in this process's memory: built again at the next call
+        return state
 
     def decode_args(self, x: torch.Tensor, attention_mask, cache, position_embeddings, kwargs: dict) -> DecodeLayerArgs | None:
         """decode_layer's arguments where it computes what the replaced forward would, else None.
@@ -417,7 +427,7 @@ class CpuDecoderLayer(Replacement):
         The inputs and the cache are checked at every call. The layer's modules, hooks, plans and
         tensors are checked whole (layer_args) when `watched` changes: after a layer that streamed its
         weights through the caches, each Python object a check touches comes from memory, and checking
-        everything at every call cost 14 ms a token of 96 on a 1.5B (BENCHMARKS.md, "CPU decode layers")."""
+        everything at every call cost about a seventh of a token (BENCHMARKS.md, "CPU decode layers")."""
         if attention_mask is not None or position_embeddings is None or torch.is_grad_enabled() or x.dim() != 3 or \
                 x.shape[:2] != (1, 1) or not runs_here(x) or kwargs.get("output_attentions") or \
                 torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
