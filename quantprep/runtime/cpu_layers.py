@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import inspect
+import threading
 
 import torch
 from torch import nn
@@ -392,9 +393,9 @@ class CpuDecoderLayer(Replacement):
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None, use_cache=False,
                 position_embeddings=None, **kwargs):
         cache = kwargs.pop("past_key_values", cache)  # its name before transformers 5.40
-        args = self.decode_args(hidden_states, attention_mask, cache, position_embeddings, kwargs)
-        if args is not None:
-            layer = cache.layers[self.self_attn.layer_idx]
+        decode = self.decode_args(hidden_states, attention_mask, cache, position_embeddings, kwargs)
+        if decode is not None:
+            args, layer = decode
             shape = (1, args.kv_heads, 1, args.head_dim)
             keys, n = cpu_attention.with_room(layer.keys, getattr(layer, "key_buffer", None), getattr(layer, "key_rows", 0),
                                               shape, torch.bfloat16, hidden_states.device)
@@ -421,8 +422,9 @@ class CpuDecoderLayer(Replacement):
         state.pop("_decode_layer", None)  # addresses in this process's memory: built again at the next call
         return state
 
-    def decode_args(self, x: torch.Tensor, attention_mask, cache, position_embeddings, kwargs: dict) -> DecodeLayerArgs | None:
-        """decode_layer's arguments where it computes what the replaced forward would, else None.
+    def decode_args(self, x: torch.Tensor, attention_mask, cache, position_embeddings, kwargs: dict) -> tuple | None:
+        """(decode_layer's arguments, this layer's cache) where it computes what the replaced forward
+        would, else None.
 
         The inputs and the cache are checked at every call. The layer's modules, hooks, plans and
         tensors are checked whole (layer_args) when `watched` changes: after a layer that streamed its
@@ -435,46 +437,45 @@ class CpuDecoderLayer(Replacement):
         watched = self.watched()
         state = vars(self).get("_decode_layer")
         if state is None or state[0] != watched:
-            state = self._decode_layer = (watched, self.layer_args(x))
-        args = state[1][0] if state[1] else None
+            built = self.layer_args(x)
+            state = self._decode_layer = (watched, *(built or (None, None, None)))
+        _, args, layer_idx, _ = state
         layers = getattr(cache, "layers", None)
-        if args is None or layers is None or not 0 <= self.self_attn.layer_idx < len(layers) or \
-                getattr(cache, "offloading", False) or type(cache).update is not cache_update():
+        if args is None or layers is None or not 0 <= layer_idx < len(layers) or getattr(cache, "offloading", False) or \
+                type(cache).update is not cache_update():
             return None
         cos, sin = position_embeddings
-        D, kv_heads, layer = args.head_dim, args.kv_heads, layers[self.self_attn.layer_idx]
-        if not (runs_here(cos) and runs_here(sin) and cos.shape == sin.shape == (1, 1, D)
-                and type(layer) is cpu_attention.growing_layer_class() and layer.is_initialized
+        D, kv_heads, layer = args.head_dim, args.kv_heads, layers[layer_idx]
+        if not (checked_rotary(cos, sin, D) and type(layer) is cpu_attention.growing_layer_class() and layer.is_initialized
                 and all(type(t) is torch.Tensor and t.dim() == 4 and t.dtype == torch.bfloat16 and t.shape[0] == 1
                         and t.shape[1] == kv_heads and t.shape[3] == D for t in (layer.keys, layer.values))):
             return None
-        return args
+        return args, layer
 
     def watched(self) -> tuple:
         """What layer_args' result depends on, compared at each call: the member modules themselves (a
-        tuple compares them by identity), their hooks and modes, each projection's plan, the ids and
-        addresses of their tensors (kept alive by the state that holds the tuple, so no other tensor
-        takes their ids), and the attention's settings."""
+        tuple compares them by identity), whether each has hooks, the attention's mode and settings,
+        each projection's plan, and the ids and addresses of the tensors C reads (kept alive by the
+        state that holds the tuple, so no other tensor takes their ids)."""
         mods = self._modules
         attn, mlp = mods.get("self_attn"), mods.get("mlp")
-        members = [attn, mlp, mods.get("input_layernorm"), mods.get("post_attention_layernorm")] + \
-            [getattr(attn, "_modules", {}).get(m) for m in ATTENTION_MEMBERS] + [getattr(mlp, "_modules", {}).get(m) for m in MLP_MEMBERS]
-        out: list = list(members)
-        for m in members:
-            if m is None:
-                continue
-            out += [bool(m._forward_hooks or m._forward_pre_hooks), m.training]
-            if type(m) is CpuInt4Linear:
-                out += [m.plan, m.plan_max_m]
-            tensors = (*m._parameters.values(), *m._buffers.values())
-            out += [(id(t), None if t is None else t.data_ptr()) for t in tensors]
-        config = getattr(attn, "config", None)
-        out += [getattr(attn, "sliding_window", None), getattr(config, "_attn_implementation", None)]
+        norms = (mods.get("input_layernorm"), mods.get("post_attention_layernorm"))
+        am, mm = getattr(attn, "_modules", {}), getattr(mlp, "_modules", {})
+        members = (attn, mlp, *norms, *map(am.get, ATTENTION_MEMBERS), *map(mm.get, MLP_MEMBERS))
+        out = [*members, *(m is not None and bool(m._forward_hooks or m._forward_pre_hooks) for m in members),
+               getattr(attn, "training", None), getattr(attn, "sliding_window", None),
+               getattr(getattr(attn, "config", None), "_attn_implementation", None)]
+        tensors = [getattr(m, "_parameters", {}).get("weight") for m in norms]
+        for linear in members[4:6] + members[9:11]:  # qkv_proj, o_proj, gate_up_proj, down_proj
+            if type(linear) is CpuInt4Linear:
+                out += [linear.plan, linear.plan_max_m]
+                tensors += linear._buffers.values()
+        out += [(id(t), t.data_ptr()) for t in tensors if t is not None]
         return tuple(out)
 
-    def layer_args(self, x: torch.Tensor) -> tuple[DecodeLayerArgs, list] | None:
-        """(decode_layer's arguments, the tensors they point into), or None where this layer does not run
-        it. x: a row that runs_here."""
+    def layer_args(self, x: torch.Tensor) -> tuple[DecodeLayerArgs, int, list] | None:
+        """(decode_layer's arguments, the layer's index in the cache, the tensors they point into), or
+        None where this layer does not run it. x: a row that runs_here."""
         hidden = x.shape[-1]
         mods = self._modules
         attn, mlp, norm1, norm2 = (mods.get(m) for m in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))
@@ -496,7 +497,22 @@ class CpuDecoderLayer(Replacement):
                                norm1.weight.data_ptr(), norm2.weight.data_ptr(), norm1.variance_epsilon, norm2.variance_epsilon,
                                attn.scaling, hidden, attn.qkv_proj.parts[0] // D, attn.qkv_proj.parts[1] // D, D,
                                mlp.gate_up_proj.parts[0], *linears)
-        return args, [norm1.weight, norm2.weight, *(t for m in projections for t in (*m._buffers.values(), m.bias))]
+        return args, attn.layer_idx, [norm1.weight, norm2.weight, *(t for m in projections for t in m._buffers.values())]
+
+
+_rotary = threading.local()
+
+
+def checked_rotary(cos: torch.Tensor, sin: torch.Tensor, D: int) -> bool:
+    """Whether C may read cos and sin as one row of D each. Every layer of a token gets the same two
+    tensors: the last pair that passed is kept (so no other tensor takes their ids) and passes again."""
+    last = getattr(_rotary, "passed", None)
+    if last is not None and last[0] is cos and last[1] is sin and last[2] == D:
+        return True
+    if runs_here(cos) and runs_here(sin) and cos.shape == sin.shape == (1, 1, D):
+        _rotary.passed = (cos, sin, D)
+        return True
+    return False
 
 
 @functools.cache
