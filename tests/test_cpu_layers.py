@@ -265,16 +265,14 @@ def test_an_attention_whose_rotary_helpers_differ_is_not_replaced(random_artifac
     assert cpu_layers.replace(attn) is None and type(attn) is odd  # left as it is: its own forward runs
 
 
-TINY_QWEN2 = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}  # q/k/v with biases
+TINY_QWEN2 = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}
+# q/k/v with biases, grouped heads; down_proj's 344 inputs padded to 352 (kernel groups of 32), gate_up's 688 outputs a partial pack block
 
 
-def test_a_decode_layer_is_one_c_call(tmp_path, monkeypatch):
-    """With int4_a8 planned at one row, each decoder layer of a decode step is one decode_layer call,
-    whose logits equal those of the modules' own forwards (the same C calls in the same order: equal,
-    not close), on a Qwen2 (q/k/v biases, grouped heads) over a prefill and two decode steps. A hook on
-    a member, another plan, or autograd takes the modules' forwards (the hook is called); a deep copy
-    and a pickle decode alike; a weight moved in memory (share_memory_) is read at its new address."""
+@pytest.fixture
+def qwen2_a8(tmp_path, monkeypatch):
+    """(a loaded Qwen2 cpu artifact with int4_a8 planned for every int4 module, the library counting its calls)."""
     import quantprep
     from quantprep.targets.cpu import CpuInt4Linear
 
@@ -282,51 +280,111 @@ def test_a_decode_layer_is_one_c_call(tmp_path, monkeypatch):
     linears = [m for m in model.modules() if isinstance(m, CpuInt4Linear)]
     if "int4_a8" not in linears[0].paths():
         pytest.skip("no int4_a8 path on this CPU (AVX512-VNNI and VBMI, or AVX2 and FMA; and a C compiler)")
+    assert any(m.padded_in != m.in_features for m in linears)
     for m in linears:
         m.plan, m.plan_max_m = ((1, "int4_a8"),), 1 << 20
-    layers = model.model.layers
-    assert all(isinstance(layer, cpu_layers.CpuDecoderLayer) for layer in layers)
-    prompt = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(3))
+    assert all(isinstance(layer, cpu_layers.CpuDecoderLayer) for layer in model.model.layers)
     counting = Counting(cpu_layers.library())
     monkeypatch.setattr(cpu_layers, "library", lambda: counting)
-    fused = prefill_and_decode(model, prompt)
-    assert counting.calls["decode_layer"] == 2 * len(layers)  # the two decode steps; the prefill takes the modules
-    for layer in layers:
-        layer.forward = layer.replaced.forward.__get__(layer)
-    modules = prefill_and_decode(model, prompt)
-    assert counting.calls["decode_layer"] == 2 * len(layers)
-    assert torch.equal(fused, modules)
-    for layer in layers:
-        del layer.forward
+    return model, counting
+
+
+def module_by_module(model, on: bool = True) -> None:
+    """Each decoder layer's own forward (the modules one by one), or back to decode_layer's."""
+    for layer in model.model.layers:
+        if on:
+            layer.forward = layer.replaced.forward.__get__(layer)
+        else:
+            del layer.forward
+
+
+def decode_after_crop(model, prompt: torch.Tensor) -> torch.Tensor:
+    """The last logits of two decode steps, the cache cropped back by one (transformers' crop: the
+    growing buffer's rows after it are not written again), and one more step."""
+    with torch.inference_mode():
+        cache = model(input_ids=prompt, use_cache=True).past_key_values
+        for token in (7, 9):
+            model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        cache.crop(-1)
+        return model(input_ids=torch.tensor([[11]]), past_key_values=cache, use_cache=True).logits[:, -1]
+
+
+PROMPT = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(3))
+
+
+def test_a_decode_layer_is_one_c_call(qwen2_a8):
+    """With int4_a8 planned at one row, each decoder layer of a decode step is one decode_layer call,
+    whose logits equal those of the modules' own forwards (the same C calls in the same order: equal,
+    not close), on a Qwen2 (q/k/v biases, grouped heads, a padded input), over a prefill and two
+    decode steps, and after a cropped cache; a deep copy and a pickle decode alike."""
+    model, counting = qwen2_a8
+    L = model.config.num_hidden_layers
+    fused, fused_crop = prefill_and_decode(model, PROMPT), decode_after_crop(model, PROMPT)
+    assert counting.calls["decode_layer"] == 5 * L  # every decode step; the prefills take the modules
+    module_by_module(model)
+    modules, modules_crop = prefill_and_decode(model, PROMPT), decode_after_crop(model, PROMPT)
+    assert counting.calls["decode_layer"] == 5 * L
+    assert torch.equal(fused, modules) and torch.equal(fused_crop, modules_crop)
+    module_by_module(model, False)
+    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):  # its C arguments are not copied
+        assert torch.equal(prefill_and_decode(other, PROMPT), modules)
+    assert counting.calls["decode_layer"] == 9 * L
+
+
+def test_a_decode_layer_follows_changes(qwen2_a8):
+    """What the modules would do differently takes them: a hook on a member (it is called), a forward
+    set on a member, another plan, autograd, a row of another width (the modules' error, not C's
+    read); a weight moved in memory (share_memory_) is read at its new address. Logits equal to the
+    modules' throughout."""
+    model, counting = qwen2_a8
+    layers, L = model.model.layers, model.config.num_hidden_layers
+    module_by_module(model)
+    modules = prefill_and_decode(model, PROMPT)
+    module_by_module(model, False)
+
+    def decode(fused_layers: int) -> None:
+        """As loaded (fused_layers of them in C), then module by module, the same logits."""
+        before = counting.calls["decode_layer"]
+        ours = prefill_and_decode(model, PROMPT)
+        assert counting.calls["decode_layer"] - before == 2 * fused_layers
+        module_by_module(model)
+        assert torch.equal(ours, prefill_and_decode(model, PROMPT))
+        module_by_module(model, False)
 
     calls = []
     hook = layers[1].self_attn.o_proj.register_forward_hook(lambda mod, args, out: calls.append(out.shape))
-    assert torch.equal(prefill_and_decode(model, prompt), modules)
-    assert len(calls) == 3 and counting.calls["decode_layer"] == 2 * len(layers) + 2  # layer 0 still fused
+    decode(L - 1)
+    assert len(calls) == 6  # the prefill and two steps, as loaded and module by module
     hook.remove()
-    layers[0].mlp.down_proj.plan = ((1, "int4"),)
-    prefill_and_decode(model, prompt)
-    assert counting.calls["decode_layer"] == 2 * len(layers) + 4  # layer 1 only
+    mlp = layers[0].mlp
+    mlp.forward = mlp.forward
+    decode(L - 1)
+    del mlp.forward
+    layers[0].mlp.down_proj.plan = ((1, "int4"),)  # torch's kernel: other logits, the modules' own
+    decode(L - 1)
     layers[0].mlp.down_proj.plan = ((1, "int4_a8"),)
+    decode(L)
+    assert torch.equal(prefill_and_decode(model, PROMPT), modules)
     with torch.no_grad():
-        out = model(input_ids=prompt, use_cache=True)
+        out = model(input_ids=PROMPT, use_cache=True)
+        before = counting.calls["decode_layer"]
         with torch.enable_grad():
             model(input_ids=torch.tensor([[7]]), past_key_values=out.past_key_values, use_cache=True)
-    assert counting.calls["decode_layer"] == 2 * len(layers) + 4
-    assert torch.equal(prefill_and_decode(model, prompt), modules)
-    assert counting.calls["decode_layer"] == 4 * len(layers) + 4
-    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):  # its C arguments are not copied
-        assert torch.equal(prefill_and_decode(other, prompt), modules)
-    assert counting.calls["decode_layer"] == 8 * len(layers) + 4
+        assert counting.calls["decode_layer"] == before
+        cos_sin = model.model.rotary_emb(out.logits, torch.tensor([[PROMPT.shape[1]]]))
+        narrow = torch.zeros(1, 1, model.config.hidden_size - 32, dtype=torch.bfloat16)
+        with pytest.raises(RuntimeError):
+            layers[0](narrow, position_embeddings=cos_sin, cache=out.past_key_values)
+        assert counting.calls["decode_layer"] == before
 
     moved = layers[0].mlp.gate_up_proj.qweight
-    before = moved.data_ptr()
+    address = moved.data_ptr()
     moved.share_memory_()  # a new address, and new codes there that C must read
     moved.copy_(moved.flip(0))
-    assert moved.data_ptr() != before
-    fused = prefill_and_decode(model, prompt)
-    assert counting.calls["decode_layer"] == 10 * len(layers) + 4
-    for layer in layers:
-        layer.forward = layer.replaced.forward.__get__(layer)
-    modules_now = prefill_and_decode(model, prompt)
+    assert moved.data_ptr() != address
+    fused = prefill_and_decode(model, PROMPT)
+    module_by_module(model)
+    before = counting.calls["decode_layer"]
+    modules_now = prefill_and_decode(model, PROMPT)
+    assert counting.calls["decode_layer"] == before
     assert torch.equal(fused, modules_now) and not torch.equal(modules_now, modules)

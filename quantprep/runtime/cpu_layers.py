@@ -206,7 +206,7 @@ int decode_layer(const DecodeLayer *L, const uint16_t *x, uint16_t *out, const u
         memcpy(k_cache + (g * capacity + filled) * D, qkv + q_size + g * D, D * sizeof(uint16_t));
         memcpy(v_cache + (g * capacity + filled) * D, qkv + q_size + kv_size + g * D, D * sizeof(uint16_t));
     }
-    if ((status = L->attention(qkv, q_size, D, k_cache, kv_size * capacity, capacity * D, D, v_cache, kv_size * capacity,
+    if ((status = L->attention(qkv, qkv_size, D, k_cache, kv_size * capacity, capacity * D, D, v_cache, kv_size * capacity,
                                capacity * D, D, attn, 1, L->heads, L->kv_heads, filled + 1, D, L->scaling))) goto done;
     if ((status = quant_linear(L, &L->o, attn, h, threads))) goto done;
     add_to(x, h, n);
@@ -422,6 +422,10 @@ class CpuDecoderLayer(Replacement):
         state.pop("_decode_layer", None)  # addresses in this process's memory: built again at the next call
         return state
 
+    def _apply(self, fn, recurse: bool = True):
+        vars(self).pop("_decode_layer", None)  # .to(), .float(), ...: the old tensors are not kept
+        return super()._apply(fn, recurse)
+
     def decode_args(self, x: torch.Tensor, attention_mask, cache, position_embeddings, kwargs: dict) -> tuple | None:
         """(decode_layer's arguments, this layer's cache) where it computes what the replaced forward
         would, else None.
@@ -430,6 +434,9 @@ class CpuDecoderLayer(Replacement):
         tensors are checked whole (layer_args) when `watched` changes: after a layer that streamed its
         weights through the caches, each Python object a check touches comes from memory, and checking
         everything at every call cost about a seventh of a token (BENCHMARKS.md, "CPU decode layers")."""
+        qkv = getattr(self._modules.get("self_attn"), "_modules", {}).get("qkv_proj")
+        if type(qkv) is not CpuInt4Linear or qkv.path_for(1) != "int4_a8":  # the default plans: nothing more to check
+            return None
         if attention_mask is not None or position_embeddings is None or torch.is_grad_enabled() or x.dim() != 3 or \
                 x.shape[:2] != (1, 1) or not runs_here(x) or kwargs.get("output_attentions") or \
                 torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
@@ -441,8 +448,8 @@ class CpuDecoderLayer(Replacement):
             state = self._decode_layer = (watched, *(built or (None, None, None)))
         _, args, layer_idx, _ = state
         layers = getattr(cache, "layers", None)
-        if args is None or layers is None or not 0 <= layer_idx < len(layers) or getattr(cache, "offloading", False) or \
-                type(cache).update is not cache_update():
+        if args is None or x.shape[2] != args.hidden or layers is None or not 0 <= layer_idx < len(layers) or \
+                getattr(cache, "offloading", False) or type(cache).update is not cache_update():
             return None
         cos, sin = position_embeddings
         D, kv_heads, layer = args.head_dim, args.kv_heads, layers[layer_idx]
@@ -454,50 +461,63 @@ class CpuDecoderLayer(Replacement):
 
     def watched(self) -> tuple:
         """What layer_args' result depends on, compared at each call: the member modules themselves (a
-        tuple compares them by identity), whether each has hooks, the attention's mode and settings,
-        each projection's plan, and the ids and addresses of the tensors C reads (kept alive by the
-        state that holds the tuple, so no other tensor takes their ids)."""
+        tuple compares them by identity), their classes, forwards set on them and hooks, the attention's
+        mode, settings and cache index, the norms' epsilons, each projection's plan and parts, and the
+        ids, addresses and shapes of the tensors C reads (the state that holds the tuple keeps them and
+        their storage alive, so no other tensor or allocation takes their ids or addresses)."""
         mods = self._modules
         attn, mlp = mods.get("self_attn"), mods.get("mlp")
         norms = (mods.get("input_layernorm"), mods.get("post_attention_layernorm"))
         am, mm = getattr(attn, "_modules", {}), getattr(mlp, "_modules", {})
         members = (attn, mlp, *norms, *map(am.get, ATTENTION_MEMBERS), *map(mm.get, MLP_MEMBERS))
-        out = [*members, *(m is not None and bool(m._forward_hooks or m._forward_pre_hooks) for m in members),
-               getattr(attn, "training", None), getattr(attn, "sliding_window", None),
-               getattr(getattr(attn, "config", None), "_attn_implementation", None)]
+        out = [*members, *map(type, members), *(vars(m).get("forward") for m in members if m is not None),
+               *(m is not None and bool(m._forward_hooks or m._forward_pre_hooks) for m in members),
+               *(getattr(attn, a, None) for a in ("training", "sliding_window", "layer_idx", "scaling", "head_dim")),
+               getattr(getattr(attn, "config", None), "_attn_implementation", None),
+               *(getattr(m, "variance_epsilon", None) for m in norms)]
         tensors = [getattr(m, "_parameters", {}).get("weight") for m in norms]
-        for linear in members[4:6] + members[9:11]:  # qkv_proj, o_proj, gate_up_proj, down_proj
+        for linear in (am.get("qkv_proj"), am.get("o_proj"), mm.get("gate_up_proj"), mm.get("down_proj")):
             if type(linear) is CpuInt4Linear:
-                out += [linear.plan, linear.plan_max_m]
+                out += [linear.plan, linear.plan_max_m, getattr(linear, "parts", None)]
                 tensors += linear._buffers.values()
-        out += [(id(t), t.data_ptr()) for t in tensors if t is not None]
+        out += [(id(t), t.data_ptr(), t.shape) for t in tensors if t is not None]
         return tuple(out)
 
     def layer_args(self, x: torch.Tensor) -> tuple[DecodeLayerArgs, int, list] | None:
-        """(decode_layer's arguments, the layer's index in the cache, the tensors they point into), or
-        None where this layer does not run it. x: a row that runs_here."""
+        """(decode_layer's arguments, the layer's index in the cache, what keeps the memory they point
+        into alive), or None where this layer does not run it. x: a row that runs_here."""
         hidden = x.shape[-1]
         mods = self._modules
         attn, mlp, norm1, norm2 = (mods.get(m) for m in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))
-        if not (isinstance(attn, CpuDecodeAttention) and isinstance(mlp, CpuGatedMLP) and isinstance(norm1, CpuRMSNorm)
-                and isinstance(norm2, CpuRMSNorm) and not attn.training and getattr(attn, "sliding_window", None) is None
-                and attn.config._attn_implementation == cpu_attention.NAME
-                and fused_as_built(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
-                and fused_as_built(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
-                and all(runs_here(x, n.weight) for n in (norm1, norm2))
-                and not any(m._forward_hooks or m._forward_pre_hooks for m in (attn, mlp, norm1, norm2, attn.o_proj, mlp.down_proj))):
+        replaced = ((attn, CpuDecodeAttention), (mlp, CpuGatedMLP), (norm1, CpuRMSNorm), (norm2, CpuRMSNorm))
+        if not all(isinstance(m, Replacement) and type(m) is replacement_class(base, m.replaced) for m, base in replaced):
+            return None  # another class (a subclass, a parametrization's) may compute something else
+        members = [attn, mlp, norm1, norm2, *(attn._modules.get(m) for m in ATTENTION_MEMBERS), *(mlp._modules.get(m) for m in MLP_MEMBERS)]
+        weights = [norm._parameters.get("weight") for norm in (norm1, norm2)]  # read once: C and the state get the same tensors
+        projections = [attn._modules.get(m) for m in ("qkv_proj", "o_proj")] + [mlp._modules.get(m) for m in ("gate_up_proj", "down_proj")]
+        if None in members or any("forward" in vars(m) or m._forward_hooks or m._forward_pre_hooks for m in members) or \
+                attn.training or getattr(attn, "sliding_window", None) is not None or \
+                attn.config._attn_implementation != cpu_attention.NAME or \
+                not fused_as_built(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")) or \
+                not fused_as_built(mlp, "gate_up_proj", ("gate_proj", "up_proj")) or \
+                not all(w is not None and runs_here(x, w) for w in weights):
             return None
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        buffers = [dict(m._buffers) for m in projections]
         linears = [quant_linear_args(m) for m in projections]
-        D = attn.head_dim
-        if None in linears or (attention := cpu_attention.kernel()) is None or attn.qkv_proj.in_features != hidden or \
-                attn.qkv_proj.parts[0] + 2 * attn.qkv_proj.parts[1] != attn.qkv_proj.out_features:
-            return None
+        qkv, o, gate_up, down = projections
+        D, (q_size, kv_size, *v_size), (inter, *up_size) = attn.head_dim, qkv.parts, gate_up.parts
+        if None in linears or (attention := cpu_attention.kernel()) is None or v_size != [kv_size] or up_size != [inter] or \
+                not (isinstance(D, int) and 0 < D <= cpu_attention.MAX_HEAD_DIM and D % 16 == 0 and q_size % D == 0 and
+                     kv_size % D == 0 and kv_size and (q_size // D) % (kv_size // D) == 0) or \
+                (qkv.in_features, qkv.out_features, o.in_features, o.out_features, gate_up.in_features, gate_up.out_features,
+                 down.in_features, down.out_features) != (hidden, q_size + 2 * kv_size, q_size, hidden, hidden, 2 * inter, inter, hidden) or \
+                any(m._buffers.get(k) is not t for m, b in zip(projections, buffers, strict=True) for k, t in b.items()):
+            return None  # sizes C's buffers are not made for, or buffers replaced while this ran
         args = DecodeLayerArgs(ctypes.cast(native_int4_a8(), ctypes.c_void_p).value, ctypes.cast(attention, ctypes.c_void_p).value,
-                               norm1.weight.data_ptr(), norm2.weight.data_ptr(), norm1.variance_epsilon, norm2.variance_epsilon,
-                               attn.scaling, hidden, attn.qkv_proj.parts[0] // D, attn.qkv_proj.parts[1] // D, D,
-                               mlp.gate_up_proj.parts[0], *linears)
-        return args, attn.layer_idx, [norm1.weight, norm2.weight, *(t for m in projections for t in m._buffers.values())]
+                               weights[0].data_ptr(), weights[1].data_ptr(), norm1.variance_epsilon, norm2.variance_epsilon,
+                               attn.scaling, hidden, q_size // D, kv_size // D, D, inter, *linears)
+        tensors = [*weights, *(t for b in buffers for t in b.values() if t is not None)]
+        return args, attn.layer_idx, tensors + [t.untyped_storage() for t in tensors]
 
 
 _rotary = threading.local()
@@ -625,8 +645,9 @@ def replace(module: nn.Module) -> nn.Module | None:
 
 
 def use(model: nn.Module) -> int:
-    """Give the RMSNorm, fused SiLU MLP, fused Llama/Qwen2 attention and dense bfloat16 Linear modules
-    of a bfloat16 CPU model their C forwards (replace); how many (0: another dtype or no C compiler)."""
+    """Give the RMSNorm, fused SiLU MLP, fused Llama/Qwen2 attention, Llama/Qwen2 decoder layer and dense
+    bfloat16 Linear modules of a bfloat16 CPU model their C forwards (replace); how many (0: another
+    dtype or no C compiler)."""
     if model.dtype != torch.bfloat16 or library() is None:
         return 0
     return sum(replace(m) is not None for m in list(model.modules()))
