@@ -465,20 +465,25 @@ class CpuDecoderLayer(Replacement):
         mode, settings and cache index, the norms' epsilons, each projection's plan and parts, and the
         ids, addresses and shapes of the tensors C reads (the state that holds the tuple keeps them and
         their storage alive, so no other tensor or allocation takes their ids or addresses)."""
-        mods = self._modules
+        mods = self._modules  # instance dicts read directly: a missing attribute through nn.Module costs an exception
         attn, mlp = mods.get("self_attn"), mods.get("mlp")
         norms = (mods.get("input_layernorm"), mods.get("post_attention_layernorm"))
-        am, mm = getattr(attn, "_modules", {}), getattr(mlp, "_modules", {})
+        a, am, mm = vars(attn) if attn is not None else {}, getattr(attn, "_modules", {}), getattr(mlp, "_modules", {})
         members = (attn, mlp, *norms, *map(am.get, ATTENTION_MEMBERS), *map(mm.get, MLP_MEMBERS))
-        out = [*members, *map(type, members), *(vars(m).get("forward") for m in members if m is not None),
-               *(m is not None and bool(m._forward_hooks or m._forward_pre_hooks) for m in members),
-               *(getattr(attn, a, None) for a in ("training", "sliding_window", "layer_idx", "scaling", "head_dim")),
-               getattr(getattr(attn, "config", None), "_attn_implementation", None),
-               *(getattr(m, "variance_epsilon", None) for m in norms)]
-        tensors = [getattr(m, "_parameters", {}).get("weight") for m in norms]
+        out = [*members, *map(type, members), *(a.get(k) for k in ("training", "sliding_window", "layer_idx", "scaling", "head_dim")),
+               getattr(a.get("config"), "_attn_implementation", None)]
+        for m in members:
+            if m is not None:
+                d = vars(m)
+                out += [d.get("forward"), bool(d["_forward_hooks"] or d["_forward_pre_hooks"])]
+        tensors = []
+        for norm in norms:
+            if norm is not None:
+                out.append(vars(norm).get("variance_epsilon"))
+                tensors.append(norm._parameters.get("weight"))
         for linear in (am.get("qkv_proj"), am.get("o_proj"), mm.get("gate_up_proj"), mm.get("down_proj")):
             if type(linear) is CpuInt4Linear:
-                out += [linear.plan, linear.plan_max_m, getattr(linear, "parts", None)]
+                out += [linear.plan, linear.plan_max_m, vars(linear).get("parts")]
                 tensors += linear._buffers.values()
         out += [(id(t), t.data_ptr(), t.shape) for t in tensors if t is not None]
         return tuple(out)
