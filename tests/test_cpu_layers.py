@@ -334,8 +334,8 @@ def test_a_decode_layer_is_one_c_call(qwen2_a8):
 def test_a_decode_layer_follows_changes(qwen2_a8):
     """What the modules would do differently takes them: a hook on a member (it is called), a forward
     set on a member, another plan, autograd, a row of another width (the modules' error, not C's
-    read); a weight moved in memory (share_memory_) is read at its new address. Logits equal to the
-    modules' throughout."""
+    read); a norm's new epsilon and a weight moved in memory (share_memory_) are C's too. Logits equal
+    to the modules' throughout; model.float() leaves nothing of C's arguments."""
     model, counting = qwen2_a8
     layers, L = model.model.layers, model.config.num_hidden_layers
     module_by_module(model)
@@ -365,6 +365,10 @@ def test_a_decode_layer_follows_changes(qwen2_a8):
     layers[0].mlp.down_proj.plan = ((1, "int4_a8"),)
     decode(L)
     assert torch.equal(prefill_and_decode(model, PROMPT), modules)
+    norm = layers[1].post_attention_layernorm
+    norm.variance_epsilon, eps = 0.25, norm.variance_epsilon  # read into C's arguments: they follow
+    decode(L)
+    norm.variance_epsilon = eps
     with torch.no_grad():
         out = model(input_ids=PROMPT, use_cache=True)
         before = counting.calls["decode_layer"]
@@ -388,3 +392,6 @@ def test_a_decode_layer_follows_changes(qwen2_a8):
     modules_now = prefill_and_decode(model, PROMPT)
     assert counting.calls["decode_layer"] == before
     assert torch.equal(fused, modules_now) and not torch.equal(modules_now, modules)
+    assert all("_decode_layer" in vars(layer) for layer in layers)
+    model.float()  # nothing of the bfloat16 weights kept
+    assert not any("_decode_layer" in vars(layer) for layer in layers)

@@ -436,6 +436,7 @@ class CpuDecoderLayer(Replacement):
         everything at every call cost about a seventh of a token (BENCHMARKS.md, "CPU decode layers")."""
         qkv = getattr(self._modules.get("self_attn"), "_modules", {}).get("qkv_proj")
         if type(qkv) is not CpuInt4Linear or qkv.path_for(1) != "int4_a8":  # the default plans: nothing more to check
+            vars(self).pop("_decode_layer", None)  # nor anything kept from before
             return None
         if attention_mask is not None or position_embeddings is None or torch.is_grad_enabled() or x.dim() != 3 or \
                 x.shape[:2] != (1, 1) or not runs_here(x) or kwargs.get("output_attentions") or \
@@ -445,7 +446,7 @@ class CpuDecoderLayer(Replacement):
         state = vars(self).get("_decode_layer")
         if state is None or state[0] != watched:
             built = self.layer_args(x)
-            state = self._decode_layer = (watched, *(built or (None, None, None)))
+            state = self._decode_layer = (self.watched(), *(built or (None, None, None)))  # as it stands after the build
         _, args, layer_idx, _ = state
         layers = getattr(cache, "layers", None)
         if args is None or x.shape[2] != args.hidden or layers is None or not 0 <= layer_idx < len(layers) or \
@@ -463,7 +464,7 @@ class CpuDecoderLayer(Replacement):
         """What layer_args' result depends on, compared at each call: the member modules themselves (a
         tuple compares them by identity), their classes, forwards set on them and hooks, the attention's
         mode, settings and cache index, the norms' epsilons, each projection's plan and parts, and the
-        ids, addresses and shapes of the tensors C reads (the state that holds the tuple keeps them and
+        ids, addresses, shapes, strides and dtypes of the tensors C reads (the state that holds the tuple keeps them and
         their storage alive, so no other tensor or allocation takes their ids or addresses)."""
         mods = self._modules  # instance dicts read directly: a missing attribute through nn.Module costs an exception
         attn, mlp = mods.get("self_attn"), mods.get("mlp")
@@ -485,7 +486,7 @@ class CpuDecoderLayer(Replacement):
             if type(linear) is CpuInt4Linear:
                 out += [linear.plan, linear.plan_max_m, vars(linear).get("parts")]
                 tensors += linear._buffers.values()
-        out += [(id(t), t.data_ptr(), t.shape) for t in tensors if t is not None]
+        out += [(id(t), t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors if t is not None]
         return tuple(out)
 
     def layer_args(self, x: torch.Tensor) -> tuple[DecodeLayerArgs, int, list] | None:
@@ -508,21 +509,26 @@ class CpuDecoderLayer(Replacement):
                 not all(w is not None and runs_here(x, w) for w in weights):
             return None
         buffers = [dict(m._buffers) for m in projections]
+        tensors = [*weights, *(t for b in buffers for t in b.values() if t is not None)]
+        kept = tensors + [t.untyped_storage() for t in tensors]  # before C's addresses are read: they stay valid
+        addresses = [t.data_ptr() for t in tensors]
         linears = [quant_linear_args(m) for m in projections]
         qkv, o, gate_up, down = projections
-        D, (q_size, kv_size, *v_size), (inter, *up_size) = attn.head_dim, qkv.parts, gate_up.parts
-        if None in linears or (attention := cpu_attention.kernel()) is None or v_size != [kv_size] or up_size != [inter] or \
+        if len(qkv.parts) != 3 or len(gate_up.parts) != 2:
+            return None
+        D, (q_size, kv_size, v_size), (inter, up_size) = attn.head_dim, qkv.parts, gate_up.parts
+        if None in linears or (attention := cpu_attention.kernel()) is None or v_size != kv_size or up_size != inter or \
                 not (isinstance(D, int) and 0 < D <= cpu_attention.MAX_HEAD_DIM and D % 16 == 0 and q_size % D == 0 and
                      kv_size % D == 0 and kv_size and (q_size // D) % (kv_size // D) == 0) or \
                 (qkv.in_features, qkv.out_features, o.in_features, o.out_features, gate_up.in_features, gate_up.out_features,
                  down.in_features, down.out_features) != (hidden, q_size + 2 * kv_size, q_size, hidden, hidden, 2 * inter, inter, hidden) or \
-                any(m._buffers.get(k) is not t for m, b in zip(projections, buffers, strict=True) for k, t in b.items()):
-            return None  # sizes C's buffers are not made for, or buffers replaced while this ran
+                any(m._buffers.get(k) is not t for m, b in zip(projections, buffers, strict=True) for k, t in b.items()) or \
+                [t.data_ptr() for t in tensors] != addresses:
+            return None  # sizes C's buffers are not made for, or tensors replaced or moved while this ran
         args = DecodeLayerArgs(ctypes.cast(native_int4_a8(), ctypes.c_void_p).value, ctypes.cast(attention, ctypes.c_void_p).value,
                                weights[0].data_ptr(), weights[1].data_ptr(), norm1.variance_epsilon, norm2.variance_epsilon,
                                attn.scaling, hidden, q_size // D, kv_size // D, D, inter, *linears)
-        tensors = [*weights, *(t for b in buffers for t in b.values() if t is not None)]
-        return args, attn.layer_idx, tensors + [t.untyped_storage() for t in tensors]
+        return args, attn.layer_idx, kept
 
 
 _rotary = threading.local()
