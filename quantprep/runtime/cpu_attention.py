@@ -183,6 +183,20 @@ def growing_layer_class() -> type:
                                                                      getattr(self, "value_rows", 0), value_states)
             return self.keys, self.values
 
+        def room(self, shape: tuple, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+            """(key buffer, value buffer, n): room for rows of `shape` [B, KV, rows, D] after the n cached,
+            for a caller that writes them itself and then calls `written`; None where keys and values
+            hold different lengths."""
+            keys, n = with_room(self.keys, getattr(self, "key_buffer", None), getattr(self, "key_rows", 0), shape, dtype, device)
+            values, n_values = with_room(self.values, getattr(self, "value_buffer", None), getattr(self, "value_rows", 0),
+                                         shape, dtype, device)
+            return (keys, values, n) if n == n_values else None
+
+        def written(self, keys: torch.Tensor, values: torch.Tensor, end: int) -> None:
+            """The buffers from `room` hold `end` rows now: the cache is their first `end`."""
+            self.keys, self.key_buffer, self.key_rows = keys[:, :, :end], keys, end
+            self.values, self.value_buffer, self.value_rows = values[:, :, :end], values, end
+
         def __reduce_ex__(self, protocol):
             """Pickles as the DynamicLayer it stands for: its keys and values without the spare rows."""
             state = {k: v for k, v in vars(self).items() if k not in ("key_buffer", "value_buffer", "key_rows", "value_rows")}

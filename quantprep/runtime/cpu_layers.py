@@ -396,12 +396,9 @@ class CpuDecoderLayer(Replacement):
         decode = self.decode_args(hidden_states, attention_mask, cache, position_embeddings, kwargs)
         if decode is not None:
             args, layer = decode
-            shape = (1, args.kv_heads, 1, args.head_dim)
-            keys, n = cpu_attention.with_room(layer.keys, getattr(layer, "key_buffer", None), getattr(layer, "key_rows", 0),
-                                              shape, torch.bfloat16, hidden_states.device)
-            values, n_values = cpu_attention.with_room(layer.values, getattr(layer, "value_buffer", None),
-                                                       getattr(layer, "value_rows", 0), shape, torch.bfloat16, hidden_states.device)
-            if n == n_values and keys.is_contiguous() and values.is_contiguous():  # C writes row n of each head
+            room = layer.room((1, args.kv_heads, 1, args.head_dim), torch.bfloat16, hidden_states.device)
+            if room is not None and room[0].is_contiguous() and room[1].is_contiguous():  # C writes row n of each head
+                keys, values, n = room
                 out = torch.empty_like(hidden_states)
                 cos, sin = position_embeddings
                 status = library().decode_layer(ctypes.byref(args), hidden_states.data_ptr(), out.data_ptr(), cos.data_ptr(),
@@ -411,8 +408,7 @@ class CpuDecoderLayer(Replacement):
                     raise MemoryError("decode_layer could not allocate its buffers")
                 if status:
                     raise ValueError(f"decode_layer's kernels refused this layer ({status})")
-                layer.keys, layer.key_buffer, layer.key_rows = keys[:, :, :n + 1], keys, n + 1
-                layer.values, layer.value_buffer, layer.value_rows = values[:, :, :n + 1], values, n + 1
+                layer.written(keys, values, n + 1)
                 return out
         return self.replaced.forward(self, hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings,
                                      **kwargs)
