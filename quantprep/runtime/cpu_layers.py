@@ -340,11 +340,15 @@ class CpuDecodeAttention(Replacement):
     cache's own update, the decode kernel (cpu_attention), o_proj. What is not one token of a
     "quantprep_cpu" model without a mask or a sliding window takes the replaced class's forward."""
 
+    def decodes_as_built(self) -> bool:
+        """This module's own conditions for the decode steps (its inputs': decodes_here): not training,
+        no sliding window, the "quantprep_cpu" attention, q/k/v fused as load built them."""
+        return not self.training and getattr(self, "sliding_window", None) is None and \
+            self.config._attn_implementation == cpu_attention.NAME and fused_as_built(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+
     def decodes_here(self, x: torch.Tensor, position_embeddings, attention_mask, cache, kwargs: dict) -> bool:
-        if attention_mask is not None or cache is None or position_embeddings is None or self.training or x.dim() != 3 or \
-                x.shape[1] != 1 or getattr(self, "sliding_window", None) is not None or kwargs.get("output_attentions") or \
-                self.config._attn_implementation != cpu_attention.NAME or not runs_here(x) or \
-                not fused_as_built(self, "qkv_proj", ("q_proj", "k_proj", "v_proj")):
+        if attention_mask is not None or cache is None or position_embeddings is None or x.dim() != 3 or x.shape[1] != 1 or \
+                kwargs.get("output_attentions") or not runs_here(x) or not self.decodes_as_built():
             return False
         cos, sin = position_embeddings
         return all(runs_here(t) and t.shape == (x.shape[0], 1, self.head_dim) for t in (cos, sin))
@@ -498,10 +502,7 @@ class CpuDecoderLayer(Replacement):
         weights = [norm._parameters.get("weight") for norm in (norm1, norm2)]  # read once: C and the state get the same tensors
         projections = [attn._modules.get(m) for m in ("qkv_proj", "o_proj")] + [mlp._modules.get(m) for m in ("gate_up_proj", "down_proj")]
         if None in members or any("forward" in vars(m) or m._forward_hooks or m._forward_pre_hooks for m in members) or \
-                attn.training or getattr(attn, "sliding_window", None) is not None or \
-                attn.config._attn_implementation != cpu_attention.NAME or \
-                not fused_as_built(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")) or \
-                not fused_as_built(mlp, "gate_up_proj", ("gate_proj", "up_proj")) or \
+                not attn.decodes_as_built() or not fused_as_built(mlp, "gate_up_proj", ("gate_proj", "up_proj")) or \
                 not all(w is not None and runs_here(x, w) for w in weights):
             return None
         buffers = [dict(m._buffers) for m in projections]
