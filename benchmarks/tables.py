@@ -289,19 +289,25 @@ def vs_gptqmodel_openvino(*runs: dict) -> str:
 
 def vs_gptqmodel_dense(*runs: dict) -> str:
     """quantprep's cpu artifact (its kernel plan applied), GPTQModel and the dense bfloat16 model of one
-    checkpoint, in one run (benchmarks/vs_gptqmodel.py --dense --profile)."""
-    out = ["| model, machine, date | | GPTQModel (TORCH backend) | quantprep (cpu artifact, kernel plan) | dense bf16 | quantprep / GPTQModel "
-           "| quantprep / dense |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    checkpoint, in one run (benchmarks/vs_gptqmodel.py --dense --profile); below AVX512 also the dense
+    float32 model (--dense bfloat16,float32): torch's bfloat16 GEMM is slower than its float32 one there."""
+    out = ["| model, machine, date | | GPTQModel (TORCH backend) | quantprep (cpu artifact, kernel plan) | dense bf16 | dense float32 "
+           "| quantprep / GPTQModel | quantprep / dense bf16 | quantprep / dense float32 |", "| --- |" + " --- |" * 8]
     for r in runs:
         head = f"{r['model']}, {r['cpu']} ({r['cores']} cores, {r['cpu_capability']}, {r['threads']} threads), {r['date'][:10]}{_codes(r)}"
         pf, dc = r["prefill_512_s"], r["decode_tok_s"]
-        out += [f"| {head} | 512-token prefill (median of {len(pf['quantprep']['runs'])}) | {pf['gptqmodel']['median']:.2f} s | "
-                f"{pf['quantprep']['median']:.2f} s | {pf['dense']['median']:.2f} s | {pf['quantprep_over_gptqmodel']:.2f}x the time "
-                f"| {pf['quantprep_over_dense']:.2f}x the time |",
-                f"| | decode, {r['decode_new_tokens']} tokens after a 16-token prompt | {dc['gptqmodel']['median']:.2f} tok/s | "
-                f"{dc['quantprep']['median']:.2f} tok/s | {dc['dense']['median']:.2f} tok/s | {dc['quantprep_over_gptqmodel']:.2f}x the speed "
-                f"| {dc['quantprep_over_dense']:.2f}x the speed |",
-                f"| | kernel plan | | {r['kcache'].get('plan', 'none')} modules planned ({r['kcache'].get('trusted', r['kcache']['status'])}) | | | |"]
+
+        def cells(m: dict, unit: str, ratio: str) -> str:
+            f32 = m.get("dense_float32")
+            f32_value = f"{f32['median']:.2f} {unit}" if f32 else "-"
+            f32_ratio = f"{m['quantprep_over_dense_float32']:.2f}x {ratio}" if f32 else "-"
+            return (f"{m['gptqmodel']['median']:.2f} {unit} | {m['quantprep']['median']:.2f} {unit} | {m['dense']['median']:.2f} {unit} | "
+                    f"{f32_value} | {m['quantprep_over_gptqmodel']:.2f}x {ratio} | {m['quantprep_over_dense']:.2f}x {ratio} | {f32_ratio} |")
+
+        out += [f"| {head} | 512-token prefill (median of {len(pf['quantprep']['runs'])}) | {cells(pf, 's', 'the time')}",
+                f"| | decode, {r['decode_new_tokens']} tokens after a 16-token prompt | {cells(dc, 'tok/s', 'the speed')}",
+                f"| | kernel plan | | {r['kcache'].get('plan', 'none')} modules planned ({r['kcache'].get('trusted', r['kcache']['status'])}) "
+                "| | | | | |"]
     for r in runs:  # each run's profile under the table of all runs
         prof, n = r.get("prefill_profile_ms"), len(r["prefill_512_s"]["quantprep"]["runs"])
         if prof:
@@ -859,7 +865,7 @@ SUMMARY = [
     ("the same runs: decode speed / GPTQModel's, / dense bf16's", "CPU decode (>= 10x GPTQModel)", PLANS,
      ["vs-gptqmodel-dense-qwen2.5-coder-1.5b-cpu-avx512.json", "vs-gptqmodel-dense-qwen2.5-coder-1.5b-cpu-avx512-run2.json"],
      _each(lambda r: f"{r['decode_tok_s']['quantprep_over_gptqmodel']:.2f}x, {r['decode_tok_s']['quantprep_over_dense']:.2f}x")),
-    ("GPU 512-token prefill with the kernel plan / dense bf16, Qwen2.5-1.5B shapes, CUDA graphs (H100: mslk-cuda installed)",
+    ("GPU 512-token prefill with the kernel plan / dense bf16, Qwen2.5-1.5B shapes, CUDA graphs, mslk-cuda installed",
      "GPU prefill (<= 1.2x dense)", PLANS, ["plan-prefill-cuda-h200.json", "plan-prefill-cuda-h100.json"],
      _each(lambda r: f"{r['models']['1.5b']['prefill512_over_dense']['plan']:.2f}x (the Triton GEMM alone: "
                      f"{r['models']['1.5b']['prefill512_over_dense']['triton']:.2f}x)" + _met(r['models']['1.5b']['prefill512_over_dense']['plan'] <= 1.2))),
