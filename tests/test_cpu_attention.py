@@ -38,6 +38,20 @@ def test_matches_float64_reference(B, H, KV, D, S):
     assert rel_err(out, reference(q, k, v)) < TOL
 
 
+def test_scores_past_exps_range():
+    """Scores of about 128, and about 16 for another head: the kernel subtracts each head's largest
+    score before exp (exp overflows float32 past 88), wherever in the cache it is."""
+    g = torch.Generator().manual_seed(1)
+    S, peak = 197, 67
+    q, k, v = (torch.randn(1, n, t, 64, generator=g) for n, t in ((8, 1), (2, S), (2, S)))
+    k[0, 0, peak] = 2 * q[0, 0, 0]  # head 0's score there: 2 |q|^2 / 8, about 16 (the others: a few)
+    k[0, 1, peak] = 16 * q[0, 4, 0]  # head 4's: about 128
+    k[0, 1, -1] = 15 * q[0, 4, 0]  # and a second peak, in the last row
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    out, _ = cpu_attention.attention(None, q, k, v, None)
+    assert torch.isfinite(out).all() and rel_err(out, reference(q, k, v)) < TOL
+
+
 def test_strided_cache_and_query():
     """A cache view (the first S rows of a longer buffer) and a query view with its own strides."""
     g = torch.Generator().manual_seed(0)
