@@ -21,8 +21,12 @@ floor a weight-only int4 prefill is held to, issue 32); with --profile, each mod
 prefill is split by module kind (quantized or dense linears, attention, norms, the lm_head, ...)
 with forward hooks, exclusive times, median of --runs.
 
-Run it where the CPU has AVX512-BF16 or AMX, or with --ctx 128: without a fast bf16 GEMM (AVX2),
-GPTQModel's warm-up and first 512-token prefill of the 1.5B did not finish in 15 minutes.
+With --dense bfloat16,float32 the float32 model runs too: below AVX512-BF16 torch's bfloat16 GEMM is
+several times slower than its float32 one, so there float32 is the dense model a user would run.
+
+Run it where the CPU has AVX512-BF16 or AMX: on a 2-core AVX2 machine (2026-11-27) GPTQModel took
+599 s for its warm-up and 1720 s for one 512-token prefill of the 1.5B (decode 0.1 tok/s), so three
+runs did not fit a session.
 
     python benchmarks/vs_gptqmodel.py artifacts/qwen2.5-coder-1.5b/cpu [--openvino artifacts/qwen2.5-coder-1.5b/openvino]
         [--dense] [--profile] [--windows 4] [--runs 3] [--new 32] [--out benchmarks/results/vs-gptqmodel-qwen2.5-coder-1.5b-cpu-avx512.json]
@@ -102,7 +106,9 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--openvino", metavar="DIR", help="the openvino artifact of the same checkpoint")
-    p.add_argument("--dense", action="store_true", help="also the checkpoint dequantized to a dense bfloat16 model")
+    p.add_argument("--dense", nargs="?", const="bfloat16", default="",
+                   help="also the checkpoint dequantized to dense models: bfloat16 (the default), or a list such as "
+                        "bfloat16,float32 (below AVX512 torch's bfloat16 GEMM is slower than its float32 one)")
     p.add_argument("--profile", action="store_true", help="split each model's 512-token prefill by module kind")
     p.add_argument("--out")
     args = p.parse_args()
@@ -131,10 +137,12 @@ def main() -> None:
     theirs = GPTQModel.load(str(gptq), backend=BACKEND.TORCH, device="cpu").model.eval()
     load_theirs = time.perf_counter() - t0
     models = {"gptqmodel": theirs, "quantprep": ours}
-    if args.dense:
+    dense = {f"dense_{d}" if d != "bfloat16" else "dense": getattr(torch, d) for d in filter(None, args.dense.split(","))}
+    if dense:
         from quantprep.tools.eval import dequantized_model
 
-        models["dense"] = dequantized_model(gptq, torch.bfloat16).eval()
+        for name, dtype in dense.items():
+            models[name] = dequantized_model(gptq, dtype).eval()
     dtypes = {k: str(next(m.parameters()).dtype) for k, m in models.items()}
     if args.openvino:
         t0 = time.perf_counter()
@@ -163,8 +171,10 @@ def main() -> None:
     outputs, prefill, decode = {}, {k: [] for k in models}, {k: [] for k in models}
     with torch.inference_mode():
         for name, m in models.items():  # warm-up: GPTQModel's TORCH kernel compiles each shape on first use
+            t0 = time.perf_counter()
             m(input_ids=prefill_ids[:, :64])
             outputs[name] = generate(name, m)
+            print(f"warm-up {name}: {time.perf_counter() - t0:.1f} s", flush=True)
         for _ in range(args.runs):
             for name, m in models.items():
                 prefill[name].append(timed(lambda: m(input_ids=prefill_ids)))
@@ -205,9 +215,9 @@ def main() -> None:
     for k in ("prefill_512_s", "decode_tok_s"):
         r = result[k]
         r["quantprep_over_gptqmodel"] = r["quantprep"]["median"] / r["gptqmodel"]["median"]
-        if args.dense:
-            r["quantprep_over_dense"] = r["quantprep"]["median"] / r["dense"]["median"]
-            r["gptqmodel_over_dense"] = r["gptqmodel"]["median"] / r["dense"]["median"]
+        for name in dense:
+            r[f"quantprep_over_{name}"] = r["quantprep"]["median"] / r[name]["median"]
+            r[f"gptqmodel_over_{name}"] = r["gptqmodel"]["median"] / r[name]["median"]
         if args.openvino:
             r["openvino_over_gptqmodel"] = r["openvino"]["median"] / r["gptqmodel"]["median"]
             r["openvino_over_quantprep"] = r["openvino"]["median"] / r["quantprep"]["median"]
