@@ -413,9 +413,13 @@ def cpu_layers(*runs: dict) -> str:
     return "\n\n".join(_cpu_layers(r) for r in runs)
 
 
+ROWS_512 = " (\"_512_rows\": 512 rows, a prefill's logits at every position, medians of 3 calls)"
+
+
 def _cpu_layers(r: dict) -> str:
     out = [f"`{r['_file']}`: {r['cpu']} ({r['cores']} cores, {r['cpu_capability']}, {r['threads']} threads), {r['date'][:10]}, torch {r['torch']}{_codes(r)}; "
-           f"one decode row, {r['dtype']}; medians of {r['reps']} timings", "",
+           f"one decode row{ROWS_512 if any(k.endswith('_512_rows') for k in r['us_per_call']) else ''}, {r['dtype']}; "
+           f"medians of {r['reps']} timings", "",
            "| call | transformers / torch, µs | quantprep's C, µs | speed-up |", "| --- | --- | --- | --- |"]
     for name, c in r["us_per_call"].items():
         theirs = c.get("transformers", c.get("torch"))

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import random_cpu_artifact, rel_err, top1
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 from quantprep.runtime import cpu_layers
@@ -119,9 +120,46 @@ def test_gemv_matches_torch_and_float64(N, K):
     assert rel_err(y, exact) < 1.5 * rel_err(ref, exact) + 1e-4
 
 
+class DenseMatmuls(TorchDispatchMode):
+    """The dtypes of every matrix product torch runs under it (torch's own dispatch, not a stand-in)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.matmul, torch.ops.aten.linear):
+            self.dtypes.append(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("slow_half_gemm", [True, False])
+def test_linear_rows_where_bfloat16_gemm_is_slow(monkeypatch, slow_half_gemm):
+    """Several rows: where torch has no bfloat16 GEMM kernel (SLOW_HALF_GEMM, this machine's or not),
+    float32 products over tiles of the weight's rows (here 16 of 100: a partial last tile), within
+    torch's error against float64; elsewhere nn.Linear's own forward, unchanged."""
+    monkeypatch.setattr(cpu_layers, "SLOW_HALF_GEMM", slow_half_gemm)
+    monkeypatch.setattr(cpu_layers, "FLOAT32_TILE_ROWS", 16)
+    hf = linear(100, 64)
+    ours = replaced(hf, cpu_layers.CpuLinear)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    with torch.inference_mode(), DenseMatmuls() as seen:
+        y = ours(x)
+    ref = hf(x)
+    assert y.shape == ref.shape and y.dtype == torch.bfloat16
+    if not slow_half_gemm:
+        assert torch.equal(y, ref) and seen.dtypes == [torch.bfloat16]
+        return
+    assert seen.dtypes == [torch.float32] * 7  # ceil(100 / 16) tiles
+    exact = x.double() @ hf.weight.double().T
+    assert (y == ref).float().mean() > 0.98 and rel_err(y, exact) < 1.5 * rel_err(ref, exact) + 1e-4
+
+
 @pytest.mark.parametrize("case", ["rows", "bias", "float32", "autograd"])
-def test_linear_falls_back(case):
-    """Anything but one bfloat16 row without bias and autograd is nn.Linear's own forward."""
+def test_linear_falls_back(monkeypatch, case):
+    """Anything but bfloat16 rows without bias and autograd is nn.Linear's own forward; several rows
+    too where torch has a bfloat16 GEMM kernel."""
+    monkeypatch.setattr(cpu_layers, "SLOW_HALF_GEMM", False)
     hf = linear(48, 64, bias=case == "bias")
     x = torch.randn(3 if case == "rows" else 1, 64).to(torch.bfloat16)
     if case == "float32":

@@ -36,6 +36,7 @@ from torch.nn.modules import module as torch_module
 from quantprep.runtime import cpu_attention
 from quantprep.runtime.fused import FusedMember
 from quantprep.targets import native
+from quantprep.targets.common import SLOW_HALF_GEMM
 from quantprep.targets.cpu import BF16_C, CpuInt4Linear, eager, native_int4_a8
 
 SOURCE = BF16_C + f"#define MAX_D {cpu_attention.MAX_HEAD_DIM}\n" + r"""
@@ -550,19 +551,40 @@ def cache_update():
     return Cache.update
 
 
+# Rows of the weight converted to float32 at a time where torch's bfloat16 GEMM is a reference loop
+# (SLOW_HALF_GEMM): smaller tiles made the float32 GEMM slower (BENCHMARKS.md, "CPU decode layers").
+FLOAT32_TILE_ROWS = 4096
+
+
 class CpuLinear(nn.Linear):
-    """A dense bfloat16 Linear without bias (the float lm_head a GPTQ checkpoint keeps), one row at a
+    """A dense bfloat16 Linear without bias (the float lm_head a GPTQ checkpoint keeps). One row at a
     time in C (gemv_bf16): torch's bfloat16 matrix-vector product reads the weight well below this
-    machine's memory speed (BENCHMARKS.md, "CPU decode layers"). Other inputs: nn.Linear's forward.
-    `replace` makes an nn.Linear one (a subclass without state of its own)."""
+    machine's memory speed. More rows, where torch has no bfloat16 GEMM kernel (SLOW_HALF_GEMM): in
+    float32, the weight converted a tile of rows at a time, as the quantized linears' dense paths do
+    there (BENCHMARKS.md, "CPU decode layers"). Other inputs: nn.Linear's forward. `replace` makes
+    an nn.Linear one (a subclass without state of its own)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, K, N = self.weight, self.in_features, self.out_features
-        if x.numel() != K or self.bias is not None or not runs_here(x, w, (N, K)):
+        if self.bias is not None or not runs_here(x, w, (N, K)):
             return super().forward(x)
         y = x.new_empty(*x.shape[:-1], N)
+        if x.numel() != K:
+            return self.float32_tiles(x, y) if SLOW_HALF_GEMM else super().forward(x)
         if library().gemv_bf16(x.data_ptr(), w.data_ptr(), y.data_ptr(), N, K) != 0:
             return super().forward(x)
+        return y
+
+    def float32_tiles(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y = x @ weight.T, each output column's sum in float32 (as torch's bfloat16 GEMM sums), rounded to y's dtype."""
+        w, rows = self.weight, x.reshape(-1, self.in_features).float()
+        out = y.view(-1, self.out_features)
+        tile = torch.empty(min(FLOAT32_TILE_ROWS, self.out_features), self.in_features)
+        for n0 in range(0, self.out_features, FLOAT32_TILE_ROWS):
+            n1 = min(n0 + FLOAT32_TILE_ROWS, self.out_features)
+            t = tile[: n1 - n0]
+            t.copy_(w[n0:n1])
+            out[:, n0:n1] = rows @ t.T
         return y
 
 
