@@ -4,8 +4,9 @@ Per call, at one decode row, bfloat16, Qwen2.5-1.5B's sizes (medians of --reps t
 mean of --calls calls): transformers' RMSNorm module against CpuRMSNorm; the MLP's SiLU product
 (torch's silu and mul against silu_mul); and, from the artifact, its float lm_head (nn.Linear,
 torch's bfloat16 matrix-vector product, against CpuLinear's gemv_bf16; GB/s of the weight read),
-and the same lm_head at 512 rows (a prefill's logits at every position: CpuLinear's float32 tiles
-where torch has no bfloat16 GEMM kernel, else the same F.linear; medians of 3 calls).
+and the same lm_head at several rows up to 512 (a prefill's logits at every position): CpuLinear's
+float32 tiles against torch's bfloat16 GEMM, medians of 3 calls; "used": whether CpuLinear takes the
+tiles at that many rows on this machine.
 Then the whole model: greedy decode tok/s after a 16-token prompt (transformers' generate, --new
 tokens, a streamer's timestamps after the first) in three ways, interleaved, medians of --runs, for
 each --artifacts: as loaded (the replaced modules; where a plan runs int4_a8 at one row, each
@@ -30,6 +31,7 @@ from quantprep.runtime import cpu_layers
 
 REPLACED = (cpu_layers.CpuRMSNorm, cpu_layers.CpuGatedMLP, cpu_layers.CpuDecodeAttention, cpu_layers.CpuLinear,
             cpu_layers.CpuDecoderLayer)
+ROWS = (4, 8, 16, 32, 512)  # the float lm_head's rows in float32 tiles against torch's bfloat16 GEMM
 MODES = ("c", "c_modules", "torch")  # as loaded; the decoder layers' own forward; every module's own forward
 
 
@@ -83,11 +85,13 @@ def main() -> None:
                      "quantprep": per_call_us(lambda: head(row), 5, args.reps)}
             gb = head.weight.numel() * 2 / 1e9
             calls[f"lm_head_{head.out_features}x{head.in_features}"] = c | {"gb_s": {k: gb / (v / 1e6) for k, v in c.items()}}
-            rows = torch.randn(1, 512, head.in_features, generator=g).to(torch.bfloat16)  # a prefill's logits at every position
-            with torch.inference_mode():
-                calls[f"lm_head_{head.out_features}x{head.in_features}_512_rows"] = {
-                    "torch": per_call_us(lambda: F.linear(rows, head.weight), 1, 3), "quantprep": per_call_us(lambda: head(rows), 1, 3),
-                    "float32_tiles": cpu_layers.SLOW_HALF_GEMM}
+            for n in ROWS:  # batched decode rows up to a prefill's logits at every position
+                rows = torch.randn(1, n, head.in_features, generator=g).to(torch.bfloat16)
+                with torch.inference_mode():
+                    calls[f"lm_head_{head.out_features}x{head.in_features}_{n}_rows_float32_tiles"] = {
+                        "torch": per_call_us(lambda: F.linear(rows, head.weight), 1, 3),  # noqa: B023  called at once
+                        "quantprep": per_call_us(lambda: head.float32_tiles(rows), 1, 3),  # noqa: B023
+                        "used": cpu_layers.SLOW_HALF_GEMM and n >= cpu_layers.FLOAT32_MIN_ROWS}
     print(calls, flush=True)
 
     prompt = torch.randint(0, 1000, (1, 16), generator=g)

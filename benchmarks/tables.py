@@ -413,18 +413,20 @@ def cpu_layers(*runs: dict) -> str:
     return "\n\n".join(_cpu_layers(r) for r in runs)
 
 
-ROWS_512 = " (\"_512_rows\": 512 rows, a prefill's logits at every position, medians of 3 calls)"
+TILE_ROWS = " (\"_rows_float32_tiles\": that many rows through CpuLinear's float32 tiles against torch's bfloat16 GEMM, " \
+    "medians of 3 calls; \"used\": where CpuLinear takes them)"
 
 
 def _cpu_layers(r: dict) -> str:
     out = [f"`{r['_file']}`: {r['cpu']} ({r['cores']} cores, {r['cpu_capability']}, {r['threads']} threads), {r['date'][:10]}, torch {r['torch']}{_codes(r)}; "
-           f"one decode row{ROWS_512 if any(k.endswith('_512_rows') for k in r['us_per_call']) else ''}, {r['dtype']}; "
+           f"one decode row{TILE_ROWS if any(k.endswith('_float32_tiles') for k in r['us_per_call']) else ''}, {r['dtype']}; "
            f"medians of {r['reps']} timings", "",
-           "| call | transformers / torch, µs | quantprep's C, µs | speed-up |", "| --- | --- | --- | --- |"]
+           "| call | transformers / torch, µs | quantprep, µs | speed-up |", "| --- | --- | --- | --- |"]
     for name, c in r["us_per_call"].items():
         theirs = c.get("transformers", c.get("torch"))
         gb = f" ({c['gb_s']['torch']:.0f} / {c['gb_s']['quantprep']:.0f} GB/s)" if "gb_s" in c else ""
-        out.append(f"| {name} | {theirs:.1f} | {c['quantprep']:.1f} | {theirs / c['quantprep']:.2f}x{gb} |")
+        used = {True: " (used)", False: " (not used here)"}.get(c.get("used"), "")
+        out.append(f"| {name}{used} | {theirs:.1f} | {c['quantprep']:.1f} | {theirs / c['quantprep']:.2f}x{gb} |")
     out += ["", f"greedy decode after a 16-token prompt, tok/s, {r['new_tokens']} tokens, interleaved, medians of {r['runs']}", "",
             "| artifact | as loaded (C) | C module by module | their own forward (transformers, torch) | C / own | "
             "as loaded / module by module |", "| --- | --- | --- | --- | --- | --- |"]

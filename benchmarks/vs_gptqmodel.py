@@ -21,7 +21,7 @@ floor a weight-only int4 prefill is held to, issue 32); with --profile, each mod
 prefill is split by module kind (quantized or dense linears, attention, norms, the lm_head, ...)
 with forward hooks, exclusive times, median of --runs.
 
-With --dense bfloat16,float32 the float32 model runs too: below AVX512-BF16 torch's bfloat16 GEMM is
+With --dense --dense-float32 the float32 model runs too: below AVX512-BF16 torch's bfloat16 GEMM is
 several times slower than its float32 one, so there float32 is the dense model a user would run.
 
 Run it where the CPU has AVX512-BF16 or AMX: on a 2-core AVX2 machine (2026-11-27) GPTQModel took
@@ -106,9 +106,9 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--openvino", metavar="DIR", help="the openvino artifact of the same checkpoint")
-    p.add_argument("--dense", nargs="?", const="bfloat16", default="",
-                   help="also the checkpoint dequantized to dense models: bfloat16 (the default), or a list such as "
-                        "bfloat16,float32 (below AVX512 torch's bfloat16 GEMM is slower than its float32 one)")
+    p.add_argument("--dense", action="store_true", help="also the checkpoint dequantized to a dense bfloat16 model")
+    p.add_argument("--dense-float32", action="store_true",
+                   help="with --dense, its float32 model too (below AVX512-BF16 torch's bfloat16 GEMM is slower than its float32 one)")
     p.add_argument("--profile", action="store_true", help="split each model's 512-token prefill by module kind")
     p.add_argument("--out")
     args = p.parse_args()
@@ -137,7 +137,7 @@ def main() -> None:
     theirs = GPTQModel.load(str(gptq), backend=BACKEND.TORCH, device="cpu").model.eval()
     load_theirs = time.perf_counter() - t0
     models = {"gptqmodel": theirs, "quantprep": ours}
-    dense = {f"dense_{d}" if d != "bfloat16" else "dense": getattr(torch, d) for d in filter(None, args.dense.split(","))}
+    dense = ({"dense": torch.bfloat16} if args.dense else {}) | ({"dense_float32": torch.float32} if args.dense and args.dense_float32 else {})
     if dense:
         from quantprep.tools.eval import dequantized_model
 

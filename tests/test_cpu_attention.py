@@ -48,6 +48,7 @@ def test_scores_past_exps_range():
     k[0, 1, peak] = 16 * q[0, 4, 0]  # head 4's: about 128
     k[0, 1, -1] = 15 * q[0, 4, 0]  # and a second peak, in the last row
     q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    assert cpu_attention.runs_here(q, k, v, None, 0.0, {})  # the kernel, not SDPA's fallback
     out, _ = cpu_attention.attention(None, q, k, v, None)
     assert torch.isfinite(out).all() and rel_err(out, reference(q, k, v)) < TOL
 

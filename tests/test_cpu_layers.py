@@ -121,7 +121,8 @@ def test_gemv_matches_torch_and_float64(N, K):
 
 
 class DenseMatmuls(TorchDispatchMode):
-    """The dtypes of every matrix product torch runs under it (torch's own dispatch, not a stand-in)."""
+    """The dtypes of the operands of every matrix product torch runs under it (torch's own dispatch,
+    not a stand-in)."""
 
     def __init__(self):
         super().__init__()
@@ -129,36 +130,42 @@ class DenseMatmuls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.matmul, torch.ops.aten.linear):
-            self.dtypes.append(args[0].dtype)
+            self.dtypes.append({a.dtype for a in args if isinstance(a, torch.Tensor)})
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("slow_half_gemm", [True, False])
-def test_linear_rows_where_bfloat16_gemm_is_slow(monkeypatch, slow_half_gemm):
-    """Several rows: where torch has no bfloat16 GEMM kernel (SLOW_HALF_GEMM, this machine's or not),
-    float32 products over tiles of the weight's rows (here 16 of 100: a partial last tile), within
-    torch's error against float64; elsewhere nn.Linear's own forward, unchanged."""
+@pytest.mark.parametrize("slow_half_gemm,tile_rows,min_rows", [(True, 16, 6), (True, 128, 6), (True, 16, 7), (False, 16, 6)])
+def test_linear_rows_where_bfloat16_gemm_is_slow(monkeypatch, slow_half_gemm, tile_rows, min_rows):
+    """Six rows: where torch has no bfloat16 GEMM kernel (SLOW_HALF_GEMM, this machine's or not) and
+    from FLOAT32_MIN_ROWS, float32 products over tiles of the weight's rows (16 of 100: a partial last
+    tile; 128: one tile of all 100), within torch's error against float64; else nn.Linear's forward."""
     monkeypatch.setattr(cpu_layers, "SLOW_HALF_GEMM", slow_half_gemm)
-    monkeypatch.setattr(cpu_layers, "FLOAT32_TILE_ROWS", 16)
+    monkeypatch.setattr(cpu_layers, "FLOAT32_TILE_ROWS", tile_rows)
+    monkeypatch.setattr(cpu_layers, "FLOAT32_MIN_ROWS", min_rows)
     hf = linear(100, 64)
     ours = replaced(hf, cpu_layers.CpuLinear)
     x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     with torch.inference_mode(), DenseMatmuls() as seen:
         y = ours(x)
     ref = hf(x)
-    assert y.shape == ref.shape and y.dtype == torch.bfloat16
-    if not slow_half_gemm:
-        assert torch.equal(y, ref) and seen.dtypes == [torch.bfloat16]
-        return
-    assert seen.dtypes == [torch.float32] * 7  # ceil(100 / 16) tiles
     exact = x.double() @ hf.weight.double().T
+    assert y.shape == ref.shape and y.dtype == torch.bfloat16
     assert (y == ref).float().mean() > 0.98 and rel_err(y, exact) < 1.5 * rel_err(ref, exact) + 1e-4
+    tiles = -(-100 // tile_rows)
+    assert seen.dtypes == ([{torch.float32}] * tiles if slow_half_gemm and min_rows <= 6 else [{torch.bfloat16}])
+
+
+def test_linear_rows_of_another_width():
+    """As many values as one row, in rows of another width: nn.Linear's error, not gemv over the wrong values."""
+    ours = replaced(linear(48, 64), cpu_layers.CpuLinear)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        ours(torch.randn(2, 32).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("case", ["rows", "bias", "float32", "autograd"])
 def test_linear_falls_back(monkeypatch, case):
-    """Anything but bfloat16 rows without bias and autograd is nn.Linear's own forward; several rows
-    too where torch has a bfloat16 GEMM kernel."""
+    """Anything but bfloat16 rows of in_features without bias and autograd is nn.Linear's own forward;
+    several rows too where torch has a bfloat16 GEMM kernel."""
     monkeypatch.setattr(cpu_layers, "SLOW_HALF_GEMM", False)
     hf = linear(48, 64, bias=case == "bias")
     x = torch.randn(3 if case == "rows" else 1, 64).to(torch.bfloat16)

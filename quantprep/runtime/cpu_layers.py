@@ -17,7 +17,7 @@ submodules, hooks and tied weights, isinstance checks still hold, and its forwar
 computes the same (`runs_here`: eager bfloat16 CPU rows, no autograd; attention: one token of a
 "quantprep_cpu" model, no mask or sliding window; no hooks on fused members) and the replaced
 class's own forward everywhere else (torch.compile, export, other dtypes, prefill's attention, a
-Linear's several rows). Where a decode token's four projections run int4_a8, a decoder layer is one
+Linear's several rows where torch has a bfloat16 GEMM kernel). Where a decode token's four projections run int4_a8, a decoder layer is one
 C call (decode_layer) that makes its modules' C calls in turn, without the Python between them
 (BENCHMARKS.md, "CPU decode layers").
 """
@@ -551,37 +551,42 @@ def cache_update():
     return Cache.update
 
 
-# Rows of the weight converted to float32 at a time where torch's bfloat16 GEMM is a reference loop
-# (SLOW_HALF_GEMM): smaller tiles made the float32 GEMM slower (BENCHMARKS.md, "CPU decode layers").
+# Where torch has no bfloat16 GEMM kernel (SLOW_HALF_GEMM), from FLOAT32_MIN_ROWS rows the float lm_head
+# multiplies in float32, FLOAT32_TILE_ROWS rows of its weight converted at a time (BENCHMARKS.md, "CPU
+# decode layers": the crossover, and smaller tiles made the float32 GEMM slower).
+FLOAT32_MIN_ROWS = 16
 FLOAT32_TILE_ROWS = 4096
 
 
 class CpuLinear(nn.Linear):
     """A dense bfloat16 Linear without bias (the float lm_head a GPTQ checkpoint keeps). One row at a
     time in C (gemv_bf16): torch's bfloat16 matrix-vector product reads the weight well below this
-    machine's memory speed. More rows, where torch has no bfloat16 GEMM kernel (SLOW_HALF_GEMM): in
-    float32, the weight converted a tile of rows at a time, as the quantized linears' dense paths do
-    there (BENCHMARKS.md, "CPU decode layers"). Other inputs: nn.Linear's forward. `replace` makes
-    an nn.Linear one (a subclass without state of its own)."""
+    machine's memory speed. Many rows where torch has no bfloat16 GEMM kernel: in float32 over tiles
+    of the weight, as the quantized linears' dense paths do there. Other inputs: nn.Linear's forward.
+    `replace` makes an nn.Linear one (a subclass without state of its own)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, K, N = self.weight, self.in_features, self.out_features
-        if self.bias is not None or not runs_here(x, w, (N, K)):
+        if self.bias is not None or x.dim() == 0 or x.shape[-1] != K or not runs_here(x, w, (N, K)):
+            return super().forward(x)
+        rows = x.numel() // K
+        if rows >= FLOAT32_MIN_ROWS and SLOW_HALF_GEMM:
+            return self.float32_tiles(x)
+        if rows != 1:
             return super().forward(x)
         y = x.new_empty(*x.shape[:-1], N)
-        if x.numel() != K:
-            return self.float32_tiles(x, y) if SLOW_HALF_GEMM else super().forward(x)
         if library().gemv_bf16(x.data_ptr(), w.data_ptr(), y.data_ptr(), N, K) != 0:
             return super().forward(x)
         return y
 
-    def float32_tiles(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y = x @ weight.T, each output column's sum in float32 (as torch's bfloat16 GEMM sums), rounded to y's dtype."""
-        w, rows = self.weight, x.reshape(-1, self.in_features).float()
-        out = y.view(-1, self.out_features)
-        tile = torch.empty(min(FLOAT32_TILE_ROWS, self.out_features), self.in_features)
-        for n0 in range(0, self.out_features, FLOAT32_TILE_ROWS):
-            n1 = min(n0 + FLOAT32_TILE_ROWS, self.out_features)
+    def float32_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T, each output's sum in float32 (as torch's bfloat16 GEMM sums), rounded to x's dtype."""
+        w, K, N = self.weight, self.in_features, self.out_features
+        rows, y = x.reshape(-1, K).float(), x.new_empty(*x.shape[:-1], N)
+        out = y.view(-1, N)
+        tile = w.new_empty(min(FLOAT32_TILE_ROWS, N), K, dtype=torch.float32)
+        for n0 in range(0, N, FLOAT32_TILE_ROWS):
+            n1 = min(n0 + FLOAT32_TILE_ROWS, N)
             t = tile[: n1 - n0]
             t.copy_(w[n0:n1])
             out[:, n0:n1] = rows @ t.T
