@@ -287,6 +287,15 @@ def vs_gptqmodel_openvino(*runs: dict) -> str:
     return "\n".join(out)
 
 
+def _dense_cells(m: dict, unit: str, ratio: str) -> str:
+    """One vs_gptqmodel_dense row's cells from GPTQModel's on; dense float32's are "-" in runs without it."""
+    f32 = m.get("dense_float32")
+    f32_value = f"{f32['median']:.2f} {unit}" if f32 else "-"
+    f32_ratio = f"{m['quantprep_over_dense_float32']:.2f}x {ratio}" if f32 else "-"
+    return (f"{m['gptqmodel']['median']:.2f} {unit} | {m['quantprep']['median']:.2f} {unit} | {m['dense']['median']:.2f} {unit} | "
+            f"{f32_value} | {m['quantprep_over_gptqmodel']:.2f}x {ratio} | {m['quantprep_over_dense']:.2f}x {ratio} | {f32_ratio} |")
+
+
 def vs_gptqmodel_dense(*runs: dict) -> str:
     """quantprep's cpu artifact (its kernel plan applied), GPTQModel and the dense bfloat16 model of one
     checkpoint, in one run (benchmarks/vs_gptqmodel.py --dense --profile); below AVX512 also the dense
@@ -296,16 +305,8 @@ def vs_gptqmodel_dense(*runs: dict) -> str:
     for r in runs:
         head = f"{r['model']}, {r['cpu']} ({r['cores']} cores, {r['cpu_capability']}, {r['threads']} threads), {r['date'][:10]}{_codes(r)}"
         pf, dc = r["prefill_512_s"], r["decode_tok_s"]
-
-        def cells(m: dict, unit: str, ratio: str) -> str:
-            f32 = m.get("dense_float32")
-            f32_value = f"{f32['median']:.2f} {unit}" if f32 else "-"
-            f32_ratio = f"{m['quantprep_over_dense_float32']:.2f}x {ratio}" if f32 else "-"
-            return (f"{m['gptqmodel']['median']:.2f} {unit} | {m['quantprep']['median']:.2f} {unit} | {m['dense']['median']:.2f} {unit} | "
-                    f"{f32_value} | {m['quantprep_over_gptqmodel']:.2f}x {ratio} | {m['quantprep_over_dense']:.2f}x {ratio} | {f32_ratio} |")
-
-        out += [f"| {head} | 512-token prefill (median of {len(pf['quantprep']['runs'])}) | {cells(pf, 's', 'the time')}",
-                f"| | decode, {r['decode_new_tokens']} tokens after a 16-token prompt | {cells(dc, 'tok/s', 'the speed')}",
+        out += [f"| {head} | 512-token prefill (median of {len(pf['quantprep']['runs'])}) | {_dense_cells(pf, 's', 'the time')}",
+                f"| | decode, {r['decode_new_tokens']} tokens after a 16-token prompt | {_dense_cells(dc, 'tok/s', 'the speed')}",
                 f"| | kernel plan | | {r['kcache'].get('plan', 'none')} modules planned ({r['kcache'].get('trusted', r['kcache']['status'])}) "
                 "| | | | | |"]
     for r in runs:  # each run's profile under the table of all runs

@@ -17,9 +17,9 @@ submodules, hooks and tied weights, isinstance checks still hold, and its forwar
 computes the same (`runs_here`: eager bfloat16 CPU rows, no autograd; attention: one token of a
 "quantprep_cpu" model, no mask or sliding window; no hooks on fused members) and the replaced
 class's own forward everywhere else (torch.compile, export, other dtypes, prefill's attention, a
-Linear's several rows where torch has a bfloat16 GEMM kernel). Where a decode token's four projections run int4_a8, a decoder layer is one
-C call (decode_layer) that makes its modules' C calls in turn, without the Python between them
-(BENCHMARKS.md, "CPU decode layers").
+Linear's several rows where torch has a bfloat16 GEMM kernel). Where a decode token's four
+projections run int4_a8, a decoder layer is one C call (decode_layer) that makes its modules' C
+calls in turn, without the Python between them (BENCHMARKS.md, "CPU decode layers").
 """
 
 from __future__ import annotations
