@@ -12,6 +12,8 @@ tokens, a streamer's timestamps after the first) in three ways, interleaved, med
 each --artifacts: as loaded (the replaced modules; where a plan runs int4_a8 at one row, each
 decoder layer one decode_layer call), module by module (the replaced modules, each decoder layer
 its own forward calling them), and with each module's own transformers or torch forward again.
+Where the int8-activation kernels are AVX2's, a fourth: as loaded with int4_a8 and int8_a8 built
+without their software prefetch (-DA8_AHEAD=0).
 `benchmarks/tables.py` renders the JSON into BENCHMARKS.md ("CPU decode layers").
 
     python benchmarks/cpu_layers.py [--artifacts artifacts/qwen2.5-coder-1.5b/cpu,artifacts/qwen2.5-coder-1.5b-int4-head/cpu]
@@ -21,6 +23,7 @@ its own forward calling them), and with each module's own transformers or torch 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 import torch
@@ -28,19 +31,43 @@ import torch.nn.functional as F
 from common import artifact_codes, greedy_decode, machine, per_call_us, save
 
 from quantprep.runtime import cpu_layers
+from quantprep.targets import cpu, native
 
 REPLACED = (cpu_layers.CpuRMSNorm, cpu_layers.CpuGatedMLP, cpu_layers.CpuDecodeAttention, cpu_layers.CpuLinear,
             cpu_layers.CpuDecoderLayer)
 ROWS = (4, 8, 16, 32, 512)  # the float lm_head's rows in float32 tiles against torch's bfloat16 GEMM
 MODES = ("c", "c_modules", "torch")  # as loaded; the decoder layers' own forward; every module's own forward
+NO_PREFETCH = "c_no_prefetch"  # as loaded, the int8-activation kernels built without their prefetch (AVX2's only)
+AS_BUILT = (cpu.native_int4_a8, cpu.native_int8_a8)
+
+
+@functools.cache
+def without_prefetch() -> tuple:
+    lib = native.library_with_torch_openmp(cpu.NATIVE_A8_SOURCE, ("-DA8_AHEAD=0",))
+    return cpu.int4_a8_function(lib), cpu.int8_a8_function(lib)
+
+
+def a8_kernels(model: torch.nn.Module, prefetch: bool) -> None:
+    """int4_a8 and int8_a8 as built, or built with -DA8_AHEAD=0: the names their callers look up are
+    pointed at them, and each decoder layer's decode_layer arguments (which hold int4_a8's address)
+    are built again at its next call."""
+    four, eight = AS_BUILT
+    if not prefetch:
+        built = without_prefetch()
+        four, eight = (lambda: built[0]), (lambda: built[1])
+    cpu.native_int4_a8 = cpu_layers.native_int4_a8 = four
+    cpu.native_int8_a8 = eight
+    for m in model.modules():
+        vars(m).pop("_decode_layer", None)
 
 
 def with_c(model: torch.nn.Module, mode: str) -> None:
     """Each replaced module's forward: its own (C where it runs), or the replaced class's again (mode
     "torch"; "c_modules": the decoder layers only)."""
+    a8_kernels(model, mode != NO_PREFETCH)
     for m in model.modules():
         if isinstance(m, REPLACED):
-            if mode == "c" or (mode == "c_modules" and not isinstance(m, cpu_layers.CpuDecoderLayer)):
+            if mode in ("c", NO_PREFETCH) or (mode == "c_modules" and not isinstance(m, cpu_layers.CpuDecoderLayer)):
                 vars(m).pop("forward", None)
             else:
                 base = torch.nn.Linear if isinstance(m, cpu_layers.CpuLinear) else m.replaced
@@ -95,7 +122,8 @@ def main() -> None:
     print(calls, flush=True)
 
     prompt = torch.randint(0, 1000, (1, 16), generator=g)
-    tok_s = {(path, mode): [] for path in models for mode in MODES}
+    modes = MODES + ((NO_PREFETCH,) if cpu.native_a8_block() == 32 else ())
+    tok_s = {(path, mode): [] for path in models for mode in modes}
     with torch.inference_mode():
         for (path, mode) in tok_s:  # warm-up
             with_c(models[path], mode)
@@ -109,9 +137,10 @@ def main() -> None:
     def ratio(path: str, a: str, b: str) -> float:
         return statistics.median(x / y for x, y in zip(tok_s[(path, a)], tok_s[(path, b)], strict=True))
 
-    decode = [{"artifact": path, **artifact_codes(path), **{m: statistics.median(tok_s[(path, m)]) for m in MODES},
-               **{f"{m}_runs": tok_s[(path, m)] for m in MODES},
-               "c_over_torch": ratio(path, "c", "torch"), "c_over_c_modules": ratio(path, "c", "c_modules")}
+    decode = [{"artifact": path, **artifact_codes(path), **{m: statistics.median(tok_s[(path, m)]) for m in modes},
+               **{f"{m}_runs": tok_s[(path, m)] for m in modes},
+               "c_over_torch": ratio(path, "c", "torch"), "c_over_c_modules": ratio(path, "c", "c_modules"),
+               **({"c_over_c_no_prefetch": ratio(path, "c", NO_PREFETCH)} if NO_PREFETCH in modes else {})}
               for path in models]
     result = machine() | {"threads": torch.get_num_threads(), "dtype": "bfloat16", "reps": args.reps, "calls": args.calls,
                           "us_per_call": calls, "new_tokens": args.new, "runs": args.runs, "decode_tok_s": decode}

@@ -428,11 +428,15 @@ def _cpu_layers(r: dict) -> str:
         gb = f" ({c['gb_s']['torch']:.0f} / {c['gb_s']['quantprep']:.0f} GB/s)" if "gb_s" in c else ""
         used = {True: " (used)", False: " (not used here)"}.get(c.get("used"), "")
         out.append(f"| {name}{used} | {theirs:.1f} | {c['quantprep']:.1f} | {theirs / c['quantprep']:.2f}x{gb} |")
+    prefetch = any("c_no_prefetch" in x for x in r["decode_tok_s"])
     out += ["", f"greedy decode after a 16-token prompt, tok/s, {r['new_tokens']} tokens, interleaved, medians of {r['runs']}", "",
             "| artifact | as loaded (C) | C module by module | their own forward (transformers, torch) | C / own | "
-            "as loaded / module by module |", "| --- | --- | --- | --- | --- | --- |"]
+            "as loaded / module by module |" + (" int8-activation kernels without prefetch | prefetch / none |" if prefetch else ""),
+            "| --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if prefetch else "")]
     out += [f"| {x['artifact']} | {x['c']:.2f} | {_or_dash(x.get('c_modules'), '{:.2f}')} | {x['torch']:.2f} | "
-            f"{x['c_over_torch']:.2f}x | {_or_dash(x.get('c_over_c_modules'), '{:.2f}x')} |" for x in r["decode_tok_s"]]
+            f"{x['c_over_torch']:.2f}x | {_or_dash(x.get('c_over_c_modules'), '{:.2f}x')} |"
+            + (f" {_or_dash(x.get('c_no_prefetch'), '{:.2f}')} | {_or_dash(x.get('c_over_c_no_prefetch'), '{:.2f}x')} |" if prefetch else "")
+            for x in r["decode_tok_s"]]
     out += ["", "Ratios: medians of the per-run ratios. Module by module: the decoder layers' own forward (before "
                 "decode_layer; runs before 2026-11-27's afternoon had only that)."]
     return "\n".join(out)

@@ -357,6 +357,9 @@ NATIVE_A8_SOURCE = BF16_C + r"""
 #define A8_BLOCK 64
 #elif defined(__AVX2__) && defined(__FMA__)
 #define A8_BLOCK 32
+#ifndef A8_AHEAD /* how far ahead (bytes) the kernel prefetches its block; 0: not at all (benchmarks/cpu_layers.py times both) */
+#define A8_AHEAD 1024
+#endif
 #else
 #define A8_BLOCK 0
 #endif
@@ -464,6 +467,9 @@ static void quantize_group(const uint16_t *x, int64_t ldx, const int32_t *perm, 
             for (int r = 0; r < MR; r++)                                                                           \
                 for (int c = 0; c < 2; c++) ev[r][c] = od[r][c] = _mm256_setzero_si256();                         \
             for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 16) {                                               \
+                /* the block's bytes A8_AHEAD on: one stream per thread, which the hardware prefetch alone     \
+                   reads below the memory's speed (BENCHMARKS.md, "CPU decode layers") */                       \
+                for (int l = 0; A8_AHEAD && l < 256; l += 64) _mm_prefetch((const char *)((uintptr_t)blk + k0 * 16 + A8_AHEAD + l), _MM_HINT_T0); \
                 __m256i s16[MR][2]; /* int16 sums of eight row pairs, column j in lane j */                        \
                 for (int r = 0; r < MR; r++) s16[r][0] = s16[r][1] = _mm256_setzero_si256();                      \
                 for (int64_t k = k0; k < k0 + 16; k += 2) {                                                        \
@@ -557,6 +563,11 @@ int int4_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int32_t *perm, 
                 const uint8_t *blk = packed + b * B * Kp / 2;
                 const int8_t *q = xq + r0 * Kp;
                 const float *s = xs + r0 * G, *sum = xsum + r0 * G;
+#if A8_AHEAD
+                if (r0 == 0 && b + 1 < b1) /* the next block's (scale, zero) rows, N * 4 bytes apart: no hardware prefetch follows them */
+                    for (int64_t g = 0; g < G; g++)
+                        for (int64_t c = 0; c < B; c += 16) _mm_prefetch((const char *)(sz + g * N + (b + 1) * B + c), _MM_HINT_T0);
+#endif
                 if (mr == 4) block_4(blk, sz, N, b * B, Kp, gs, q, s, sum, acc);
                 else if (mr == 3) block_3(blk, sz, N, b * B, Kp, gs, q, s, sum, acc);
                 else if (mr == 2) block_2(blk, sz, N, b * B, Kp, gs, q, s, sum, acc);
@@ -600,6 +611,8 @@ static float int8_row(const int8_t *wr, const int8_t *q, const float *xs, const 
     __m256 acc = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         __m256i dot = _mm256_setzero_si256();
+        for (int64_t c = 0; A8_AHEAD && c < gs; c += 64) /* rows follow each other: the weight is one stream per thread */
+            _mm_prefetch((const char *)((uintptr_t)wr + g * gs + A8_AHEAD + c), _MM_HINT_T0);
         for (int64_t c = 0; c < gs; c += 32) {
             __m256i wv = _mm256_loadu_si256((const __m256i *)(wr + g * gs + c));
             __m256i qv = _mm256_loadu_si256((const __m256i *)(q + g * gs + c));
@@ -696,7 +709,12 @@ def native_int8_a8():
     """`int8_a8_cpu` from NATIVE_A8_SOURCE, or None without a kernel (native_a8_block)."""
     if not native_a8_block():
         return None
-    fn = native.library_with_torch_openmp(NATIVE_A8_SOURCE).int8_a8_cpu
+    return int8_a8_function(native.library_with_torch_openmp(NATIVE_A8_SOURCE))
+
+
+def int8_a8_function(lib: ctypes.CDLL):
+    """`lib`'s int8_a8_cpu (a build of NATIVE_A8_SOURCE) with its C signature."""
+    fn = lib.int8_a8_cpu
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + \
         [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     fn.restype = ctypes.c_int

@@ -456,6 +456,11 @@ def test_the_avx2_int4_a8_kernel_on_any_x86_host(K_in, Kp, N, gs, act_order, M):
     w = (codes.double() - 8) * s.repeat_interleave(gs, 0) + z.repeat_interleave(gs, 0)
     ref = xq @ w
     assert rel_err(out.double(), ref) < 2.5e-3
+    # built without its prefetch (benchmarks/cpu_layers.py's baseline): the same bits
+    plain, again = cpu.int4_a8_function(native.library(cpu.NATIVE_A8_SOURCE, ("-mno-avx512f", "-DA8_AHEAD=0"))), torch.empty_like(out)
+    assert plain(x.data_ptr(), M, K_in, None if perm is None else perm.data_ptr(), K_in, packed.data_ptr(), sz.data_ptr(),
+                 Kp, N, gs, 32, again.data_ptr(), N, 1) == 0
+    assert torch.equal(again, out)
 
 
 def test_int4_a8_writes_a_fused_module_s_parts():
