@@ -905,13 +905,16 @@ SUMMARY = [
                + f"{_decode(r, 'quantprep_cpu', 512, 'growing') / _decode(r, 'sdpa', 512, 'concatenating'):.2f}x the speed"),
     ("decode with RMSNorm, the SiLU product, the attention's rotary embedding and the float lm_head in quantprep's C / with "
      "transformers' and torch's modules, real Qwen2.5-Coder-1.5B (AVX2: its shapes, codes rounded to nearest): the cpu artifact, "
-     "the `--lm-head int4` one", "CPU decode speed",
+     "(AVX2 only: the `--lm-head int8` one,) the `--lm-head int4` one", "CPU decode speed",
      ("CPU decode layers", "layers"), ["cpu-layers-avx512.json", "cpu-layers-avx2.json"],
      _each(lambda r: ", ".join(f"{x['c_over_torch']:.2f}x" for x in r["decode_tok_s"]))),
     ("decode with each decoder layer one C call (decode_layer, where the plan runs int4_a8) / the same C module by module, "
-     "real Qwen2.5-Coder-1.5B's shapes on AVX2 (codes rounded to nearest): the cpu artifact, the `--lm-head int4` one",
-     "CPU decode speed", ("CPU decode layers", "layers"), ["cpu-layers-avx2.json"],
+     "real Qwen2.5-Coder-1.5B's shapes on AVX2 (codes rounded to nearest): the cpu artifact, the `--lm-head int8` one, the "
+     "`--lm-head int4` one", "CPU decode speed", ("CPU decode layers", "layers"), ["cpu-layers-avx2.json"],
      lambda r: ", ".join(f"{x['c_over_c_modules']:.2f}x" for x in r["decode_tok_s"])),
+    ("decode with AVX2's int4_a8 and int8_a8 prefetching their weight / the same kernels built without it (-DA8_AHEAD=0), "
+     "the same artifacts", "CPU decode speed", ("CPU decode layers", "layers"), ["cpu-layers-avx2.json"],
+     lambda r: ", ".join(f"{x['c_over_c_no_prefetch']:.2f}x" for x in r["decode_tok_s"])),
     ("int4_a8 (int8 activations; AVX512-VNNI here) / the int4 kernel, every module forced: decode speed; KL to the float model, each",
      "CPU decode speed at the same quality", LLAMACPP, ["cpu-int4-a8-qwen2.5-coder-1.5b-avx512.json"],
      lambda r: f"{r['decode_tok_s']['int4_a8']['median'] / r['decode_tok_s']['int4']['median']:.2f}x; "
