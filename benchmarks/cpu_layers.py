@@ -16,7 +16,7 @@ Where the int8-activation kernels are AVX2's, a fourth: as loaded with int4_a8 a
 without their software prefetch (-DA8_AHEAD=0).
 `benchmarks/tables.py` renders the JSON into BENCHMARKS.md ("CPU decode layers").
 
-    python benchmarks/cpu_layers.py [--artifacts artifacts/qwen2.5-coder-1.5b/cpu,artifacts/qwen2.5-coder-1.5b-int4-head/cpu]
+    python benchmarks/cpu_layers.py [--artifacts artifacts/qwen2.5-coder-1.5b/cpu,artifacts/qwen2.5-coder-1.5b-int8-head/cpu,artifacts/qwen2.5-coder-1.5b-int4-head/cpu]
         [--out benchmarks/results/cpu-layers-avx512.json]
 """
 
@@ -50,7 +50,7 @@ def without_prefetch() -> tuple:
 def a8_kernels(model: torch.nn.Module, prefetch: bool) -> None:
     """int4_a8 and int8_a8 as built, or built with -DA8_AHEAD=0: the names their callers look up are
     pointed at them, and each decoder layer's decode_layer arguments (which hold int4_a8's address)
-    are built again at its next call."""
+    are built again at its next call (in every mode: a few ms in a timed run of seconds)."""
     four, eight = AS_BUILT
     if not prefetch:
         built = without_prefetch()
@@ -76,7 +76,8 @@ def with_c(model: torch.nn.Module, mode: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--artifacts", default="artifacts/qwen2.5-coder-1.5b/cpu,artifacts/qwen2.5-coder-1.5b-int4-head/cpu")
+    ap.add_argument("--artifacts", default="artifacts/qwen2.5-coder-1.5b/cpu,artifacts/qwen2.5-coder-1.5b-int8-head/cpu,"
+                                            "artifacts/qwen2.5-coder-1.5b-int4-head/cpu")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--runs", type=int, default=7)

@@ -914,7 +914,7 @@ SUMMARY = [
      lambda r: ", ".join(f"{x['c_over_c_modules']:.2f}x" for x in r["decode_tok_s"])),
     ("decode with AVX2's int4_a8 and int8_a8 prefetching their weight / the same kernels built without it (-DA8_AHEAD=0), "
      "the same artifacts", "CPU decode speed", ("CPU decode layers", "layers"), ["cpu-layers-avx2.json"],
-     lambda r: ", ".join(f"{x['c_over_c_no_prefetch']:.2f}x" for x in r["decode_tok_s"])),
+     lambda r: ", ".join(_or_dash(x.get("c_over_c_no_prefetch"), "{:.2f}x") for x in r["decode_tok_s"])),
     ("int4_a8 (int8 activations; AVX512-VNNI here) / the int4 kernel, every module forced: decode speed; KL to the float model, each",
      "CPU decode speed at the same quality", LLAMACPP, ["cpu-int4-a8-qwen2.5-coder-1.5b-avx512.json"],
      lambda r: f"{r['decode_tok_s']['int4_a8']['median'] / r['decode_tok_s']['int4']['median']:.2f}x; "

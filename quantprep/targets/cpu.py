@@ -364,6 +364,11 @@ NATIVE_A8_SOURCE = BF16_C + r"""
 #define A8_BLOCK 0
 #endif
 int a8_block(void) { return A8_BLOCK; }
+#ifdef A8_AHEAD
+int a8_ahead(void) { return A8_AHEAD; }
+#else
+int a8_ahead(void) { return 0; }
+#endif
 #if A8_BLOCK
 #include <immintrin.h>
 /* Group g of row m: packed row k = x[m, perm[k]] (perm NULL: k; k >= K_in or a perm value out of range: 0),

@@ -456,11 +456,19 @@ def test_the_avx2_int4_a8_kernel_on_any_x86_host(K_in, Kp, N, gs, act_order, M):
     w = (codes.double() - 8) * s.repeat_interleave(gs, 0) + z.repeat_interleave(gs, 0)
     ref = xq @ w
     assert rel_err(out.double(), ref) < 2.5e-3
-    # built without its prefetch (benchmarks/cpu_layers.py's baseline): the same bits
-    plain, again = cpu.int4_a8_function(native.library(cpu.NATIVE_A8_SOURCE, ("-mno-avx512f", "-DA8_AHEAD=0"))), torch.empty_like(out)
-    assert plain(x.data_ptr(), M, K_in, None if perm is None else perm.data_ptr(), K_in, packed.data_ptr(), sz.data_ptr(),
-                 Kp, N, gs, 32, again.data_ptr(), N, 1) == 0
+    # built without its prefetch (benchmarks/cpu_layers.py's baseline): the same bits, int8_a8's too
+    plain = native.library(cpu.NATIVE_A8_SOURCE, ("-mno-avx512f", "-DA8_AHEAD=0"))
+    assert lib.a8_ahead() > 0 and plain.a8_ahead() == 0
+    again = torch.empty_like(out)
+    assert cpu.int4_a8_function(plain)(x.data_ptr(), M, K_in, None if perm is None else perm.data_ptr(), K_in, packed.data_ptr(),
+                                       sz.data_ptr(), Kp, N, gs, 32, again.data_ptr(), N, 1) == 0
     assert torch.equal(again, out)
+    w8, scale = torch.randint(-127, 128, (N, 256), generator=gen, dtype=torch.int8), torch.rand(N, generator=gen).bfloat16()
+    x8 = torch.randn(M, 256, generator=gen).bfloat16()
+    out8 = [torch.empty(M, N, dtype=torch.bfloat16) for _ in range(2)]
+    for build, o in zip((lib, plain), out8, strict=True):
+        assert cpu.int8_a8_function(build)(x8.data_ptr(), M, 256, w8.data_ptr(), scale.data_ptr(), N, 256, o.data_ptr(), N, 1) == 0
+    assert torch.equal(out8[0], out8[1]) and out8[0].isfinite().all()
 
 
 def test_int4_a8_writes_a_fused_module_s_parts():
