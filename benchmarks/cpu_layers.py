@@ -43,18 +43,17 @@ AS_BUILT = (cpu.native_int4_a8, cpu.native_int8_a8)
 
 @functools.cache
 def without_prefetch() -> tuple:
+    """Stand-ins for AS_BUILT: int4_a8 and int8_a8 from a build with -DA8_AHEAD=0."""
     lib = native.library_with_torch_openmp(cpu.NATIVE_A8_SOURCE, ("-DA8_AHEAD=0",))
-    return cpu.int4_a8_function(lib), cpu.int8_a8_function(lib)
+    four, eight = cpu.int4_a8_function(lib), cpu.int8_a8_function(lib)
+    return (lambda: four), (lambda: eight)
 
 
 def a8_kernels(model: torch.nn.Module, prefetch: bool) -> None:
     """int4_a8 and int8_a8 as built, or built with -DA8_AHEAD=0: the names their callers look up are
     pointed at them, and each decoder layer's decode_layer arguments (which hold int4_a8's address)
     are built again at its next call (in every mode: a few ms in a timed run of seconds)."""
-    four, eight = AS_BUILT
-    if not prefetch:
-        built = without_prefetch()
-        four, eight = (lambda: built[0]), (lambda: built[1])
+    four, eight = AS_BUILT if prefetch else without_prefetch()
     cpu.native_int4_a8 = cpu_layers.native_int4_a8 = four
     cpu.native_int8_a8 = eight
     for m in model.modules():
