@@ -5,7 +5,6 @@ import importlib.util
 import sys
 
 from quantprep.errors import ArtifactError, ArtifactMismatch, QuantprepError, RecipeError, SourceError
-from quantprep.runtime.load import load
 from quantprep.version import __version__
 
 __all__ = ["load", "QuantprepError", "ArtifactError", "ArtifactMismatch", "SourceError", "RecipeError", "__version__"]
@@ -37,3 +36,13 @@ if "transformers.quantizers.auto" in sys.modules:
     from quantprep.runtime import hf_quantizer  # noqa: F401 (registers on import)
 elif not any(isinstance(f, _RegisterWithTransformers) for f in sys.meta_path):
     sys.meta_path.insert(0, _RegisterWithTransformers())
+
+
+def __getattr__(name: str):
+    """`quantprep.load` imports torch and the load path on first use: `import quantprep` stays
+    torch-free for runtime/native_model.py and the commands that need no model."""
+    if name == "load":
+        from quantprep.runtime.load import load
+
+        return load
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

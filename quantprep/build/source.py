@@ -21,7 +21,7 @@ from safetensors import safe_open
 from quantprep._io.background import in_thread
 from quantprep._io.jsonfile import read_json_object
 from quantprep.errors import SourceError
-from quantprep.format.artifact import SIDE_FILES, TORCH_DTYPES, refuse_code
+from quantprep.format.artifact import SIDE_FILES, refuse_code, torch_dtypes
 from quantprep.format.gptq import SUPPORTED_BITS
 
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -77,7 +77,7 @@ class GPTQCheckpoint:
         return self.sha256_job.result()
 
 
-FLOAT_DTYPES = {name: dt for name, dt in TORCH_DTYPES.items() if dt.is_floating_point}
+FLOAT_DTYPES = {name: dt for name, dt in torch_dtypes().items() if dt.is_floating_point}
 
 
 @dataclass(frozen=True)

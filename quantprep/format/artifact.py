@@ -18,15 +18,15 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import BinaryIO
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING, BinaryIO
 
 from quantprep._io.jsonfile import read_json_object
 from quantprep._io.staging import MARKER, fsync_path, stage_reached, staging
 from quantprep.errors import ArtifactError, QuantprepError
 from quantprep.version import __version__
+
+if TYPE_CHECKING:  # torch is imported where tensors are written: the readers here run without it (runtime/native_model.py)
+    import torch
 
 FORMAT = "quantprep-artifact"
 FORMAT_VERSION = 1
@@ -85,9 +85,16 @@ def write_hashed(chunks: Iterable[bytes], out: BinaryIO, limit: int) -> tuple[st
     return h.hexdigest(), n
 
 
-SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-                      torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}  # a safetensors header's dtype -> torch's
+# a safetensors header's dtype -> the name of torch's
+SAFETENSORS_TO_TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+                        "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def torch_dtypes() -> dict:
+    """A safetensors header's dtype -> torch's dtype."""
+    import torch
+
+    return {name: getattr(torch, dtype) for name, dtype in SAFETENSORS_TO_TORCH.items()}
 
 
 WRITE_CHUNK = 16 << 20
@@ -99,12 +106,15 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str], relea
     read of the file. Tensors go largest element first, then by name, as safetensors orders them,
     so each one is aligned to its size. `release` drops each tensor from `tensors` once written,
     so its memory goes as the file grows."""
+    import torch
+
+    names = {dtype: name for name, dtype in torch_dtypes().items()}
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     header, offset = {"__metadata__": metadata}, 0
     for k in order:
         t = tensors[k]
         n = t.numel() * t.element_size()
-        header[k] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        header[k] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 64)  # the data starts 64-byte aligned in the file (and in its mapped pages)
@@ -238,6 +248,8 @@ class ArtifactWriter:
         tmp = self.tmp
         names, digests, weight_map = self.shards.finish()
         if probes:
+            from safetensors.torch import save_file
+
             save_file(probes, str(tmp / PROBES_FILE), metadata={"format": "pt"})
         for name in self.side_files:
             shutil.copyfile(self.side_files_from / name, tmp / name)

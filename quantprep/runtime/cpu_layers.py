@@ -37,199 +37,17 @@ from quantprep.runtime import cpu_attention
 from quantprep.runtime.fused import FusedMember
 from quantprep.targets import native
 from quantprep.targets.common import SLOW_HALF_GEMM
-from quantprep.targets.cpu import BF16_C, CpuInt4Linear, eager, native_int4_a8
-
-SOURCE = BF16_C + f"#define MAX_D {cpu_attention.MAX_HEAD_DIM}\n" + r"""
-#include <math.h>
-#include <stdlib.h>
-#if (defined(__AVX512BF16__) && defined(__AVX512F__)) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
-/* y[n] = bf16(sum_k x[k] w[n, k]) for one bfloat16 row x of K % 32 == 0 and w [N, K] row-major: products
-   exact in float32 (a bfloat16 product has 16 significant bits), sums in float32, as torch's bfloat16
-   linear; four rows of w at a time. AVX512-BF16's dot products, or with AVX2 each 16 values widened to
-   float32 in two halves (the even ones shifted up, the odd ones masked) and fused multiply-adds. 0, or -2:
-   built with neither. */
-int gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t N, int64_t K) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-    #pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += 4) {
-        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        int rows = N - n0 < 4 ? (int)(N - n0) : 4;
-        for (int64_t k = 0; k < K; k += 32) {
-            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
-            for (int r = 0; r < rows; r++)
-                acc[r] = _mm512_dpbf16_ps(acc[r], xv, (__m512bh)_mm512_loadu_si512(w + (n0 + r) * K + k));
-        }
-        for (int r = 0; r < rows; r++) y[n0 + r] = to_bf16(_mm512_reduce_add_ps(acc[r]));
-    }
-    return 0;
-#elif defined(__AVX2__) && defined(__FMA__)
-    const __m256i odd = _mm256_set1_epi32((int)0xffff0000);
-    #pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += 4) {
-        __m256 even_acc[4], odd_acc[4];
-        for (int r = 0; r < 4; r++) even_acc[r] = odd_acc[r] = _mm256_setzero_ps();
-        int rows = N - n0 < 4 ? (int)(N - n0) : 4;
-        for (int64_t k = 0; k < K; k += 16) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(x + k));
-            __m256 xe = _mm256_castsi256_ps(_mm256_slli_epi32(xv, 16)), xo = _mm256_castsi256_ps(_mm256_and_si256(xv, odd));
-            for (int r = 0; r < rows; r++) {
-                __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (n0 + r) * K + k));
-                even_acc[r] = _mm256_fmadd_ps(xe, _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16)), even_acc[r]);
-                odd_acc[r] = _mm256_fmadd_ps(xo, _mm256_castsi256_ps(_mm256_and_si256(wv, odd)), odd_acc[r]);
-            }
-        }
-        for (int r = 0; r < rows; r++) {
-            __m256 s = _mm256_add_ps(even_acc[r], odd_acc[r]);
-            __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_add_ss(h, _mm_movehdup_ps(h));
-            y[n0 + r] = to_bf16(_mm_cvtss_f32(h));
-        }
-    }
-    return 0;
-#else
-    (void)x, (void)w, (void)y, (void)N, (void)K;
-    return -2;
-#endif
-}
-/* y[r] = bf16(w * bf16(x[r] / sqrt(mean(x[r]^2) + eps))) for rows of n bfloat16 values; row strides in elements. */
-void rms_norm(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t ldy, int64_t rows, int64_t n, float eps) {
-    #pragma omp parallel for schedule(static) if (rows > 1)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *xr = x + r * ldx;
-        float part[16] = {0};  /* 16 partial sums: the compiler vectorizes them */
-        int64_t d = 0;
-        for (; d + 16 <= n; d += 16)
-            for (int j = 0; j < 16; j++) { float v = from_bf16(xr[d + j]); part[j] += v * v; }
-        for (; d < n; d++) { float v = from_bf16(xr[d]); part[0] += v * v; }
-        float sum = 0.0f;
-        for (int j = 0; j < 16; j++) sum += part[j];
-        float inv = 1.0f / sqrtf(sum / (float)n + eps);
-        uint16_t *yr = y + r * ldy;
-        for (d = 0; d < n; d++) yr[d] = to_bf16(from_bf16(w[d]) * from_bf16(to_bf16(from_bf16(xr[d]) * inv)));
-    }
-}
-/* The query and key heads at the start of each fused q/k/v row, rotated in place as transformers'
-   apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, each product and the sum rounded to bfloat16. */
-void rotary(uint16_t *qkv, int64_t ld, int64_t rows, int64_t heads, int64_t D, const uint16_t *cos, const uint16_t *sin) {
-    int64_t half = D / 2;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t h = 0; h < heads; h++) {
-            uint16_t *x = qkv + r * ld + h * D;
-            float t[MAX_D];
-            for (int64_t d = 0; d < D; d++) t[d] = from_bf16(x[d]);
-            for (int64_t d = 0; d < D; d++) {
-                float rotated = d < half ? -t[d + half] : t[d - half];
-                float a = from_bf16(to_bf16(t[d] * from_bf16(cos[r * D + d]))), b = from_bf16(to_bf16(rotated * from_bf16(sin[r * D + d])));
-                x[d] = to_bf16(a + b);
-            }
-        }
-}
-/* e^x to float32's precision (Cephes' expf: 2^n times a degree-6 polynomial on [-ln2/2, ln2/2]), in
-   plain float operations so that the loops calling it vectorize (libm's expf is a call per value). */
-static inline float exp_poly(float in) {
-    float x = in < -86.5f ? -86.5f : in > 88.72f ? 88.72f : in;  /* not fminf/fmaxf, floorf: those do not vectorize */
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 */
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 126) << 23;  /* 2^(n - 1), times 2 below: n reaches 128 near the top */
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return in > 88.72f ? INFINITY : 2.0f * p * scale;  /* past float's range: infinity, as expf (so silu(-big) is -0) */
-}
-/* y[r, j] = bf16(bf16(silu(gu[r, j])) * gu[r, n + j]) for j < n: the gate and up halves of one fused row. */
-void silu_mul(const uint16_t *gu, int64_t ldg, uint16_t *y, int64_t ldy, int64_t rows, int64_t n) {
-    #pragma omp parallel for schedule(static) if (rows > 1)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *restrict g = gu + r * ldg, *restrict u = gu + r * ldg + n;
-        uint16_t *restrict yr = y + r * ldy;
-        for (int64_t j = 0; j < n; j++) {
-            float a = from_bf16(g[j]);
-            yr[j] = to_bf16(from_bf16(to_bf16(a / (1.0f + exp_poly(-a)))) * from_bf16(u[j]));
-        }
-    }
-}
-/* One decode token through a Llama/Qwen2 decoder layer whose four projections run int4_a8 (targets/cpu.py)
-   and whose attention runs decode_attention (cpu_attention.py), both called through the pointers in L:
-   the same calls, in the same order and with the same roundings, as the modules' own C forwards, with no
-   Python between them (BENCHMARKS.md, "CPU decode layers"). x and out: one row of `hidden`; cos, sin: the
-   row's rotary embedding; the new key and value go into row `filled` of each head of k_cache, v_cache
-   ([kv_heads, capacity, D]), and attention reads rows 0..filled. 0, -1 (no memory) or a kernel's error. */
-typedef int (*int4_a8_fn)(const uint16_t *, int64_t, int64_t, const int32_t *, int64_t, const uint8_t *, const uint32_t *,
-                          int64_t, int64_t, int64_t, int64_t, uint16_t *, int64_t, int);
-typedef int (*attention_fn)(const uint16_t *, int64_t, int64_t, const uint16_t *, int64_t, int64_t, int64_t,
-                            const uint16_t *, int64_t, int64_t, int64_t, uint16_t *, int64_t, int64_t, int64_t, int64_t,
-                            int64_t, float);
-typedef struct {
-    const int32_t *perm; const uint8_t *qweight; const uint32_t *scales_and_zeros; const uint16_t *bias;
-    int64_t in, padded_in, out, group, block;
-} QuantLinear;
-typedef struct {
-    int4_a8_fn int4_a8; attention_fn attention;
-    const uint16_t *norm1, *norm2;
-    float eps1, eps2, scaling;
-    int64_t hidden, heads, kv_heads, head_dim, intermediate;
-    QuantLinear qkv, o, gate_up, down;
-} DecodeLayer;
-
-static int quant_linear(const DecodeLayer *L, const QuantLinear *p, const uint16_t *x, uint16_t *y, int threads) {
-    int status = L->int4_a8(x, 1, p->in, p->perm, p->in, p->qweight, p->scales_and_zeros, p->padded_in, p->out, p->group,
-                            p->block, y, p->out, threads);
-    if (status == 0 && p->bias)  /* as the module's y + bias: rounded once */
-        for (int64_t n = 0; n < p->out; n++) y[n] = to_bf16(from_bf16(y[n]) + from_bf16(p->bias[n]));
-    return status;
-}
-
-static void add_to(const uint16_t *residual, uint16_t *y, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] = to_bf16(from_bf16(residual[i]) + from_bf16(y[i]));
-}
-
-int decode_layer(const DecodeLayer *L, const uint16_t *x, uint16_t *out, const uint16_t *cos, const uint16_t *sin,
-                 uint16_t *k_cache, uint16_t *v_cache, int64_t capacity, int64_t filled, int threads) {
-    int64_t n = L->hidden, D = L->head_dim, I = L->intermediate, q_size = L->heads * D, kv_size = L->kv_heads * D;
-    int64_t qkv_size = q_size + 2 * kv_size;
-    uint16_t *buffer = malloc((size_t)(3 * n + qkv_size + q_size + 3 * I) * sizeof(uint16_t));
-    if (!buffer) return -1;
-    uint16_t *xn = buffer, *qkv = xn + n, *attn = qkv + qkv_size, *h = attn + q_size, *hn = h + n, *gu = hn + n, *act = gu + 2 * I;
-    int status;
-    rms_norm(x, n, L->norm1, xn, n, 1, n, L->eps1);
-    if ((status = quant_linear(L, &L->qkv, xn, qkv, threads))) goto done;
-    rotary(qkv, qkv_size, 1, (q_size + kv_size) / D, D, cos, sin);
-    for (int64_t g = 0; g < L->kv_heads; g++) {
-        memcpy(k_cache + (g * capacity + filled) * D, qkv + q_size + g * D, D * sizeof(uint16_t));
-        memcpy(v_cache + (g * capacity + filled) * D, qkv + q_size + kv_size + g * D, D * sizeof(uint16_t));
-    }
-    if ((status = L->attention(qkv, qkv_size, D, k_cache, kv_size * capacity, capacity * D, D, v_cache, kv_size * capacity,
-                               capacity * D, D, attn, 1, L->heads, L->kv_heads, filled + 1, D, L->scaling))) goto done;
-    if ((status = quant_linear(L, &L->o, attn, h, threads))) goto done;
-    add_to(x, h, n);
-    rms_norm(h, n, L->norm2, hn, n, 1, n, L->eps2);
-    if ((status = quant_linear(L, &L->gate_up, hn, gu, threads))) goto done;
-    silu_mul(gu, 2 * I, act, I, 1, I);
-    if ((status = quant_linear(L, &L->down, act, out, threads))) goto done;
-    add_to(h, out, n);
-done:
-    free(buffer);
-    return status;
-}
-"""
+from quantprep.targets.cpu import CpuInt4Linear, eager, native_int4_a8
+from quantprep.targets.cpu_c import LAYERS_SOURCE
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """SOURCE compiled (native.py, with torch's OpenMP where it can), or None without a C compiler."""
+    """LAYERS_SOURCE (cpu_c.py) compiled (native.py, with torch's OpenMP where it can), or None without a C compiler."""
     # No code here reads floating-point exception flags, and without trapping math gcc vectorizes
     # exp_poly's selects with AVX2 too (with AVX512 it used masks; on AVX2 silu_mul stayed scalar,
     # 3x torch's time: BENCHMARKS.md, "CPU decode layers"). The results are the same.
-    lib = native.library_with_torch_openmp(SOURCE, ("-fno-trapping-math",))
+    lib = native.library_with_torch_openmp(LAYERS_SOURCE, ("-fno-trapping-math",))
     if lib is None:
         return None
     lib.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_float]
@@ -246,13 +64,13 @@ def library() -> ctypes.CDLL | None:
 
 
 class QuantLinearArgs(ctypes.Structure):
-    """SOURCE's QuantLinear: one projection's int4_a8 arguments."""
+    """LAYERS_SOURCE's QuantLinear: one projection's int4_a8 arguments."""
     _fields_ = [("perm", ctypes.c_void_p), ("qweight", ctypes.c_void_p), ("scales_and_zeros", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p)] + [(f, ctypes.c_int64) for f in ("in_features", "padded_in", "out", "group", "block")]
 
 
 class DecodeLayerArgs(ctypes.Structure):
-    """SOURCE's DecodeLayer."""
+    """LAYERS_SOURCE's DecodeLayer."""
     _fields_ = [("int4_a8", ctypes.c_void_p), ("attention", ctypes.c_void_p), ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p),
                 ("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("scaling", ctypes.c_float)] + \
         [(f, ctypes.c_int64) for f in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")] + \

@@ -30,7 +30,7 @@ from quantprep._io.jsonfile import read_json_object
 from quantprep.distribution.policy import check_signature, signature_policy
 from quantprep.distribution.signing import configured_key
 from quantprep.errors import ArtifactError, ArtifactMismatch
-from quantprep.format.artifact import TORCH_DTYPES, WEIGHTS_INDEX
+from quantprep.format.artifact import WEIGHTS_INDEX, torch_dtypes
 from quantprep.runtime.load import activate_kcache, check_tensors, finish, install_modules, open_artifact, tied_names, untie_quantized_head
 
 METHOD = "quantprep"
@@ -146,7 +146,7 @@ class QuantprepQuantizer(HfQuantizer):
                 with safe_open(path / shard, "pt") as f:
                     for name in f.keys():
                         meta = f.get_slice(name)
-                        dt = TORCH_DTYPES.get(meta.get_dtype())
+                        dt = torch_dtypes().get(meta.get_dtype())
                         if dt is None:
                             raise ArtifactError(f"{path / shard}: tensor {name} has dtype {meta.get_dtype()}; the artifact is corrupt: rebuild it")
                         tensors[name] = (self.dtype if dt.is_floating_point and self.dtype != art.packed_dtype else dt,

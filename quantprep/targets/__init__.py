@@ -9,9 +9,12 @@ lists the activation dtypes its kernels run.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from quantprep.errors import RecipeError
-from quantprep.targets.common import Target
+
+if TYPE_CHECKING:  # not imported here: targets.native and cpu_c are torch-free (runtime/native_model.py)
+    from quantprep.targets.common import Target
 
 TARGET_NAMES = ("cpu", "xpu", "cuda", "openvino")
 
@@ -29,3 +32,11 @@ def act_dtype_problem(target, dtype) -> str | None:
     names = " or ".join(str(d).removeprefix("torch.") for d in target.act_dtypes)
     why = {"xpu": " (oneDNN has no float32 int4 matmul; docs/xpu.md)", "cuda": " (tinygemm, its decode kernel, is bf16-only)"}
     return f"the {target.name} target runs {names} activations only, not {str(dtype).removeprefix('torch.')}" + why.get(target.name, "")
+
+
+def __getattr__(name: str):
+    if name == "Target":
+        from quantprep.targets.common import Target
+
+        return Target
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
