@@ -25,7 +25,7 @@ import torch
 
 from quantprep.targets import native
 from quantprep.targets.cpu import eager
-from quantprep.targets.cpu_c import ATTENTION_SOURCE, MAX_HEAD_DIM
+from quantprep.targets.cpu_c import ATTENTION_SOURCE, MAX_HEAD_DIM, attention_function
 
 NAME = "quantprep_cpu"
 
@@ -37,11 +37,7 @@ def kernel() -> ctypes._CFuncPtr | None:
     lib = native.library_with_torch_openmp(ATTENTION_SOURCE)
     if lib is None:
         return None
-    fn = lib.decode_attention
-    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] + [ctypes.c_int64] * 3
-                   + [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float])
-    fn.restype = ctypes.c_int
-    return fn
+    return attention_function(lib)
 
 
 def runs_here(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,

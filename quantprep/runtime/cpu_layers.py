@@ -38,7 +38,7 @@ from quantprep.runtime.fused import FusedMember
 from quantprep.targets import native
 from quantprep.targets.common import SLOW_HALF_GEMM
 from quantprep.targets.cpu import CpuInt4Linear, eager, native_int4_a8
-from quantprep.targets.cpu_c import LAYERS_SOURCE
+from quantprep.targets.cpu_c import LAYERS_SOURCE, DecodeLayerArgs, QuantLinearArgs, layers_functions
 
 
 @functools.cache
@@ -50,31 +50,7 @@ def library() -> ctypes.CDLL | None:
     lib = native.library_with_torch_openmp(LAYERS_SOURCE, ("-fno-trapping-math",))
     if lib is None:
         return None
-    lib.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_float]
-    lib.rms_norm.restype = None
-    lib.silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 3
-    lib.silu_mul.restype = None
-    lib.rotary.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2
-    lib.rotary.restype = None
-    lib.gemv_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
-    lib.gemv_bf16.restype = ctypes.c_int
-    lib.decode_layer.argtypes = [ctypes.POINTER(DecodeLayerArgs)] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-    lib.decode_layer.restype = ctypes.c_int
-    return lib
-
-
-class QuantLinearArgs(ctypes.Structure):
-    """LAYERS_SOURCE's QuantLinear: one projection's int4_a8 arguments."""
-    _fields_ = [("perm", ctypes.c_void_p), ("qweight", ctypes.c_void_p), ("scales_and_zeros", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p)] + [(f, ctypes.c_int64) for f in ("in_features", "padded_in", "out", "group", "block")]
-
-
-class DecodeLayerArgs(ctypes.Structure):
-    """LAYERS_SOURCE's DecodeLayer."""
-    _fields_ = [("int4_a8", ctypes.c_void_p), ("attention", ctypes.c_void_p), ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p),
-                ("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("scaling", ctypes.c_float)] + \
-        [(f, ctypes.c_int64) for f in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")] + \
-        [(f, QuantLinearArgs) for f in ("qkv", "o", "gate_up", "down")]
+    return layers_functions(lib)
 
 
 def runs_here(x: torch.Tensor, weight: torch.Tensor | None = None, weight_shape: tuple[int, ...] | None = None) -> bool:

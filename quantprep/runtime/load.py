@@ -22,13 +22,12 @@ from torch import nn
 
 from quantprep._io.background import in_thread
 from quantprep.distribution.signing import configured_key
-from quantprep.distribution.signing import verify as verify_signature
 from quantprep.errors import ArtifactError, ArtifactMismatch
-from quantprep.format.artifact import DEFAULT_SHAPES, read_checked, refuse_code
-from quantprep.format.verified import check_hashed, hash_and_mark
+from quantprep.format.artifact import DEFAULT_SHAPES
 from quantprep.runtime import cpu_attention, cpu_layers, plan
 from quantprep.runtime.aot import compile_regions, prefetch_runtime
 from quantprep.runtime.aot import install as install_packages
+from quantprep.runtime.checked import checked_manifest
 from quantprep.runtime.fused import install as install_fused
 from quantprep.runtime.kcache import MEGACACHE, PLAN, activate, scoped_env, xpu_driver_version, xpu_primitive_env
 from quantprep.targets import Target, act_dtype_problem, get_target
@@ -160,17 +159,8 @@ class OpenedArtifact:
 
 
 def checked_artifact(path: Path, verify: bool | None, key) -> tuple[dict, Target]:
-    """The checks every artifact gets, whatever its target: the manifest and every file's sha256
-    (verified.py: once per file as it is; `verify` True: every time, False: sizes only), no code
-    named by its configs, the signature (`key`) and a target this quantprep has."""
-    manifest = read_checked(path)
-    if verify is None:
-        check_hashed(path, manifest)
-    elif verify:
-        hash_and_mark(path, manifest)
-    refuse_code(path, ArtifactError)
-    if key is not None:
-        verify_signature(path, key)  # unsigned or wrongly signed: refused before anything is read
+    """checked.checked_manifest's checks, and a target this quantprep has."""
+    manifest = checked_manifest(path, verify, key)
     try:
         target = get_target(manifest["target"]["name"])
     except Exception:

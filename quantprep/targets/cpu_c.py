@@ -439,6 +439,15 @@ int decode_attention(const uint16_t *q, int64_t q_sb, int64_t q_sh, const uint16
 """
 
 
+def attention_function(lib: ctypes.CDLL):
+    """`lib`'s decode_attention (a build of ATTENTION_SOURCE) with its C signature."""
+    fn = lib.decode_attention
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] + [ctypes.c_int64] * 3
+                   + [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float])
+    fn.restype = ctypes.c_int
+    return fn
+
+
 LAYERS_SOURCE = BF16_C + f"#define MAX_D {MAX_HEAD_DIM}\n" + r"""
 #include <math.h>
 #include <stdlib.h>
@@ -557,12 +566,14 @@ void silu_mul(const uint16_t *gu, int64_t ldg, uint16_t *y, int64_t ldy, int64_t
         }
     }
 }
-/* One decode token through a Llama/Qwen2 decoder layer whose four projections run int4_a8 (targets/cpu.py)
-   and whose attention runs decode_attention (cpu_attention.py), both called through the pointers in L:
-   the same calls, in the same order and with the same roundings, as the modules' own C forwards, with no
-   Python between them (BENCHMARKS.md, "CPU decode layers"). x and out: one row of `hidden`; cos, sin: the
-   row's rotary embedding; the new key and value go into row `filled` of each head of k_cache, v_cache
-   ([kv_heads, capacity, D]), and attention reads rows 0..filled. 0, -1 (no memory) or a kernel's error. */
+/* `rows` consecutive tokens through a Llama/Qwen2 decoder layer whose four projections run int4_a8
+   (targets/cpu.py) and whose attention runs decode_attention, both called through the pointers in L: at
+   one row (decode_layer) the same calls, in the same order and with the same roundings, as the modules'
+   own C forwards, with no Python between them (BENCHMARKS.md, "CPU decode layers"). x and out: `rows`
+   rows of `hidden`; cos, sin: each row's rotary embedding; the new keys and values go into rows
+   filled..filled+rows-1 of each head of k_cache, v_cache ([kv_heads, capacity, D]), and row r attends to
+   rows 0..filled+r (causal: a prompt's tokens as one call, runtime/native_model.py). 0, -1 (no memory)
+   or a kernel's error. */
 typedef int (*int4_a8_fn)(const uint16_t *, int64_t, int64_t, const int32_t *, int64_t, const uint8_t *, const uint32_t *,
                           int64_t, int64_t, int64_t, int64_t, uint16_t *, int64_t, int);
 typedef int (*attention_fn)(const uint16_t *, int64_t, int64_t, const uint16_t *, int64_t, int64_t, int64_t,
@@ -580,11 +591,12 @@ typedef struct {
     QuantLinear qkv, o, gate_up, down;
 } DecodeLayer;
 
-static int quant_linear(const DecodeLayer *L, const QuantLinear *p, const uint16_t *x, uint16_t *y, int threads) {
-    int status = L->int4_a8(x, 1, p->in, p->perm, p->in, p->qweight, p->scales_and_zeros, p->padded_in, p->out, p->group,
+static int quant_linear(const DecodeLayer *L, const QuantLinear *p, const uint16_t *x, int64_t rows, uint16_t *y, int threads) {
+    int status = L->int4_a8(x, rows, p->in, p->perm, p->in, p->qweight, p->scales_and_zeros, p->padded_in, p->out, p->group,
                             p->block, y, p->out, threads);
     if (status == 0 && p->bias)  /* as the module's y + bias: rounded once */
-        for (int64_t n = 0; n < p->out; n++) y[n] = to_bf16(from_bf16(y[n]) + from_bf16(p->bias[n]));
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t n = 0; n < p->out; n++) y[r * p->out + n] = to_bf16(from_bf16(y[r * p->out + n]) + from_bf16(p->bias[n]));
     return status;
 }
 
@@ -592,32 +604,74 @@ static void add_to(const uint16_t *residual, uint16_t *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = to_bf16(from_bf16(residual[i]) + from_bf16(y[i]));
 }
 
-int decode_layer(const DecodeLayer *L, const uint16_t *x, uint16_t *out, const uint16_t *cos, const uint16_t *sin,
-                 uint16_t *k_cache, uint16_t *v_cache, int64_t capacity, int64_t filled, int threads) {
+int layer_rows(const DecodeLayer *L, const uint16_t *x, int64_t rows, uint16_t *out, const uint16_t *cos, const uint16_t *sin,
+               uint16_t *k_cache, uint16_t *v_cache, int64_t capacity, int64_t filled, int threads) {
     int64_t n = L->hidden, D = L->head_dim, I = L->intermediate, q_size = L->heads * D, kv_size = L->kv_heads * D;
     int64_t qkv_size = q_size + 2 * kv_size;
-    uint16_t *buffer = malloc((size_t)(3 * n + qkv_size + q_size + 3 * I) * sizeof(uint16_t));
+    if (rows < 1 || filled < 0 || filled + rows > capacity) return -2;
+    uint16_t *buffer = malloc((size_t)rows * (size_t)(3 * n + qkv_size + q_size + 3 * I) * sizeof(uint16_t));
     if (!buffer) return -1;
-    uint16_t *xn = buffer, *qkv = xn + n, *attn = qkv + qkv_size, *h = attn + q_size, *hn = h + n, *gu = hn + n, *act = gu + 2 * I;
+    uint16_t *xn = buffer, *qkv = xn + rows * n, *attn = qkv + rows * qkv_size, *h = attn + rows * q_size, *hn = h + rows * n,
+             *gu = hn + rows * n, *act = gu + rows * 2 * I;
     int status;
-    rms_norm(x, n, L->norm1, xn, n, 1, n, L->eps1);
-    if ((status = quant_linear(L, &L->qkv, xn, qkv, threads))) goto done;
-    rotary(qkv, qkv_size, 1, (q_size + kv_size) / D, D, cos, sin);
-    for (int64_t g = 0; g < L->kv_heads; g++) {
-        memcpy(k_cache + (g * capacity + filled) * D, qkv + q_size + g * D, D * sizeof(uint16_t));
-        memcpy(v_cache + (g * capacity + filled) * D, qkv + q_size + kv_size + g * D, D * sizeof(uint16_t));
-    }
-    if ((status = L->attention(qkv, qkv_size, D, k_cache, kv_size * capacity, capacity * D, D, v_cache, kv_size * capacity,
-                               capacity * D, D, attn, 1, L->heads, L->kv_heads, filled + 1, D, L->scaling))) goto done;
-    if ((status = quant_linear(L, &L->o, attn, h, threads))) goto done;
-    add_to(x, h, n);
-    rms_norm(h, n, L->norm2, hn, n, 1, n, L->eps2);
-    if ((status = quant_linear(L, &L->gate_up, hn, gu, threads))) goto done;
-    silu_mul(gu, 2 * I, act, I, 1, I);
-    if ((status = quant_linear(L, &L->down, act, out, threads))) goto done;
-    add_to(h, out, n);
+    rms_norm(x, n, L->norm1, xn, n, rows, n, L->eps1);
+    if ((status = quant_linear(L, &L->qkv, xn, rows, qkv, threads))) goto done;
+    rotary(qkv, qkv_size, rows, (q_size + kv_size) / D, D, cos, sin);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < L->kv_heads; g++) {
+            memcpy(k_cache + (g * capacity + filled + r) * D, qkv + r * qkv_size + q_size + g * D, D * sizeof(uint16_t));
+            memcpy(v_cache + (g * capacity + filled + r) * D, qkv + r * qkv_size + q_size + kv_size + g * D, D * sizeof(uint16_t));
+        }
+    for (int64_t r = 0; r < rows; r++)
+        if ((status = L->attention(qkv + r * qkv_size, qkv_size, D, k_cache, kv_size * capacity, capacity * D, D, v_cache,
+                                   kv_size * capacity, capacity * D, D, attn + r * q_size, 1, L->heads, L->kv_heads,
+                                   filled + r + 1, D, L->scaling))) goto done;
+    if ((status = quant_linear(L, &L->o, attn, rows, h, threads))) goto done;
+    add_to(x, h, rows * n);
+    rms_norm(h, n, L->norm2, hn, n, rows, n, L->eps2);
+    if ((status = quant_linear(L, &L->gate_up, hn, rows, gu, threads))) goto done;
+    silu_mul(gu, 2 * I, act, I, rows, I);
+    if ((status = quant_linear(L, &L->down, act, rows, out, threads))) goto done;
+    add_to(h, out, rows * n);
 done:
     free(buffer);
     return status;
 }
+
+int decode_layer(const DecodeLayer *L, const uint16_t *x, uint16_t *out, const uint16_t *cos, const uint16_t *sin,
+                 uint16_t *k_cache, uint16_t *v_cache, int64_t capacity, int64_t filled, int threads) {
+    return layer_rows(L, x, 1, out, cos, sin, k_cache, v_cache, capacity, filled, threads);
+}
 """
+
+
+class QuantLinearArgs(ctypes.Structure):
+    """LAYERS_SOURCE's QuantLinear: one projection's int4_a8 arguments."""
+    _fields_ = [("perm", ctypes.c_void_p), ("qweight", ctypes.c_void_p), ("scales_and_zeros", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p)] + [(f, ctypes.c_int64) for f in ("in_features", "padded_in", "out", "group", "block")]
+
+
+class DecodeLayerArgs(ctypes.Structure):
+    """LAYERS_SOURCE's DecodeLayer."""
+    _fields_ = [("int4_a8", ctypes.c_void_p), ("attention", ctypes.c_void_p), ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p),
+                ("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("scaling", ctypes.c_float)] + \
+        [(f, ctypes.c_int64) for f in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")] + \
+        [(f, QuantLinearArgs) for f in ("qkv", "o", "gate_up", "down")]
+
+
+def layers_functions(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` (a build of LAYERS_SOURCE) with its functions' C signatures set."""
+    lib.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_float]
+    lib.rms_norm.restype = None
+    lib.silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 3
+    lib.silu_mul.restype = None
+    lib.rotary.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2
+    lib.rotary.restype = None
+    lib.gemv_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+    lib.gemv_bf16.restype = ctypes.c_int
+    lib.decode_layer.argtypes = [ctypes.POINTER(DecodeLayerArgs)] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    lib.decode_layer.restype = ctypes.c_int
+    lib.layer_rows.argtypes = [ctypes.POINTER(DecodeLayerArgs), ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 + \
+        [ctypes.c_int64] * 2 + [ctypes.c_int]
+    lib.layer_rows.restype = ctypes.c_int
+    return lib

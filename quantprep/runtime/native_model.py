@@ -1,0 +1,286 @@
+"""A cpu artifact's Llama or Qwen2 decoder run by quantprep's C kernels alone: no torch, no transformers.
+
+From a fresh process most of the time to a first token is importing torch and transformers'
+modeling code, not the artifact's work (BENCHMARKS.md, "llama.cpp, the CPU anchor"). This runtime
+imports numpy: it maps the artifact's safetensors (format/safetensors_numpy.py) and runs each
+decoder layer as one C call (cpu_c.LAYERS_SOURCE's layer_rows: a prompt's tokens in one call, then
+one token at a time), every projection through int4_a8, the activations rounded to int8 per group:
+the numerics of `warm --int8-activations` decode, at every length here (tests/test_native_model.py
+compares it with quantprep.load's model). The lm_head runs on the last position only: gemv_bf16 for
+a bfloat16 head (or the tied embedding), int8_a8 for `--lm-head int8`, int4_a8 for `--lm-head int4`.
+
+It runs a cpu artifact packed for bfloat16 activations, of transformers' LlamaForCausalLM or
+Qwen2ForCausalLM (SiLU MLP, default rotary embedding, no sliding window), on a CPU whose int4_a8
+reads the artifact's pack layout (AVX2 and FMA: 32 columns; AVX512-VNNI and VBMI: 64). Anything
+else is refused with ArtifactMismatch saying why; quantprep.load runs it.
+
+    model = native_model.load("artifacts/qwen2.5-coder-1.5b/cpu")
+    tokens = model.generate([9707, 11, 1879], max_new_tokens=16)  # greedy
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import numpy as np
+
+from quantprep._io.jsonfile import read_json_object
+from quantprep.distribution.signing import configured_key
+from quantprep.errors import ArtifactError, ArtifactMismatch
+from quantprep.format import safetensors_numpy
+from quantprep.runtime.checked import checked_manifest
+from quantprep.targets import cpu_c, native
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+MAX_SIZE = 1 << 20  # any one dimension of a config: far above real models, small enough for int64 sums
+
+
+@functools.cache
+def libraries() -> tuple[ctypes.CDLL, ctypes.CDLL, ctypes.CDLL] | None:
+    """(int8-activation matmuls, attention, layers) compiled with OpenMP (native.py: the same builds
+    as torch's process uses where torch's OpenMP is libgomp), or None without a C compiler."""
+    a8 = native.library(cpu_c.NATIVE_A8_SOURCE, ("-fopenmp",))
+    attention = native.library(cpu_c.ATTENTION_SOURCE, ("-fopenmp",))
+    layers = native.library(cpu_c.LAYERS_SOURCE, ("-fopenmp", "-fno-trapping-math"))  # cpu_layers.library's flags
+    return None if None in (a8, attention, layers) else (a8, attention, cpu_c.layers_functions(layers))
+
+
+def threads() -> int:
+    """OMP_NUM_THREADS, else the CPUs this process may run on (what OpenMP itself starts)."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else len(os.sched_getaffinity(0))
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, rounded to nearest even (as torch and cpu_c's to_bf16)."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_bf16(x: np.ndarray) -> np.ndarray:
+    return (x.astype(np.uint32) << 16).view(np.float32)
+
+
+def refuse(path: Path, why: str) -> ArtifactMismatch:
+    return ArtifactMismatch(f"{path}: {why}; the native runtime cannot run it, quantprep.load can")
+
+
+class Config:
+    """The fields of config.json this runtime reads, checked (ArtifactError / ArtifactMismatch)."""
+
+    def __init__(self, path: Path):
+        c = read_json_object(path / "config.json", ArtifactError, "the artifact is corrupt: rebuild it")
+        if c.get("architectures") not in ([a] for a in ARCHITECTURES) or c.get("hidden_act", "silu") != "silu":
+            raise refuse(path, f"architectures {c.get('architectures')!r} with hidden_act {c.get('hidden_act')!r} "
+                               f"(it runs {' and '.join(ARCHITECTURES)} with SiLU)")
+        if c.get("use_sliding_window") or (c.get("model_type") != "qwen2" and c.get("sliding_window")):
+            raise refuse(path, "a sliding-window attention")
+
+        def size(key: str, default=None) -> int:
+            v = c.get(key, default)
+            if type(v) is not int or not 0 < v <= MAX_SIZE:
+                raise ArtifactError(f"{path / 'config.json'}: {key} is {v!r}, not a size; the artifact is corrupt: rebuild it")
+            return v
+
+        self.hidden, self.layers, self.heads = size("hidden_size"), size("num_hidden_layers"), size("num_attention_heads")
+        self.kv_heads, self.intermediate, self.vocab = size("num_key_value_heads", self.heads), size("intermediate_size"), size("vocab_size")
+        self.head_dim = size("head_dim", self.hidden // self.heads)
+        if self.heads % self.kv_heads or self.head_dim % 16 or self.head_dim > cpu_c.MAX_HEAD_DIM or self.hidden % 32:
+            raise refuse(path, f"{self.heads} heads of {self.head_dim} over {self.kv_heads} key/value heads, hidden size {self.hidden}")
+        rope = c.get("rope_parameters") or {"rope_theta": c.get("rope_theta", 10000.0), **(c.get("rope_scaling") or {})}
+        if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise refuse(path, f"rotary embedding {rope!r} (it runs the default one)")
+        self.rope_theta, self.eps = rope.get("rope_theta"), c.get("rms_norm_eps", 1e-6)
+        if not all(type(v) in (int, float) and v > 0 for v in (self.rope_theta, self.eps)):
+            raise ArtifactError(f"{path / 'config.json'}: rope_theta {self.rope_theta!r} or rms_norm_eps {self.eps!r} is not "
+                                "a positive number; the artifact is corrupt: rebuild it")
+        self.tied = c.get("tie_word_embeddings", False) is True
+
+
+class Weights:
+    """Every tensor of the artifact's shards, by name; `take` checks one's dtype and shape."""
+
+    def __init__(self, path: Path, manifest: dict):
+        self.path, self.tensors = path, {}
+        for shard in manifest["shards"]:
+            self.tensors.update(safetensors_numpy.read(path / shard))
+
+    def take(self, name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.tensors:
+            raise ArtifactError(f"{self.path}: tensor {name} is missing from the artifact; rebuild it")
+        have, array = self.tensors[name]
+        if have != dtype or array.shape != shape:
+            raise ArtifactError(f"{self.path}: tensor {name} is {have} {list(array.shape)}, expected {dtype} {list(shape)}; rebuild the artifact")
+        return array
+
+
+class NativeModel:
+    """The artifact's decoder with its KV cache. `forward(ids)` appends tokens and returns the last
+    one's logits; `generate` decodes greedily; `reset` empties the cache."""
+
+    def __init__(self, path: Path, manifest: dict):
+        libs = libraries()
+        if libs is None:
+            raise refuse(path, "no C compiler here (cc), or QUANTPREP_NATIVE=0")
+        a8, attention, self.lib = libs
+        self.block, self.threads = a8.a8_block(), threads()
+        if not self.block:
+            raise refuse(path, "this CPU has no int4_a8 kernel (it needs AVX2 and FMA, or AVX512-VNNI and VBMI)")
+        target = manifest["target"]
+        if target.get("name") != "cpu" or target.get("act_dtype") != "bfloat16":
+            raise refuse(path, f"a {target.get('name')} artifact for {target.get('act_dtype')} activations (it runs cpu, bfloat16)")
+        self.path, self.config, self.weights = path, Config(path), Weights(path, manifest)
+        self.int4_a8, self.int8_a8 = cpu_c.int4_a8_function(a8), cpu_c.int8_a8_function(a8)
+        c, modules = self.config, manifest["modules"]
+        q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
+        self.embed = self.weights.take("model.embed_tokens.weight", "BF16", (c.vocab, c.hidden))
+        self.norm = self.weights.take("model.norm.weight", "BF16", (c.hidden,))
+        self.layers = []
+        for i in range(c.layers):
+            p = f"model.layers.{i}."
+            norms = [self.weights.take(f"{p}{n}.weight", "BF16", (c.hidden,)) for n in ("input_layernorm", "post_attention_layernorm")]
+            linears = [self.quant_linear(modules, f"{p}{name}", k, n, parts)
+                       for name, k, n, parts in (("self_attn.qkv_proj", c.hidden, q + 2 * kv, [q, kv, kv]),
+                                                 ("self_attn.o_proj", q, c.hidden, None),
+                                                 ("mlp.gate_up_proj", c.hidden, 2 * c.intermediate, [c.intermediate] * 2),
+                                                 ("mlp.down_proj", c.intermediate, c.hidden, None))]
+            self.layers.append(cpu_c.DecodeLayerArgs(
+                ctypes.cast(self.int4_a8, ctypes.c_void_p).value, ctypes.cast(cpu_c.attention_function(attention), ctypes.c_void_p).value,
+                norms[0].ctypes.data, norms[1].ctypes.data, c.eps, c.eps, c.head_dim ** -0.5,
+                c.hidden, c.heads, c.kv_heads, c.head_dim, c.intermediate, *linears))
+        self.head = self.lm_head(modules)
+        half = np.arange(0, c.head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(c.head_dim)
+        self.inv_freq = (np.float32(1.0) / np.power(np.float32(c.rope_theta), half)).astype(np.float32)  # as transformers' default
+        self.reset()
+
+    def quant_linear(self, modules: dict, name: str, k: int, n: int, parts: list[int] | None) -> cpu_c.QuantLinearArgs:
+        """int4_a8's arguments for one projection the manifest lists, its tensors checked."""
+        meta = modules.get(name)
+        if not isinstance(meta, dict) or meta.get("bits") != 4:
+            raise refuse(self.path, f"module {name} is not a 4-bit projection ({meta and meta.get('bits')} bits)")
+        group, block = meta.get("kernel_group_size"), meta.get("pack_block_n")
+        fused = (meta.get("fused") or {}).get("sizes")
+        if (meta.get("in_features"), meta.get("out_features"), fused) != (k, n, parts) or type(group) is not int or \
+                group not in (32, 64, 128, 256) or meta.get("padded_in") != -(-k // group) * group or meta.get("padded_out") != n:
+            raise refuse(self.path, f"module {name} is {meta.get('in_features')}x{meta.get('out_features')} (fused {fused}, "
+                                    f"padded {meta.get('padded_in')}x{meta.get('padded_out')}, group {group}), not the {k}x{n} "
+                                    f"(fused {parts}) the config makes")
+        if block != self.block:
+            raise refuse(self.path, f"module {name} is packed in {block}-column blocks, this CPU's int4_a8 reads {self.block}")
+        kp = meta["padded_in"]
+        qweight = self.weights.take(f"{name}.qweight", "U8", (n, kp // 2))
+        sz = self.weights.take(f"{name}.scales_and_zeros", "BF16", (kp // group, n, 2))
+        perm = self.weights.take(f"{name}.perm", "I32", (k,)) if meta.get("act_order") else None
+        if perm is not None and not np.array_equal(np.sort(perm), np.arange(k, dtype=np.int32)):
+            raise ArtifactError(f"{self.path}: tensor {name}.perm is not a permutation of 0..{k - 1}; rebuild the artifact")
+        bias = self.weights.take(f"{name}.bias", "BF16", (n,)) if meta.get("bias") else None
+        return cpu_c.QuantLinearArgs(None if perm is None else perm.ctypes.data, qweight.ctypes.data, sz.ctypes.data,
+                                     None if bias is None else bias.ctypes.data, k, kp, n, group, self.block)
+
+    def lm_head(self, modules: dict):
+        """A function of one bfloat16 row -> the vocabulary's logits (bfloat16 bits)."""
+        c, meta = self.config, modules.get("lm_head")
+        if meta is None:
+            w = self.embed if c.tied and "lm_head.weight" not in self.weights.tensors else \
+                self.weights.take("lm_head.weight", "BF16", (c.vocab, c.hidden))
+
+            def gemv(x: np.ndarray) -> np.ndarray:
+                y = np.empty(c.vocab, np.uint16)
+                if self.lib.gemv_bf16(x.ctypes.data, w.ctypes.data, y.ctypes.data, c.vocab, c.hidden):
+                    raise refuse(self.path, "gemv_bf16 was not built for this CPU")
+                return y
+            return gemv
+        if meta.get("bits") == 8 and meta.get("int8_kernel") == "per_channel" and not meta.get("act_order") and not meta.get("bias") \
+                and (meta.get("in_features"), meta.get("out_features")) == (c.hidden, c.vocab) and c.hidden % 128 == 0:
+            w = self.weights.take("lm_head.qweight", "I8", (c.vocab, c.hidden))
+            s = self.weights.take("lm_head.scales", "BF16", (c.vocab,))
+
+            def int8(x: np.ndarray) -> np.ndarray:
+                y = np.empty(c.vocab, np.uint16)
+                if self.int8_a8(x.ctypes.data, 1, c.hidden, w.ctypes.data, s.ctypes.data, c.vocab, c.hidden, y.ctypes.data, c.vocab,
+                                self.threads):
+                    raise MemoryError("int8_a8 could not allocate its quantized activations")
+                return y
+            return int8
+        if meta.get("bits") == 4 and not meta.get("fused") and not meta.get("bias"):
+            args = self.quant_linear(modules, "lm_head", c.hidden, c.vocab, None)
+
+            def int4(x: np.ndarray) -> np.ndarray:
+                y = np.empty(c.vocab, np.uint16)
+                self.linear(args, x, 1, y)
+                return y
+            return int4
+        raise refuse(self.path, f"an lm_head of {meta.get('bits')} bits ({meta.get('int8_kernel')}, act_order {meta.get('act_order')})")
+
+    def linear(self, p: cpu_c.QuantLinearArgs, x: np.ndarray, rows: int, y: np.ndarray) -> None:
+        status = self.int4_a8(x.ctypes.data, rows, p.in_features, p.perm, p.in_features, p.qweight, p.scales_and_zeros, p.padded_in,
+                              p.out, p.group, p.block, y.ctypes.data, p.out, self.threads)
+        if status:
+            raise MemoryError(f"int4_a8 failed ({status})")
+
+    def reset(self, capacity: int = 256) -> None:
+        c = self.config
+        self.filled = 0
+        self.keys = np.zeros((c.layers, c.kv_heads, capacity, c.head_dim), np.uint16)
+        self.values = np.zeros_like(self.keys)
+
+    def make_room(self, rows: int) -> None:
+        capacity = self.keys.shape[2]
+        if self.filled + rows <= capacity:
+            return
+        bigger = max(2 * capacity, self.filled + rows)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = np.zeros(old.shape[:2] + (bigger, old.shape[3]), np.uint16)
+            new[:, :, :self.filled] = old[:, :, :self.filled]
+            setattr(self, name, new)
+
+    def rotary(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin [rows, head_dim] of the next positions, as transformers' default rotary embedding
+        (float32, rounded to bfloat16)."""
+        positions = np.arange(self.filled, self.filled + rows, dtype=np.float32)
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        angles = np.concatenate([freqs, freqs], axis=1)
+        return to_bf16(np.cos(angles)), to_bf16(np.sin(angles))
+
+    def forward(self, ids: list[int]) -> np.ndarray:
+        """Run `ids` after the tokens already in the cache; the last one's logits (float32 [vocab])."""
+        c, rows = self.config, len(ids)
+        if rows < 1 or any(type(t) is not int or not 0 <= t < c.vocab for t in ids):
+            raise ValueError(f"token ids must be 1 or more integers in 0..{c.vocab - 1}")
+        self.make_room(rows)
+        x = np.ascontiguousarray(self.embed[np.asarray(ids, np.int64)])
+        out = np.empty_like(x)
+        cos, sin = self.rotary(rows)
+        capacity = self.keys.shape[2]
+        for i, layer in enumerate(self.layers):
+            status = self.lib.layer_rows(ctypes.byref(layer), x.ctypes.data, rows, out.ctypes.data, cos.ctypes.data, sin.ctypes.data,
+                                         self.keys[i].ctypes.data, self.values[i].ctypes.data, capacity, self.filled, self.threads)
+            if status == -1:
+                raise MemoryError("layer_rows could not allocate its buffers")
+            if status:
+                raise ValueError(f"layer_rows refused layer {i} ({status})")
+            x, out = out, x
+        self.filled += rows
+        last = np.empty(c.hidden, np.uint16)
+        self.lib.rms_norm(x[-1].ctypes.data, c.hidden, self.norm.ctypes.data, last.ctypes.data, c.hidden, 1, c.hidden, c.eps)
+        return from_bf16(self.head(last))
+
+    def generate(self, ids: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy: the prompt `ids` after the cache's tokens, then max_new_tokens tokens (returned)."""
+        tokens, logits = [], self.forward(list(ids))
+        for _ in range(max_new_tokens):
+            tokens.append(int(np.argmax(logits)))
+            if len(tokens) < max_new_tokens:
+                logits = self.forward(tokens[-1:])
+        return tokens
+
+
+def load(path: str | os.PathLike, verify: bool | None = None, verify_key: str | os.PathLike | None = None) -> NativeModel:
+    """A cpu artifact directory as a NativeModel, after the checks every load makes (checked.py;
+    `verify` and `verify_key` as quantprep.load's). ArtifactMismatch: not one this runtime runs."""
+    path = Path(path)
+    return NativeModel(path, checked_manifest(path, verify, configured_key(verify_key)))
