@@ -362,7 +362,8 @@ def vs_llamacpp(*runs: dict) -> str:
     """llama.cpp on the recipe's GGUF beside quantprep's cpu artifact and GPTQModel (benchmarks/vs_llamacpp.py)."""
     names = {"llamacpp": "llama.cpp (the recipe's Q4_K_M GGUF)", "quantprep": "quantprep (cpu artifact)",
              "quantprep_int8_head": "quantprep, built with `--lm-head int8`", "quantprep_int4_head": "quantprep, built with `--lm-head int4`",
-             "gptqmodel": "GPTQModel (TORCH backend)"}
+             "native": "quantprep's native runtime (cpu artifact)", "native_int8_head": "native runtime, `--lm-head int8`",
+             "native_int4_head": "native runtime, `--lm-head int4`", "gptqmodel": "GPTQModel (TORCH backend)"}
     out = []
     for r in runs:
         dc, pf, ft = r["decode_tok_s"], r["prefill_512_s"], r["first_token_s"]
@@ -380,7 +381,7 @@ def vs_llamacpp(*runs: dict) -> str:
             f = ft[k]
             out.append(f"| {name} | {dc[k]['median']:.2f} | {dl[k]['median']:.2f} | {pf[k]['median']:.2f} | {f['total_s']:.2f} "
                        f"({f['import_s']:.2f} / {f['load_s']:.2f} / {f['first_s']:.2f}) |")
-        for k in ("quantprep", "quantprep_int8_head", "quantprep_int4_head"):
+        for k in ("quantprep", "quantprep_int8_head", "quantprep_int4_head", "native", "native_int8_head", "native_int4_head"):
             if f"{k}_over_llamacpp" in dc:
                 out.append(f"| {names[k].split(' (')[0]} / llama.cpp | {dc[f'{k}_over_llamacpp']:.2f}x the speed | "
                            f"{dl[f'{k}_over_llamacpp']:.2f}x the speed | {pf[f'{k}_over_llamacpp']:.2f}x the time | "
@@ -897,6 +898,13 @@ SUMMARY = [
     *[(f"the same run, the artifact built with `--lm-head {h}` (opted into: it changes the model; its quality in the section)",
        "at least llama.cpp (decode >= 1x, first token <= 1x)", LLAMACPP, LLAMACPP_RUNS,
        _each(lambda r, k=f"quantprep_{h}_head": _vs_llamacpp(r, k))) for h in ("int8", "int4")],
+    ("quantprep's native runtime (runtime/native_model.py: the cpu artifact without torch or transformers, int4_a8 at every "
+     "length) / llama.cpp, one run beside it: decode speed after 16 and after 512 tokens, 512-token prefill time, spawn to first "
+     "token; real Qwen2.5-Coder-1.5B's shapes on AVX2 (codes rounded to nearest), the checkpoint's bf16 head, `--lm-head int8`, "
+     "`--lm-head int4`", "at least llama.cpp (decode >= 1x, first token <= 1x)", LLAMACPP,
+     ["vs-llamacpp-native-qwen2.5-coder-1.5b-cpu-avx2.json"],
+     lambda r: "; ".join(f"{head}: {_vs_llamacpp(r, k)}" for head, k in (("bf16 head", "native"), ("int8 head", "native_int8_head"),
+                                                                        ("int4 head", "native_int4_head")))),
     ("one decode token's attention per layer, Qwen2.5-1.5B's heads, bf16: torch's SDPA time / quantprep's C kernel's at 48, 512 "
      "and 2048 cached tokens; the int4-head model's decode after 512 tokens with the kernel and the growing KV cache / with SDPA "
      "and transformers' concatenating cache", "CPU decode speed",

@@ -3,7 +3,9 @@ run by llama.cpp (llama-cpp-python, built here with -march=native and OpenMP: `m
 cpu artifact and GPTQModel's own CPU kernel (BACKEND.TORCH) on the GPTQ checkpoint that artifact was
 built from (found in the build cache by content), and, where they exist beside the cpu artifact, the
 same checkpoint's cpu artifacts built with `--lm-head int8` and `--lm-head int4` (RECIPE-int8-head/cpu,
-RECIPE-int4-head/cpu: quantprep_int8_head, quantprep_int4_head; opted-into changes of the model). One
+RECIPE-int4-head/cpu: quantprep_int8_head, quantprep_int4_head; opted-into changes of the model), and
+the same three artifacts run by runtime/native_model.py (native, native_int8_head, native_int4_head:
+quantprep's C without torch or transformers, int4_a8 at every length, its threads OMP_NUM_THREADS). One
 run, on the same threads: llama.cpp gets n_threads = n_threads_batch = torch.get_num_threads(). Measured:
 
   - decode: greedy tokens/s after a 16-token prompt, and after the 512-token prompt (a long context's
@@ -50,7 +52,9 @@ from pathlib import Path
 from common import REPO, checkpoint_codes, greedy_decode, machine, median_and_runs, rtn_record, save, timed
 from load import fresh_process, medians
 
-RUNTIMES = ("llamacpp", "quantprep", "quantprep_int8_head", "quantprep_int4_head", "gptqmodel")
+RUNTIMES = ("llamacpp", "quantprep", "quantprep_int8_head", "quantprep_int4_head", "native", "native_int8_head", "native_int4_head",
+            "gptqmodel")
+NATIVE = ("native", "native_int8_head", "native_int4_head")  # runtime/native_model.py on the same three artifacts
 HEADS = ("int8", "int4")  # --lm-head variants of the cpu artifact, at artifacts/RECIPE-<head>-head/cpu
 PROMPT, PREFILL = 16, 512
 # llama.cpp's settings: the context holds the prefill and the decode; one batch holds the prefill
@@ -67,6 +71,17 @@ llm = Llama(model_path=sys.argv[1], n_threads=n, n_threads_batch=n, **json.loads
 t2 = time.time()
 llm.eval(json.loads(sys.argv[2]))
 np.ctypeslib.as_array(llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).argmax()
+print(json.dumps({"import": t1, "load": t2, "first": time.time()}))
+"""
+
+CHILD_NATIVE_FIRST = """
+import time, sys, json
+t0 = time.time()
+from quantprep.runtime import native_model
+t1 = time.time()
+m = native_model.load(sys.argv[1])
+t2 = time.time()
+m.forward(json.loads(sys.argv[2])).argmax()
 print(json.dumps({"import": t1, "load": t2, "first": time.time()}))
 """
 
@@ -172,6 +187,8 @@ def time_to_first_token(paths: dict[str, Path], prompt: list[int], threads: int,
     def start(name: str) -> dict:
         if name == "llamacpp":
             return fresh_process(CHILD_LLAMACPP_FIRST, [str(paths[name]), json.dumps(prompt), str(threads), json.dumps(LLAMA_KW)])
+        if name in NATIVE:
+            return fresh_process(CHILD_NATIVE_FIRST, [str(paths[name]), json.dumps(prompt)])
         return fresh_process(CHILD_TORCH_FIRST, [str(paths[name]), json.dumps(prompt), name])
 
     rows = {name: [] for name in paths}
@@ -213,6 +230,30 @@ class LlamaCppChild:
             self.proc.kill()
 
 
+class Native:
+    """runtime/native_model.py's model, measured as the torch models are: the prefill's last logits
+    from an empty cache; greedy decode timed token by token after the first, which the prompt gives."""
+
+    def __init__(self, path: Path):
+        from quantprep.runtime import native_model
+
+        self.model = native_model.load(path)
+
+    def prefill(self, ids: list[int]) -> float:
+        self.model.reset(capacity=2 * PREFILL)
+        return timed(lambda: self.model.forward(ids).argmax())
+
+    def decode(self, ids: list[int], new: int) -> tuple[float, list[int]]:
+        self.model.reset(capacity=2 * PREFILL)
+        tokens, stamps, logits = [], [], self.model.forward(ids)
+        while True:
+            tokens.append(int(logits.argmax()))
+            stamps.append(time.perf_counter())
+            if len(tokens) == new:
+                return (new - 1) / (stamps[-1] - stamps[0]), tokens
+            logits = self.model.forward(tokens[-1:])
+
+
 def interleaved_runs(models: dict, llama: LlamaCppChild | None, ids: list[int], runs: int, new: int) -> tuple[dict, ...]:
     """(prefill seconds, decode tok/s, decode tok/s after 512 tokens, greedy tokens) per runtime: each
     run takes llama.cpp's round, then each torch model's, after a warm-up each."""
@@ -221,9 +262,13 @@ def interleaved_runs(models: dict, llama: LlamaCppChild | None, ids: list[int], 
     full, prompt = torch.tensor([ids]), torch.tensor([ids[:PROMPT]])
 
     def prefill(m) -> float:
+        if isinstance(m, Native):
+            return m.prefill(ids)
         return timed(lambda: m(input_ids=full, logits_to_keep=1).logits[0, -1].argmax())
 
     def decode(m, ids: torch.Tensor) -> tuple[float, list[int]]:
+        if isinstance(m, Native):
+            return m.decode(ids[0].tolist(), new)
         # eos_token_id=None as an argument (a generation_config's None is filled from the model's)
         return greedy_decode(m, ids, new, eos_token_id=None)
 
@@ -279,7 +324,7 @@ def main() -> None:
     gguf = find_gguf(recipe)
     gguf_sha256 = recipe.source.get("gguf_sha256") or sha256_file(gguf)
     paths, manifest, art, rtn, codes = {"llamacpp": gguf}, None, None, {}, {}
-    if {"quantprep", "gptqmodel"} & set(runtimes):
+    if {"quantprep", "gptqmodel", *NATIVE} & set(runtimes):
         art = Path(args.artifact or REPO / "artifacts" / recipe.name / "cpu")
         if not (art / "manifest.json").is_file():
             sys.exit(f"{art}: no artifact; run `quantprep build {recipe.name} --target cpu` first, or pass --runtimes llamacpp")
@@ -291,14 +336,14 @@ def main() -> None:
         codes = checkpoint_codes(gptq)
         if (manifest["source"].get("gguf_sha256") or rtn.get("gguf_sha256")) != gguf_sha256:
             sys.exit(f"{art} was not built from {gguf} (its source: {manifest['source'].get('gguf_sha256')})")
-        paths["quantprep"] = art
+        paths["quantprep"] = paths["native"] = art
         paths["gptqmodel"] = gptq
         for h in HEADS:  # measured where built (make bench-llamacpp builds them)
             head = art.parent.parent / f"{recipe.name}-{h}-head" / "cpu"
             if (head / "manifest.json").is_file():
                 if json.loads((head / "manifest.json").read_text())["source"]["sha256"] != manifest["source"]["sha256"]:
                     sys.exit(f"{head} was not built from the GPTQ checkpoint {art} was")
-                paths[f"quantprep_{h}_head"] = head
+                paths[f"quantprep_{h}_head"] = paths[f"native_{h}_head"] = head
     runtimes = [r for r in runtimes if r in paths]
     paths = {k: paths[k] for k in runtimes}
     ids, tokens_info = token_ids(gguf, art)
@@ -317,7 +362,7 @@ def main() -> None:
             if name in runtimes:
                 t0 = time.perf_counter()
                 models[name] = (GPTQModel.load(str(paths[name]), backend=BACKEND.TORCH, device="cpu").model.eval()
-                                if name == "gptqmodel" else quantprep.load(paths[name]))
+                                if name == "gptqmodel" else Native(paths[name]) if name in NATIVE else quantprep.load(paths[name]))
                 load_in_process[name] = time.perf_counter() - t0
     try:
         prefill, decode, decode_long, tokens = interleaved_runs(models, llama, ids, args.runs, args.new)
@@ -334,6 +379,7 @@ def main() -> None:
         "gguf": {"file": gguf.name, "sha256": gguf_sha256, "bytes": gguf.stat().st_size},
         "artifact": art and str(art.relative_to(REPO) if art.is_relative_to(REPO) else art),
         "head_artifacts": {k: str(v.relative_to(REPO) if v.is_relative_to(REPO) else v) for k, v in paths.items() if k.endswith("_head")},
+        "native_threads": int(os.environ.get("OMP_NUM_THREADS") or 0) or None,  # native_model.threads(): OMP_NUM_THREADS, else every CPU
         **(codes if art else {"gptq_checkpoint": None, "codes": None}),
         "llamacpp_settings": LLAMA_KW | {"n_threads": threads, "n_threads_batch": threads},
         "tokens": tokens_info | {"prefill": PREFILL, "prompt": PROMPT, "new": args.new},

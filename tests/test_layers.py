@@ -5,7 +5,8 @@ still runs on the path that reaches it. docs/architecture.md draws the same pict
     cli, __init__, __main__         (top: the commands and the public API)
     tools/                          verify, eval, selftest, serving
     build/                          recipes, source, quantize (gptqmodel), prepack, pipeline
-    runtime/                        load, hf_quantizer, kcache, aot, fused, warm, cpu_attention, cpu_layers
+    runtime/                        load, checked, hf_quantizer, kcache, aot, fused, warm, cpu_attention, cpu_layers,
+                                    native_model, genai
     distribution/                   publish/pull, registry (OCI), hub, signing, policy
     targets/                        one module per kernel layout
     format/                         gptq packing, the artifact manifest, verified marks

@@ -76,11 +76,12 @@ class Config:
         if c.get("architectures") not in ([a] for a in ARCHITECTURES) or c.get("hidden_act", "silu") != "silu":
             raise refuse(path, f"architectures {c.get('architectures')!r} with hidden_act {c.get('hidden_act')!r} "
                                f"(it runs {' and '.join(ARCHITECTURES)} with SiLU)")
-        if c.get("use_sliding_window") or (c.get("model_type") != "qwen2" and c.get("sliding_window")):
+        if c.get("use_sliding_window") or (c.get("model_type") != "qwen2" and c.get("sliding_window")) or \
+                any(kind != "full_attention" for kind in c.get("layer_types") or []):
             raise refuse(path, "a sliding-window attention")
 
         def size(key: str, default=None) -> int:
-            v = c.get(key, default)
+            v = default if c.get(key) is None else c[key]
             if type(v) is not int or not 0 < v <= MAX_SIZE:
                 raise ArtifactError(f"{path / 'config.json'}: {key} is {v!r}, not a size; the artifact is corrupt: rebuild it")
             return v
@@ -222,7 +223,9 @@ class NativeModel:
             raise MemoryError(f"int4_a8 failed ({status})")
 
     def reset(self, capacity: int = 256) -> None:
+        """Empty the KV cache, with room for `capacity` tokens before it grows."""
         c = self.config
+        capacity = max(1, capacity)
         self.filled = 0
         self.keys = np.zeros((c.layers, c.kv_heads, capacity, c.head_dim), np.uint16)
         self.values = np.zeros_like(self.keys)
@@ -249,7 +252,7 @@ class NativeModel:
     def forward(self, ids: list[int]) -> np.ndarray:
         """Run `ids` after the tokens already in the cache; the last one's logits (float32 [vocab])."""
         c, rows = self.config, len(ids)
-        if rows < 1 or any(type(t) is not int or not 0 <= t < c.vocab for t in ids):
+        if rows < 1 or any(not isinstance(t, (int, np.integer)) or not 0 <= t < c.vocab for t in ids):
             raise ValueError(f"token ids must be 1 or more integers in 0..{c.vocab - 1}")
         self.make_room(rows)
         x = np.ascontiguousarray(self.embed[np.asarray(ids, np.int64)])
