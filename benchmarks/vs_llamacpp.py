@@ -5,7 +5,7 @@ built from (found in the build cache by content), and, where they exist beside t
 same checkpoint's cpu artifacts built with `--lm-head int8` and `--lm-head int4` (RECIPE-int8-head/cpu,
 RECIPE-int4-head/cpu: quantprep_int8_head, quantprep_int4_head; opted-into changes of the model), and
 the same three artifacts run by runtime/native_model.py (native, native_int8_head, native_int4_head:
-quantprep's C without torch or transformers, int4_a8 at every length, its threads OMP_NUM_THREADS). One
+quantprep's C without torch or transformers, int4_a8 at every length, the same threads). One
 run, on the same threads: llama.cpp gets n_threads = n_threads_batch = torch.get_num_threads(). Measured:
 
   - decode: greedy tokens/s after a 16-token prompt, and after the 512-token prompt (a long context's
@@ -79,7 +79,7 @@ import time, sys, json
 t0 = time.time()
 from quantprep.runtime import native_model
 t1 = time.time()
-m = native_model.load(sys.argv[1])
+m = native_model.load(sys.argv[1], threads=int(sys.argv[3]))
 t2 = time.time()
 m.forward(json.loads(sys.argv[2])).argmax()
 print(json.dumps({"import": t1, "load": t2, "first": time.time()}))
@@ -188,7 +188,7 @@ def time_to_first_token(paths: dict[str, Path], prompt: list[int], threads: int,
         if name == "llamacpp":
             return fresh_process(CHILD_LLAMACPP_FIRST, [str(paths[name]), json.dumps(prompt), str(threads), json.dumps(LLAMA_KW)])
         if name in NATIVE:
-            return fresh_process(CHILD_NATIVE_FIRST, [str(paths[name]), json.dumps(prompt)])
+            return fresh_process(CHILD_NATIVE_FIRST, [str(paths[name]), json.dumps(prompt), str(threads)])
         return fresh_process(CHILD_TORCH_FIRST, [str(paths[name]), json.dumps(prompt), name])
 
     rows = {name: [] for name in paths}
@@ -234,10 +234,10 @@ class Native:
     """runtime/native_model.py's model, measured as the torch models are: the prefill's last logits
     from an empty cache; greedy decode timed token by token after the first, which the prompt gives."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, threads: int):
         from quantprep.runtime import native_model
 
-        self.model = native_model.load(path)
+        self.model = native_model.load(path, threads=threads)
 
     def prefill(self, ids: list[int]) -> float:
         self.model.reset(capacity=2 * PREFILL)
@@ -362,7 +362,7 @@ def main() -> None:
             if name in runtimes:
                 t0 = time.perf_counter()
                 models[name] = (GPTQModel.load(str(paths[name]), backend=BACKEND.TORCH, device="cpu").model.eval()
-                                if name == "gptqmodel" else Native(paths[name]) if name in NATIVE else quantprep.load(paths[name]))
+                                if name == "gptqmodel" else Native(paths[name], threads) if name in NATIVE else quantprep.load(paths[name]))
                 load_in_process[name] = time.perf_counter() - t0
     try:
         prefill, decode, decode_long, tokens = interleaved_runs(models, llama, ids, args.runs, args.new)
@@ -379,7 +379,7 @@ def main() -> None:
         "gguf": {"file": gguf.name, "sha256": gguf_sha256, "bytes": gguf.stat().st_size},
         "artifact": art and str(art.relative_to(REPO) if art.is_relative_to(REPO) else art),
         "head_artifacts": {k: str(v.relative_to(REPO) if v.is_relative_to(REPO) else v) for k, v in paths.items() if k.endswith("_head")},
-        "native_threads": int(os.environ.get("OMP_NUM_THREADS") or 0) or None,  # native_model.threads(): OMP_NUM_THREADS, else every CPU
+        "native_threads": {k: m.model.threads for k, m in models.items() if isinstance(m, Native)},
         **(codes if art else {"gptq_checkpoint": None, "codes": None}),
         "llamacpp_settings": LLAMA_KW | {"n_threads": threads, "n_threads_batch": threads},
         "tokens": tokens_info | {"prefill": PREFILL, "prompt": PROMPT, "new": args.new},

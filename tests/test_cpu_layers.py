@@ -378,7 +378,7 @@ def test_a_decode_layer_is_one_c_call(qwen2_a8):
 
 def test_a_decode_layer_follows_changes(qwen2_a8):
     """What the modules would do differently takes them: a hook on a member (it is called), a forward
-    set on a member, another plan, autograd, a row of another width (the modules' error, not C's
+    set on a member, another plan, fused members in another order, autograd, a row of another width (the modules' error, not C's
     read); a norm's new epsilon and a weight moved in memory (share_memory_) are C's too. Logits equal
     to the modules' throughout; model.float() leaves nothing of C's arguments."""
     model, counting = qwen2_a8
@@ -410,6 +410,10 @@ def test_a_decode_layer_follows_changes(qwen2_a8):
     layers[0].mlp.down_proj.plan = ((1, "int4_a8"),)
     decode(L)
     assert torch.equal(prefill_and_decode(model, PROMPT), modules)
+    attn = layers[0].self_attn  # the fused members in another order (as a manifest may list them): C reads q, k, v in order
+    attn.k_proj, attn.v_proj = attn.v_proj, attn.k_proj
+    decode(L - 1)
+    attn.k_proj, attn.v_proj = attn.v_proj, attn.k_proj
     norm = layers[1].post_attention_layernorm
     norm.variance_epsilon, eps = 0.25, norm.variance_epsilon  # read into C's arguments: they follow
     decode(L)

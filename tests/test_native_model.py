@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_LLAMA, random_cpu_artifact, relist
+from conftest import TINY_LLAMA, edit_manifest, random_cpu_artifact, relist
 from test_cpu_layers import TINY_QWEN2
 
 import quantprep
@@ -86,25 +86,45 @@ def test_a_fresh_process_imports_no_torch(tmp_path):
 
 
 def test_what_it_cannot_run_is_refused_with_one_line(tmp_path):
+    """Configs and manifests it cannot run, or that are malformed, or that describe another model
+    than the tensors: one line naming the artifact (ArtifactMismatch where quantprep.load may run it)."""
     art = random_cpu_artifact(tmp_path, TINY_QWEN2, bits=4, group_size=64, desc_act=True, sym=False)
     config = json.loads((art / "config.json").read_text())
-    for change, error, words in [({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, ArtifactMismatch, "rotary"),
-                                 ({"architectures": ["GemmaForCausalLM"]}, ArtifactMismatch, "GemmaForCausalLM"),
-                                 ({"num_key_value_heads": 3}, ArtifactMismatch, "key/value heads"),
-                                 ({"hidden_size": -5}, ArtifactError, "hidden_size")]:
+    manifest = json.loads((art / "manifest.json").read_text())
+    qkv = "model.layers.0.self_attn.qkv_proj"
+
+    def fused(order):
+        return lambda m: m["modules"][qkv]["fused"].update(members=order)
+
+    for change, edit, error, words in [
+            ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, None, ArtifactMismatch, "rotary"),
+            ({"architectures": ["GemmaForCausalLM"]}, None, ArtifactMismatch, "GemmaForCausalLM"),
+            ({"num_key_value_heads": 3}, None, ArtifactMismatch, "key/value heads"),
+            ({"hidden_size": -5}, None, ArtifactError, "hidden_size"),
+            ({"rope_scaling": [1], "rope_parameters": None}, None, ArtifactError, "rope_scaling"),
+            ({"tie_word_embeddings": 1}, None, ArtifactError, "tie_word_embeddings"),
+            ({"rms_norm_eps": 10 ** 400}, None, ArtifactError, "rms_norm_eps"),
+            ({"num_hidden_layers": 1}, None, ArtifactMismatch, "model.layers.1"),  # the manifest's second layer: refused, not dropped
+            ({}, fused(["q_proj", "v_proj", "k_proj"]), ArtifactMismatch, "fused"),  # C reads q, k, v in order
+            ({}, lambda m: m["modules"][qkv].update(bias=False), ArtifactError, "bias"),  # a Qwen2's q/k/v have one
+            ({}, lambda m: m["modules"][qkv].update(padded_in=float(m["modules"][qkv]["padded_in"])), ArtifactError, qkv)]:
         (art / "config.json").write_text(json.dumps(dict(config, **change)))
         relist(art, "config.json")
+        if edit:
+            edit_manifest(art, edit)
         with pytest.raises(error, match=words) as e:
             native_model.load(art)
         assert "\n" not in str(e.value) and str(art) in str(e.value)
+        (art / "manifest.json").write_text(json.dumps(manifest))
     (art / "config.json").write_text(json.dumps(config))
     relist(art, "config.json")
     native_model.load(art)
 
 
 def test_hostile_tensors_are_refused_before_c_reads_them(tmp_path):
-    """A perm that is not a permutation (C gathers x[perm[k]]) and a header whose offsets run past the
-    file: ArtifactError naming the tensor, not a read out of bounds."""
+    """A perm that is not a permutation (C gathers x[perm[k]]); a header whose offsets run past the
+    file, whose dtype is not a name, whose sizes disagree, or whose data is misaligned; a tensor the
+    model does not read: ArtifactError naming the tensor, not a read out of bounds or a traceback."""
     from quantprep.format import safetensors_numpy
 
     art = random_cpu_artifact(tmp_path, TINY_QWEN2, bits=4, group_size=64, desc_act=True, sym=False)
@@ -114,14 +134,30 @@ def test_hostile_tensors_are_refused_before_c_reads_them(tmp_path):
     header = json.loads(raw[8:8 + n])
     name = "model.layers.0.self_attn.o_proj.perm"
     begin = 8 + n + header[name]["data_offsets"][0]
+    first = bytes(raw[begin:begin + 4])
     raw[begin:begin + 4] = (10 ** 6).to_bytes(4, "little")
     shard.write_bytes(raw)
     with pytest.raises(ArtifactError, match="sha256"):  # the checks of every load come first
         native_model.load(art)
     with pytest.raises(ArtifactError, match=f"{name} is not a permutation"):
         native_model.load(art, verify=False)
-    header[name]["data_offsets"][1] += 1 << 30
-    text = json.dumps(header).encode()
-    shard.write_bytes(len(text).to_bytes(8, "little") + text + bytes(raw[8 + n:]))
-    with pytest.raises(ArtifactError, match=f"tensor {name}: data_offsets"):
-        safetensors_numpy.read(shard)
+    raw[begin:begin + 4] = first
+
+    def rewritten(change) -> None:
+        h = json.loads(json.dumps(header))
+        change(h)
+        text = json.dumps(h).encode()
+        text += b" " * (-(8 + len(text)) % 64)  # the data 64-byte aligned, as quantprep writes it
+        shard.write_bytes(len(text).to_bytes(8, "little") + text + bytes(raw[8 + n:]))
+
+    for change, words in [(lambda h: h[name]["data_offsets"].__setitem__(1, h[name]["data_offsets"][1] + (1 << 30)), "data_offsets"),
+                          (lambda h: h[name].update(dtype=["I32"]), "no dtype"),
+                          (lambda h: h[name]["data_offsets"].__setitem__(0, h[name]["data_offsets"][0] + 1), "shape"),
+                          (lambda h: h[name].update(data_offsets=[o + 2 for o in h[name]["data_offsets"]]), "aligned")]:
+        rewritten(change)
+        with pytest.raises(ArtifactError, match=f"tensor {name!r}: .*{words}"):
+            safetensors_numpy.read(shard)
+    rewritten(lambda h: h.update({"model.extra": h[name]}))  # one more tensor than the model reads (aliasing another's bytes)
+    relist(art, shard.name)
+    with pytest.raises(ArtifactError, match="'model.extra' is not one the"):
+        native_model.load(art)

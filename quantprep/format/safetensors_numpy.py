@@ -4,7 +4,8 @@ The format (huggingface.co/docs/safetensors): an 8-byte little-endian header len
 bytes of JSON ({name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}),
 then the data, offsets relative to its start. Every bound is checked before a byte of data is
 touched: the header's length against MAX_HEADER and the file, its JSON by _io/jsonfile's limits,
-each dtype against DTYPES, each shape's size against its offsets and each range against the file.
+each dtype against DTYPES, each shape's size against its offsets, each range against the file and
+its start against its element size (C reads the arrays as their type).
 Each tensor is a read-only view of one memory map of the file: no copy, the page cache's pages.
 bfloat16 comes back as uint16 (numpy has no bfloat16); the dtype name says which it is.
 """
@@ -49,8 +50,8 @@ def read(path: Path) -> dict[str, tuple[str, np.ndarray]]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        where = f"{path}: tensor {name}"
-        if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str) or entry["dtype"] not in DTYPES:
             raise ArtifactError(f"{where}: no dtype of {sorted(DTYPES)}; {fix}")
         shape, offsets = entry.get("shape"), entry.get("data_offsets")
         if not (isinstance(shape, list) and len(shape) <= 8 and all(type(d) is int and 0 <= d < 1 << 40 for d in shape)):
@@ -63,6 +64,8 @@ def read(path: Path) -> dict[str, tuple[str, np.ndarray]]:
         if count * dtype.itemsize != offsets[1] - offsets[0]:
             raise ArtifactError(f"{where}: shape {shape} of {entry['dtype']} is {count * dtype.itemsize} bytes, "
                                 f"its data_offsets hold {offsets[1] - offsets[0]}; {fix}")
+        if (start + offsets[0]) % dtype.itemsize:  # C reads it as an array of its type: aligned, as quantprep writes it
+            raise ArtifactError(f"{where}: starts at byte {start + offsets[0]}, not aligned to its {dtype.itemsize}-byte elements; {fix}")
         array = np.frombuffer(data, dtype, count, start + offsets[0]) if count else np.empty(0, dtype)
         tensors[name] = (entry["dtype"], array.reshape(shape))
     return tensors

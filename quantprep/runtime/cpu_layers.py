@@ -92,12 +92,12 @@ def rebuild(base: type, replaced: type, state: dict) -> nn.Module:
 
 def fused_as_built(parent: nn.Module, fused: str, members: tuple[str, ...]) -> bool:
     """Whether `parent`'s fused projection and its members are the ones load installed (runtime/fused.py),
-    with no forward hooks on them or on every module: a hook, or a member put in its place, must
-    see the member calls transformers' forward makes."""
+    in `members`' order (C reads the parts in that order), with no forward hooks on them or on every
+    module: a hook, or a member put in its place, must see the member calls transformers' forward makes."""
     mods = parent._modules
     group = [mods.get(fused)] + [mods.get(m) for m in members]
     return (not torch_module._global_forward_hooks and not torch_module._global_forward_pre_hooks
-            and all(type(m) is FusedMember and m.group.fused is group[0] for m in group[1:])
+            and all(type(m) is FusedMember and m.group.fused is group[0] and m.index == i for i, m in enumerate(group[1:]))
             and not any(m._forward_hooks or m._forward_pre_hooks for m in group))
 
 

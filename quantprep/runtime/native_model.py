@@ -35,6 +35,7 @@ from quantprep.runtime.checked import checked_manifest
 from quantprep.targets import cpu_c, native
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+FUSED_MEMBERS = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}  # in the order C reads them
 MAX_SIZE = 1 << 20  # any one dimension of a config: far above real models, small enough for int64 sums
 
 
@@ -48,10 +49,18 @@ def libraries() -> tuple[ctypes.CDLL, ctypes.CDLL, ctypes.CDLL] | None:
     return None if None in (a8, attention, layers) else (a8, attention, cpu_c.layers_functions(layers))
 
 
-def threads() -> int:
+def default_threads() -> int:
     """OMP_NUM_THREADS, else the CPUs this process may run on (what OpenMP itself starts)."""
     value = os.environ.get("OMP_NUM_THREADS", "")
     return int(value) if value.isdigit() and int(value) > 0 else len(os.sched_getaffinity(0))
+
+
+def set_openmp_threads(n: int) -> None:
+    """The thread count of the OpenMP regions this thread starts (the kernels that take no count)."""
+    try:
+        ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD).omp_set_num_threads(n)
+    except (OSError, AttributeError):  # another OpenMP runtime: its own default
+        pass
 
 
 def to_bf16(x: np.ndarray) -> np.ndarray:
@@ -69,43 +78,60 @@ def refuse(path: Path, why: str) -> ArtifactMismatch:
 
 
 class Config:
-    """The fields of config.json this runtime reads, checked (ArtifactError / ArtifactMismatch)."""
+    """The fields of config.json this runtime reads, checked (ArtifactError / ArtifactMismatch), and
+    which projections have a bias (Qwen2: q/k/v; Llama: attention_bias, mlp_bias), as transformers builds them."""
 
     def __init__(self, path: Path):
-        c = read_json_object(path / "config.json", ArtifactError, "the artifact is corrupt: rebuild it")
+        where, fix = path / "config.json", "the artifact is corrupt: rebuild it"
+        c = read_json_object(where, ArtifactError, fix)
         if c.get("architectures") not in ([a] for a in ARCHITECTURES) or c.get("hidden_act", "silu") != "silu":
             raise refuse(path, f"architectures {c.get('architectures')!r} with hidden_act {c.get('hidden_act')!r} "
                                f"(it runs {' and '.join(ARCHITECTURES)} with SiLU)")
+        layer_types, rope_scaling = c.get("layer_types") or [], c.get("rope_scaling")
+        if not isinstance(layer_types, list) or not isinstance(rope_scaling, dict | None) or \
+                type(c.get("tie_word_embeddings", False)) is not bool:
+            raise ArtifactError(f"{where}: layer_types {layer_types!r}, rope_scaling {rope_scaling!r} or tie_word_embeddings "
+                                f"{c.get('tie_word_embeddings')!r} is not what transformers reads; {fix}")
         if c.get("use_sliding_window") or (c.get("model_type") != "qwen2" and c.get("sliding_window")) or \
-                any(kind != "full_attention" for kind in c.get("layer_types") or []):
+                any(kind != "full_attention" for kind in layer_types):
             raise refuse(path, "a sliding-window attention")
 
         def size(key: str, default=None) -> int:
             v = default if c.get(key) is None else c[key]
             if type(v) is not int or not 0 < v <= MAX_SIZE:
-                raise ArtifactError(f"{path / 'config.json'}: {key} is {v!r}, not a size; the artifact is corrupt: rebuild it")
+                raise ArtifactError(f"{where}: {key} is {v!r}, not a size; {fix}")
             return v
+
+        def number(key: str, v) -> float:
+            x = float(v) if type(v) in (int, float) and abs(v) < 1e30 else float("nan")
+            if not 0 < x < 1e30:
+                raise ArtifactError(f"{where}: {key} is {v!r}, not a positive number; {fix}")
+            return x
 
         self.hidden, self.layers, self.heads = size("hidden_size"), size("num_hidden_layers"), size("num_attention_heads")
         self.kv_heads, self.intermediate, self.vocab = size("num_key_value_heads", self.heads), size("intermediate_size"), size("vocab_size")
         self.head_dim = size("head_dim", self.hidden // self.heads)
         if self.heads % self.kv_heads or self.head_dim % 16 or self.head_dim > cpu_c.MAX_HEAD_DIM or self.hidden % 32:
             raise refuse(path, f"{self.heads} heads of {self.head_dim} over {self.kv_heads} key/value heads, hidden size {self.hidden}")
-        rope = c.get("rope_parameters") or {"rope_theta": c.get("rope_theta", 10000.0), **(c.get("rope_scaling") or {})}
-        if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise refuse(path, f"rotary embedding {rope!r} (it runs the default one)")
-        self.rope_theta, self.eps = rope.get("rope_theta"), c.get("rms_norm_eps", 1e-6)
-        if not all(type(v) in (int, float) and v > 0 for v in (self.rope_theta, self.eps)):
-            raise ArtifactError(f"{path / 'config.json'}: rope_theta {self.rope_theta!r} or rms_norm_eps {self.eps!r} is not "
-                                "a positive number; the artifact is corrupt: rebuild it")
-        self.tied = c.get("tie_word_embeddings", False) is True
+        rope = c.get("rope_parameters") or {"rope_theta": c.get("rope_theta", 10000.0), **(rope_scaling or {})}
+        if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type", "default")) != "default" or \
+                c.get("partial_rotary_factor", 1.0) != 1.0:
+            raise refuse(path, f"rotary embedding {rope!r} (it runs the default one, over whole heads)")
+        self.rope_theta, self.eps = number("rope_theta", rope.get("rope_theta")), number("rms_norm_eps", c.get("rms_norm_eps", 1e-6))
+        self.tied = c.get("tie_word_embeddings", False)
+        qwen2 = c["architectures"] == ["Qwen2ForCausalLM"]
+        attention_bias, mlp_bias = (True, False) if qwen2 else (c.get("attention_bias", False), c.get("mlp_bias", False))
+        if type(attention_bias) is not bool or type(mlp_bias) is not bool:
+            raise ArtifactError(f"{where}: attention_bias {attention_bias!r} or mlp_bias {mlp_bias!r} is not true or false; {fix}")
+        self.bias = {"self_attn.qkv_proj": attention_bias, "self_attn.o_proj": attention_bias and not qwen2,
+                     "mlp.gate_up_proj": mlp_bias, "mlp.down_proj": mlp_bias}
 
 
 class Weights:
     """Every tensor of the artifact's shards, by name; `take` checks one's dtype and shape."""
 
     def __init__(self, path: Path, manifest: dict):
-        self.path, self.tensors = path, {}
+        self.path, self.tensors, self.taken = path, {}, set()
         for shard in manifest["shards"]:
             self.tensors.update(safetensors_numpy.read(path / shard))
 
@@ -115,27 +141,38 @@ class Weights:
         have, array = self.tensors[name]
         if have != dtype or array.shape != shape:
             raise ArtifactError(f"{self.path}: tensor {name} is {have} {list(array.shape)}, expected {dtype} {list(shape)}; rebuild the artifact")
+        self.taken.add(name)
         return array
+
+    def check_all_taken(self) -> None:
+        """Every tensor of the artifact is one the model reads (as quantprep.load's check_tensors): an
+        artifact of another shape of model is refused, not partly run."""
+        if extra := sorted(set(self.tensors) - self.taken):
+            raise ArtifactError(f"{self.path}: tensor {extra[0]!r} is not one the {self.path / 'config.json'} model reads; rebuild the artifact")
 
 
 class NativeModel:
     """The artifact's decoder with its KV cache. `forward(ids)` appends tokens and returns the last
     one's logits; `generate` decodes greedily; `reset` empties the cache."""
 
-    def __init__(self, path: Path, manifest: dict):
+    def __init__(self, path: Path, manifest: dict, threads: int | None = None):
         libs = libraries()
         if libs is None:
             raise refuse(path, "no C compiler here (cc), or QUANTPREP_NATIVE=0")
         a8, attention, self.lib = libs
-        self.block, self.threads = a8.a8_block(), threads()
+        self.block, self.threads = a8.a8_block(), threads or default_threads()
+        set_openmp_threads(self.threads)
         if not self.block:
             raise refuse(path, "this CPU has no int4_a8 kernel (it needs AVX2 and FMA, or AVX512-VNNI and VBMI)")
         target = manifest["target"]
         if target.get("name") != "cpu" or target.get("act_dtype") != "bfloat16":
-            raise refuse(path, f"a {target.get('name')} artifact for {target.get('act_dtype')} activations (it runs cpu, bfloat16)")
+            raise refuse(path, f"a {target.get('name')!r} artifact for {target.get('act_dtype')!r} activations (it runs cpu, bfloat16)")
         self.path, self.config, self.weights = path, Config(path), Weights(path, manifest)
         self.int4_a8, self.int8_a8 = cpu_c.int4_a8_function(a8), cpu_c.int8_a8_function(a8)
         c, modules = self.config, manifest["modules"]
+        names = {f"model.layers.{i}.{m}" for i in range(c.layers) for m in c.bias} | ({"lm_head"} & set(modules))
+        if extra := sorted(set(modules) - names):
+            raise refuse(path, f"module {extra[0]!r} in manifest.json is not one of the {c.layers}-layer model's projections")
         q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
         self.embed = self.weights.take("model.embed_tokens.weight", "BF16", (c.vocab, c.hidden))
         self.norm = self.weights.take("model.norm.weight", "BF16", (c.hidden,))
@@ -153,6 +190,7 @@ class NativeModel:
                 norms[0].ctypes.data, norms[1].ctypes.data, c.eps, c.eps, c.head_dim ** -0.5,
                 c.hidden, c.heads, c.kv_heads, c.head_dim, c.intermediate, *linears))
         self.head = self.lm_head(modules)
+        self.weights.check_all_taken()
         half = np.arange(0, c.head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(c.head_dim)
         self.inv_freq = (np.float32(1.0) / np.power(np.float32(c.rope_theta), half)).astype(np.float32)  # as transformers' default
         self.reset()
@@ -161,16 +199,20 @@ class NativeModel:
         """int4_a8's arguments for one projection the manifest lists, its tensors checked."""
         meta = modules.get(name)
         if not isinstance(meta, dict) or meta.get("bits") != 4:
-            raise refuse(self.path, f"module {name} is not a 4-bit projection ({meta and meta.get('bits')} bits)")
-        group, block = meta.get("kernel_group_size"), meta.get("pack_block_n")
-        fused = (meta.get("fused") or {}).get("sizes")
-        if (meta.get("in_features"), meta.get("out_features"), fused) != (k, n, parts) or type(group) is not int or \
-                group not in (32, 64, 128, 256) or meta.get("padded_in") != -(-k // group) * group or meta.get("padded_out") != n:
-            raise refuse(self.path, f"module {name} is {meta.get('in_features')}x{meta.get('out_features')} (fused {fused}, "
-                                    f"padded {meta.get('padded_in')}x{meta.get('padded_out')}, group {group}), not the {k}x{n} "
-                                    f"(fused {parts}) the config makes")
-        if block != self.block:
-            raise refuse(self.path, f"module {name} is packed in {block}-column blocks, this CPU's int4_a8 reads {self.block}")
+            raise refuse(self.path, f"module {name} is not a 4-bit projection ({meta and meta.get('bits')!r} bits)")
+        fields = [meta.get(f) for f in ("in_features", "out_features", "kernel_group_size", "padded_in", "padded_out", "pack_block_n")]
+        group, fused = fields[2], meta.get("fused")
+        members = FUSED_MEMBERS.get(name.rpartition(".")[2])
+        shape = [(fused or {}).get("members"), (fused or {}).get("sizes")] if fused else [None, None]
+        if not all(type(f) is int for f in fields) or group not in (32, 64, 128, 256) or \
+                fields[:2] + fields[3:5] + shape != [k, n, -(-k // group) * group, n, members, parts]:
+            raise refuse(self.path, f"module {name} has (in, out, group, padded in, padded out, block, fused) "
+                                    f"{(*fields, fused)!r}, not the {k}x{n} (fused {members}: {parts}) the config makes")
+        if fields[5] != self.block:
+            raise refuse(self.path, f"module {name} is packed in {fields[5]}-column blocks, this CPU's int4_a8 reads {self.block}")
+        if meta.get("bias") is not self.config.bias.get(name.split(".", 3)[-1], False):
+            raise ArtifactError(f"{self.path}: module {name}: bias {meta.get('bias')!r} in manifest.json, but the config's model "
+                                f"has {'one' if not meta.get('bias') else 'none'}; rebuild the artifact")
         kp = meta["padded_in"]
         qweight = self.weights.take(f"{name}.qweight", "U8", (n, kp // 2))
         sz = self.weights.take(f"{name}.scales_and_zeros", "BF16", (kp // group, n, 2))
@@ -185,8 +227,9 @@ class NativeModel:
         """A function of one bfloat16 row -> the vocabulary's logits (bfloat16 bits)."""
         c, meta = self.config, modules.get("lm_head")
         if meta is None:
-            w = self.embed if c.tied and "lm_head.weight" not in self.weights.tensors else \
-                self.weights.take("lm_head.weight", "BF16", (c.vocab, c.hidden))
+            if c.tied and "lm_head.weight" in self.weights.tensors:
+                self.weights.taken.add("lm_head.weight")  # as transformers ties it: the embedding's takes its place
+            w = self.embed if c.tied else self.weights.take("lm_head.weight", "BF16", (c.vocab, c.hidden))
 
             def gemv(x: np.ndarray) -> np.ndarray:
                 y = np.empty(c.vocab, np.uint16)
@@ -214,7 +257,7 @@ class NativeModel:
                 self.linear(args, x, 1, y)
                 return y
             return int4
-        raise refuse(self.path, f"an lm_head of {meta.get('bits')} bits ({meta.get('int8_kernel')}, act_order {meta.get('act_order')})")
+        raise refuse(self.path, f"an lm_head of {meta.get('bits')!r} bits ({meta.get('int8_kernel')!r}, act_order {meta.get('act_order')!r})")
 
     def linear(self, p: cpu_c.QuantLinearArgs, x: np.ndarray, rows: int, y: np.ndarray) -> None:
         status = self.int4_a8(x.ctypes.data, rows, p.in_features, p.perm, p.in_features, p.qweight, p.scales_and_zeros, p.padded_in,
@@ -282,8 +325,16 @@ class NativeModel:
         return tokens
 
 
-def load(path: str | os.PathLike, verify: bool | None = None, verify_key: str | os.PathLike | None = None) -> NativeModel:
+def load(path: str | os.PathLike, verify: bool | None = None, verify_key: str | os.PathLike | None = None,
+         threads: int | None = None) -> NativeModel:
     """A cpu artifact directory as a NativeModel, after the checks every load makes (checked.py;
-    `verify` and `verify_key` as quantprep.load's). ArtifactMismatch: not one this runtime runs."""
+    `verify` and `verify_key` as quantprep.load's). threads: default OMP_NUM_THREADS, else every CPU
+    this process may use. ArtifactMismatch: not one this runtime runs. The shards stay mapped while
+    the model lives, as llama.cpp's: replace an artifact as quantprep does (a new directory swapped
+    in), never its files in place."""
     path = Path(path)
-    return NativeModel(path, checked_manifest(path, verify, configured_key(verify_key)))
+    manifest = checked_manifest(path, verify, configured_key(verify_key))
+    try:
+        return NativeModel(path, manifest, threads)
+    except (TypeError, ValueError, OverflowError, KeyError) as e:  # a field the checks above did not type
+        raise ArtifactError(f"{path}: malformed manifest.json or config.json ({type(e).__name__}: {e!r}); rebuild the artifact") from None
