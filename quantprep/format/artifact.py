@@ -8,6 +8,7 @@ loadable, which the next writer removes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -90,8 +91,9 @@ SAFETENSORS_TO_TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "B
                         "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
+@functools.cache
 def torch_dtypes() -> dict:
-    """A safetensors header's dtype -> torch's dtype."""
+    """A safetensors header's dtype -> torch's dtype (built once: hf_quantizer asks per tensor)."""
     import torch
 
     return {name: getattr(torch, dtype) for name, dtype in SAFETENSORS_TO_TORCH.items()}
