@@ -287,34 +287,41 @@ def vs_gptqmodel_openvino(*runs: dict) -> str:
     return "\n".join(out)
 
 
-def _dense_cells(m: dict, unit: str, ratio: str) -> str:
-    """One vs_gptqmodel_dense row's cells from GPTQModel's on; dense float32's are "-" in runs without it."""
-    f32 = m.get("dense_float32")
-    f32_value = f"{f32['median']:.2f} {unit}" if f32 else "-"
-    f32_ratio = f"{m['quantprep_over_dense_float32']:.2f}x {ratio}" if f32 else "-"
-    return (f"{m['gptqmodel']['median']:.2f} {unit} | {m['quantprep']['median']:.2f} {unit} | {m['dense']['median']:.2f} {unit} | "
-            f"{f32_value} | {m['quantprep_over_gptqmodel']:.2f}x {ratio} | {m['quantprep_over_dense']:.2f}x {ratio} | {f32_ratio} |")
+def _runtime_label(r: dict, name: str) -> str:
+    """A vs_gptqmodel model's name in a table: GPTQModel's with its backend, dtype and kernel (files
+    before --gptqmodel ran BACKEND.TORCH, TorchLinear)."""
+    if name.startswith("gptqmodel"):
+        v = r.get("gptqmodel_variants", {}).get(name, {"backend": "TORCH", "dtype": "default", "kernels": ["TorchLinear"]})
+        dtype = "" if v["dtype"] == "default" else f", {v['dtype']}"
+        return f"GPTQModel, BACKEND.{v['backend']}{dtype} ({', '.join(v['kernels'])})"
+    return {"quantprep": "quantprep (cpu artifact, kernel plan)", "dense": "dense bf16", "dense_float32": "dense float32"}[name]
 
 
 def vs_gptqmodel_dense(*runs: dict) -> str:
     """quantprep's cpu artifact (its kernel plan applied), GPTQModel and the dense bfloat16 model of one
     checkpoint, in one run (benchmarks/vs_gptqmodel.py --dense --profile); below AVX512 also the dense
-    float32 model (--dense bfloat16,float32): torch's bfloat16 GEMM is slower than its float32 one there."""
-    out = ["| model, machine, date | | GPTQModel (TORCH backend) | quantprep (cpu artifact, kernel plan) | dense bf16 | dense float32 "
-           "| quantprep / GPTQModel | quantprep / dense bf16 | quantprep / dense float32 |", "| --- |" + " --- |" * 8]
+    float32 model (--dense-float32: torch's bfloat16 GEMM is slower than its float32 one there) and
+    GPTQModel's other CPU backends (--gptqmodel)."""
+    out = ["| model, machine, date | runtime | 512-token prefill | quantprep's time / its | decode | quantprep's speed / its |",
+           "| --- |" + " --- |" * 5]
     for r in runs:
-        head = f"{r['model']}, {r['cpu']} ({r['cores']} cores, {r['cpu_capability']}, {r['threads']} threads), {r['date'][:10]}{_codes(r)}"
         pf, dc = r["prefill_512_s"], r["decode_tok_s"]
-        out += [f"| {head} | 512-token prefill (median of {len(pf['quantprep']['runs'])}) | {_dense_cells(pf, 's', 'the time')}",
-                f"| | decode, {r['decode_new_tokens']} tokens after a 16-token prompt | {_dense_cells(dc, 'tok/s', 'the speed')}",
-                f"| | kernel plan | | {r['kcache'].get('plan', 'none')} modules planned ({r['kcache'].get('trusted', r['kcache']['status'])}) "
-                "| | | | | |"]
+        head = (f"{r['model']}, {r['cpu']} ({r['cores']} cores, {r['cpu_capability']}, {r['threads']} threads), {r['date'][:10]}{_codes(r)}; "
+                f"prefill: median of {len(pf['quantprep']['runs'])}; decode: {r['decode_new_tokens']} tokens after a 16-token prompt")
+        for name in ["quantprep"] + [k for k, v in pf.items() if isinstance(v, dict) and k != "quantprep"]:
+            ours = name == "quantprep"
+            cells = [head, _runtime_label(r, name), f"{pf[name]['median']:.2f} s",
+                     "" if ours else f"{pf['quantprep']['median'] / pf[name]['median']:.2f}x", f"{dc[name]['median']:.2f} tok/s",
+                     "" if ours else f"{dc['quantprep']['median'] / dc[name]['median']:.2f}x"]
+            out.append("| " + " | ".join(cells) + " |")
+            head = ""
+        out.append(f"| | kernel plan: {r['kcache'].get('plan', 'none')} modules planned ({r['kcache'].get('trusted', r['kcache']['status'])}) | | | | |")
     for r in runs:  # each run's profile under the table of all runs
         prof, n = r.get("prefill_profile_ms"), len(r["prefill_512_s"]["quantprep"]["runs"])
         if prof:
             kinds = [k for k in dict.fromkeys(k for p in prof.values() for k in p) if k != "total"]
             out += ["", f"`{r['_file']}`: 512-token prefill by module kind, ms, exclusive of children (forward hooks, median of {n}):", "",
-                    "| module kind | " + " | ".join(prof) + " |", "| --- |" + " --- |" * len(prof)]
+                    "| module kind | " + " | ".join(_runtime_label(r, k) for k in prof) + " |", "| --- |" + " --- |" * len(prof)]
             out += [f"| {k} | " + " | ".join(f"{p[k]:.1f}" if k in p else "" for p in prof.values()) + " |" for k in kinds]
             out.append("| total | " + " | ".join(f"{p['total']:.1f}" for p in prof.values()) + " |")
     return "\n".join(out)
@@ -809,6 +816,17 @@ def _m1_speed(r: dict, model: str) -> float:
     return m1["dense"]["median"] / m1["plan"]["median"]
 
 
+def _vs_gptqmodel_avx2(r: dict) -> str:
+    """quantprep's prefill time and decode speed over each other model's in one vs_gptqmodel run, with the goals."""
+    pf, dc = r["prefill_512_s"], r["decode_tok_s"]
+    others = [k for k, v in pf.items() if isinstance(v, dict) and k != "quantprep"]
+    prefill = ", ".join(f"{pf['quantprep']['median'] / pf[k]['median']:.2f}x" for k in others)
+    decode = ", ".join(f"{dc['quantprep']['median'] / dc[k]['median']:.2f}x" for k in others)
+    return (f"prefill {prefill}; decode {decode}" + _met(pf["quantprep_over_gptqmodel"] <= 1, "prefill vs GPTQModel")
+            + _met(pf["quantprep_over_dense"] <= 1.1, "vs dense bf16") + _met(pf["quantprep_over_dense_float32"] <= 1.1, "vs dense float32")
+            + _met(dc["quantprep_over_gptqmodel"] >= 10, "decode >= 10x GPTQModel"))
+
+
 def _each(fn):
     """One figure on several machines in one row: fn of each results file, in order; the row's
     machine and date cells list each file's too."""
@@ -869,7 +887,7 @@ SUMMARY = [
      ["vs-gptqmodel-qwen2.5-coder-1.5b-cpu-avx512.json"],
      lambda r: f"{r['decode_tok_s']['quantprep_over_gptqmodel']:.2f}x, {r['prefill_512_s']['quantprep_over_gptqmodel']:.2f}x, "
                f"{r['quality']['ppl']['quantprep'] / r['quality']['ppl']['gptqmodel']:.4f}"),
-    ("CPU 512-token prefill with the kernel plan / GPTQModel's, / the dense bf16 model's, real Qwen2.5-Coder-1.5B, two runs",
+    ("CPU 512-token prefill with the kernel plan / GPTQModel's (BACKEND.TORCH), / the dense bf16 model's, real Qwen2.5-Coder-1.5B, two runs",
      "CPU prefill (<= 1x GPTQModel, <= 1.1x dense)", PLANS,
      ["vs-gptqmodel-dense-qwen2.5-coder-1.5b-cpu-avx512.json", "vs-gptqmodel-dense-qwen2.5-coder-1.5b-cpu-avx512-run2.json"],
      _each(lambda r: f"{r['prefill_512_s']['quantprep_over_gptqmodel']:.2f}x, {r['prefill_512_s']['quantprep_over_dense']:.2f}x"
@@ -877,6 +895,10 @@ SUMMARY = [
     ("the same runs: decode speed / GPTQModel's, / dense bf16's", "CPU decode (>= 10x GPTQModel)", PLANS,
      ["vs-gptqmodel-dense-qwen2.5-coder-1.5b-cpu-avx512.json", "vs-gptqmodel-dense-qwen2.5-coder-1.5b-cpu-avx512-run2.json"],
      _each(lambda r: f"{r['decode_tok_s']['quantprep_over_gptqmodel']:.2f}x, {r['decode_tok_s']['quantprep_over_dense']:.2f}x")),
+    ("the same on AVX2, quantprep / each peer in one run: GPTQModel's own pick (AUTO: TorchAtenLinear, bf16), GPTQModel's "
+     "TORCH_FUSED in float32, dense bf16, dense float32; real Qwen2.5-Coder-1.5B's shapes (codes rounded to nearest)",
+     "CPU prefill (<= 1x GPTQModel, <= 1.1x dense), decode (>= 10x GPTQModel)", PLANS,
+     ["vs-gptqmodel-dense-qwen2.5-coder-1.5b-cpu-avx2.json"], _vs_gptqmodel_avx2),
     ("GPU 512-token prefill with the kernel plan / dense bf16, Qwen2.5-1.5B shapes, CUDA graphs, mslk-cuda installed",
      "GPU prefill (<= 1.2x dense)", PLANS, ["plan-prefill-cuda-h200.json", "plan-prefill-cuda-h100.json"],
      _each(lambda r: f"{r['models']['1.5b']['prefill512_over_dense']['plan']:.2f}x (the Triton GEMM alone: "

@@ -10,11 +10,13 @@ openvino.genai's pipeline). All loaded in one process, measured side by side, in
   - decode: greedy tokens/s for --new tokens after a 16-token prompt (generate, KV cache), median
     of --runs, with the two token sequences compared.
 
-GPTQModel runs with BACKEND.TORCH on the CPU (its CPU kernel; it compiles with Inductor on first use,
-so each model gets an untimed warm-up first: a 64-token forward and the decode; on a CPU without
-a fast bf16 GEMM, AVX2, GPTQModel's 512-token prefill takes minutes, so a full-length warm-up is
-left out and its first timed prefill may include some compile). The artifact is the cpu build of
-the same checkpoint, which is found in the build cache by content.
+GPTQModel runs with BACKEND.TORCH on the CPU by default (its portable CPU kernel; it compiles with
+Inductor on first use, so each model gets an untimed warm-up first: a 64-token forward and the
+decode; a full-length warm-up is left out, so a first timed prefill may include some compile).
+--gptqmodel BACKEND[:DTYPE] names GPTQModel's backend and dtype instead, and may be given more than
+once: AUTO is what `GPTQModel.load` picks on this machine. The first one is the reference of the
+quality comparison and is called "gptqmodel" in the JSON; the others "gptqmodel_<backend>[_<dtype>]".
+The artifact is the cpu build of the same checkpoint, which is found in the build cache by content.
 
 With --dense, the same checkpoint dequantized to a dense bfloat16 model runs beside them (the
 floor a weight-only int4 prefill is held to, issue 32); with --profile, each model's 512-token
@@ -24,12 +26,14 @@ with forward hooks, exclusive times, median of --runs.
 With --dense --dense-float32 the float32 model runs too: below AVX512-BF16 torch's bfloat16 GEMM is
 several times slower than its float32 one, so there float32 is the dense model a user would run.
 
-Run it where the CPU has AVX512-BF16 or AMX: on a 2-core AVX2 machine (2026-11-27) GPTQModel took
-599 s for its warm-up and 1720 s for one 512-token prefill of the 1.5B (decode 0.1 tok/s), so three
-runs did not fit a session.
+On a CPU without AVX512-BF16 BACKEND.TORCH multiplies in torch's bfloat16 reference loop: on a 2-core
+AVX2 machine (2026-11-27) it took 599 s for its warm-up and 1720 s for one 512-token prefill of the
+1.5B (decode 0.1 tok/s). There GPTQModel's own choice (AUTO: TorchAtenLinear) and TORCH_FUSED in
+float32 are the peers a user would run.
 
     python benchmarks/vs_gptqmodel.py artifacts/qwen2.5-coder-1.5b/cpu [--openvino artifacts/qwen2.5-coder-1.5b/openvino]
-        [--dense] [--profile] [--windows 4] [--runs 3] [--new 32] [--out benchmarks/results/vs-gptqmodel-qwen2.5-coder-1.5b-cpu-avx512.json]
+        [--gptqmodel AUTO --gptqmodel TORCH_FUSED:float32] [--dense [--dense-float32]] [--profile]
+        [--windows 4] [--runs 3] [--new 32] [--out benchmarks/results/vs-gptqmodel-qwen2.5-coder-1.5b-cpu-avx512.json]
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ def kind(name: str, module) -> str:
         return "embeddings, rotary"
     if cls == "Linear":
         return "dense linears"
-    if "Linear" in cls or "QuantLinear" in cls or "Fused" in cls:
+    if "Linear" in cls or "Fused" in cls or cls == "Int4PackedOp":  # Int4PackedOp: TorchFusedLinear's kernel, its child
         return "quantized linears"
     return "rest (model, layers)"
 
@@ -105,6 +109,8 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--new", type=int, default=32)
+    p.add_argument("--gptqmodel", action="append", metavar="BACKEND[:DTYPE]",
+                   help="GPTQModel's backend (a gptqmodel.BACKEND name) and dtype; repeatable; default TORCH")
     p.add_argument("--openvino", metavar="DIR", help="the openvino artifact of the same checkpoint")
     p.add_argument("--dense", action="store_true", help="also the checkpoint dequantized to a dense bfloat16 model")
     p.add_argument("--dense-float32", action="store_true",
@@ -112,6 +118,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="split each model's 512-token prefill by module kind")
     p.add_argument("--out")
     args = p.parse_args()
+    if args.dense_float32 and not args.dense:
+        p.error("--dense-float32 needs --dense")
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count()))
 
     from gptqmodel import BACKEND, GPTQModel
@@ -133,10 +141,18 @@ def main() -> None:
     t0 = time.perf_counter()
     ours = quantprep.load(art)
     load_ours = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    theirs = GPTQModel.load(str(gptq), backend=BACKEND.TORCH, device="cpu").model.eval()
-    load_theirs = time.perf_counter() - t0
-    models = {"gptqmodel": theirs, "quantprep": ours}
+    models, variants, load_theirs = {}, {}, {}
+    for i, spec in enumerate(args.gptqmodel or ["TORCH"]):
+        backend, _, dtype = spec.partition(":")
+        name = "gptqmodel" if i == 0 else "_".join(["gptqmodel", backend.lower()] + ([dtype] if dtype else []))
+        t0 = time.perf_counter()
+        models[name] = GPTQModel.load(str(gptq), backend=getattr(BACKEND, backend), device="cpu",
+                                      **({"dtype": getattr(torch, dtype)} if dtype else {})).model.eval()
+        load_theirs[name] = time.perf_counter() - t0
+        variants[name] = {"backend": backend, "dtype": dtype or "default",
+                          "kernels": sorted({type(m).__name__ for m in models[name].modules() if hasattr(m, "qweight")})}
+    theirs = models["gptqmodel"]
+    models = {"gptqmodel": theirs, "quantprep": ours} | {k: v for k, v in models.items() if k != "gptqmodel"}
     dense = ({"dense": torch.bfloat16} if args.dense else {}) | ({"dense_float32": torch.float32} if args.dense and args.dense_float32 else {})
     if dense:
         from quantprep.tools.eval import dequantized_model
@@ -151,7 +167,8 @@ def main() -> None:
         load_ov = time.perf_counter() - t0
         hint = models["openvino"].compiled.get_property("INFERENCE_PRECISION_HINT")
         dtypes["openvino"] = f"OpenVINO {getattr(hint, 'get_type_name', lambda: str(hint))()}, int8 dynamic quantization"
-    print(f"loaded: quantprep {load_ours:.1f} s, gptqmodel {load_theirs:.1f} s; dtypes {dtypes}", flush=True)
+    print(f"loaded: quantprep {load_ours:.1f} s, {({k: round(v, 1) for k, v in load_theirs.items()})} s; dtypes {dtypes}; "
+          f"{variants}", flush=True)
 
     prompt = windows[0, :16][None]
     prefill_ids = windows[0][None]
@@ -196,7 +213,8 @@ def main() -> None:
         "artifact": str(art),
         **checkpoint_codes(gptq),
         "dtypes": dtypes,
-        "load_in_process_s": {"gptqmodel": load_theirs, "quantprep": load_ours, **({"openvino": load_ov} if args.openvino else {})},
+        "gptqmodel_variants": variants,
+        "load_in_process_s": {**load_theirs, "quantprep": load_ours, **({"openvino": load_ov} if args.openvino else {})},
         "prefill_512_s": {k: median_and_runs(v) for k, v in prefill.items()},
         "decode_tok_s": {k: median_and_runs(v) for k, v in decode.items()},
         "decode_new_tokens": args.new,
@@ -214,7 +232,8 @@ def main() -> None:
     }
     for k in ("prefill_512_s", "decode_tok_s"):
         r = result[k]
-        r["quantprep_over_gptqmodel"] = r["quantprep"]["median"] / r["gptqmodel"]["median"]
+        for name in variants:
+            r[f"quantprep_over_{name}"] = r["quantprep"]["median"] / r[name]["median"]
         for name in dense:
             r[f"quantprep_over_{name}"] = r["quantprep"]["median"] / r[name]["median"]
             r[f"gptqmodel_over_{name}"] = r["gptqmodel"]["median"] / r[name]["median"]
