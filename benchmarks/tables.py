@@ -879,11 +879,11 @@ SUMMARY = [
     ("openvino artifact / cpu artifact of the same checkpoint, Qwen2.5-Coder-1.5B: perplexity, KLD", "same quality on every target (<= 0.5%)",
      OPENVINO, ["eval-qwen2.5-coder-1.5b-cpu-avx512-2026-11-25.json", "eval-qwen2.5-coder-1.5b-openvino-avx512.json",
                 "eval-qwen2.5-coder-1.5b-openvino-exact-avx512.json"], _openvino_quality),
-    ("openvino artifact (OpenVINO's CPU plugin, its defaults) beside the cpu artifact and GPTQModel, one run", "the openvino target on a CPU",
+    ("openvino artifact (OpenVINO's CPU plugin, its defaults) beside the cpu artifact and GPTQModel (BACKEND.TORCH), one run", "the openvino target on a CPU",
      OPENVINO, ["vs-gptqmodel-openvino-qwen2.5-coder-1.5b-cpu-avx512.json"], _openvino_speed),
     ("openvino artifact, spawn to first token, Qwen2.5-Coder-1.5B", "load in seconds", OPENVINO,
      ["openvino-start-qwen2.5-coder-1.5b-cpu-avx512.json"], _openvino_start),
-    ("quantprep / GPTQModel on one checkpoint: decode speed, 512-token prefill time, perplexity", "CPU decode vs GPTQModel", VS,
+    ("quantprep / GPTQModel (BACKEND.TORCH) on one checkpoint: decode speed, 512-token prefill time, perplexity", "CPU decode vs GPTQModel", VS,
      ["vs-gptqmodel-qwen2.5-coder-1.5b-cpu-avx512.json"],
      lambda r: f"{r['decode_tok_s']['quantprep_over_gptqmodel']:.2f}x, {r['prefill_512_s']['quantprep_over_gptqmodel']:.2f}x, "
                f"{r['quality']['ppl']['quantprep'] / r['quality']['ppl']['gptqmodel']:.4f}"),
@@ -892,7 +892,7 @@ SUMMARY = [
      ["vs-gptqmodel-dense-qwen2.5-coder-1.5b-cpu-avx512.json", "vs-gptqmodel-dense-qwen2.5-coder-1.5b-cpu-avx512-run2.json"],
      _each(lambda r: f"{r['prefill_512_s']['quantprep_over_gptqmodel']:.2f}x, {r['prefill_512_s']['quantprep_over_dense']:.2f}x"
            + (" (dense: not met)" if r['prefill_512_s']['quantprep_over_dense'] > 1.1 else ""))),
-    ("the same runs: decode speed / GPTQModel's, / dense bf16's", "CPU decode (>= 10x GPTQModel)", PLANS,
+    ("the same runs: decode speed / GPTQModel's (BACKEND.TORCH), / dense bf16's", "CPU decode (>= 10x GPTQModel)", PLANS,
      ["vs-gptqmodel-dense-qwen2.5-coder-1.5b-cpu-avx512.json", "vs-gptqmodel-dense-qwen2.5-coder-1.5b-cpu-avx512-run2.json"],
      _each(lambda r: f"{r['decode_tok_s']['quantprep_over_gptqmodel']:.2f}x, {r['decode_tok_s']['quantprep_over_dense']:.2f}x")),
     ("the same on AVX2, quantprep / each peer in one run: GPTQModel's own pick (AUTO: TorchAtenLinear, bf16), GPTQModel's "
