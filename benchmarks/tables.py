@@ -370,9 +370,11 @@ def vs_llamacpp(*runs: dict) -> str:
     names = {"llamacpp": "llama.cpp (the recipe's Q4_K_M GGUF)", "quantprep": "quantprep (cpu artifact)",
              "quantprep_int8_head": "quantprep, built with `--lm-head int8`", "quantprep_int4_head": "quantprep, built with `--lm-head int4`",
              "native": "quantprep's native runtime (cpu artifact)", "native_int8_head": "native runtime, `--lm-head int8`",
-             "native_int4_head": "native runtime, `--lm-head int4`", "gptqmodel": "GPTQModel (TORCH backend)"}
+             "native_int4_head": "native runtime, `--lm-head int4`"}
     out = []
     for r in runs:
+        # files before --gptqmodel-backend ran BACKEND.TORCH
+        names["gptqmodel"] = f"GPTQModel (BACKEND.{r.get('gptqmodel_backend') or 'TORCH'}{': ' + ', '.join(r['gptqmodel_kernels']) if r.get('gptqmodel_kernels') else ''})"
         dc, pf, ft = r["decode_tok_s"], r["prefill_512_s"], r["first_token_s"]
         dl = r["decode_after_512_tok_s"]
         out += [""] * bool(out) + [
@@ -388,7 +390,7 @@ def vs_llamacpp(*runs: dict) -> str:
             f = ft[k]
             out.append(f"| {name} | {dc[k]['median']:.2f} | {dl[k]['median']:.2f} | {pf[k]['median']:.2f} | {f['total_s']:.2f} "
                        f"({f['import_s']:.2f} / {f['load_s']:.2f} / {f['first_s']:.2f}) |")
-        for k in ("quantprep", "quantprep_int8_head", "quantprep_int4_head", "native", "native_int8_head", "native_int4_head"):
+        for k in ("quantprep", "quantprep_int8_head", "quantprep_int4_head", "native", "native_int8_head", "native_int4_head", "gptqmodel"):
             if f"{k}_over_llamacpp" in dc:
                 out.append(f"| {names[k].split(' (')[0]} / llama.cpp | {dc[f'{k}_over_llamacpp']:.2f}x the speed | "
                            f"{dl[f'{k}_over_llamacpp']:.2f}x the speed | {pf[f'{k}_over_llamacpp']:.2f}x the time | "

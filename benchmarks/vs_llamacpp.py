@@ -1,7 +1,8 @@
 """llama.cpp as the CPU anchor (issue 32): the very GGUF a recipe starts from (Qwen2.5-Coder-1.5B: Q4_K_M),
 run by llama.cpp (llama-cpp-python, built here with -march=native and OpenMP: `make bench-llamacpp`), beside quantprep's
-cpu artifact and GPTQModel's own CPU kernel (BACKEND.TORCH) on the GPTQ checkpoint that artifact was
-built from (found in the build cache by content), and, where they exist beside the cpu artifact, the
+cpu artifact and GPTQModel (--gptqmodel-backend, default TORCH, its portable CPU kernel; AUTO: what
+GPTQModel.load picks on this machine) on the GPTQ checkpoint that artifact was built from (found in
+the build cache by content), and, where they exist beside the cpu artifact, the
 same checkpoint's cpu artifacts built with `--lm-head int8` and `--lm-head int4` (RECIPE-int8-head/cpu,
 RECIPE-int4-head/cpu: quantprep_int8_head, quantprep_int4_head; opted-into changes of the model), and
 the same three artifacts run by runtime/native_model.py (native, native_int8_head, native_int4_head:
@@ -30,7 +31,7 @@ seconds, and a ratio of runs far apart in time measured that. Each ratio's per-r
 (`NAME_over_llamacpp_runs`) are kept beside the ratio of medians.
 
     python benchmarks/vs_llamacpp.py qwen2.5-coder-1.5b [--artifact artifacts/qwen2.5-coder-1.5b/cpu]
-        [--runtimes llamacpp,quantprep,gptqmodel] [--runs 5] [--loads 3] [--new 32]
+        [--runtimes llamacpp,quantprep,gptqmodel] [--gptqmodel-backend AUTO] [--runs 5] [--loads 3] [--new 32]
         [--out benchmarks/results/vs-llamacpp-qwen2.5-coder-1.5b-cpu-avx512.json]
 
 --runtimes llamacpp measures llama.cpp alone (no artifact needed: a smoke run, token ids from the GGUF).
@@ -95,7 +96,7 @@ else:
     import quantprep
 t1 = time.time()
 if sys.argv[3] == "gptqmodel":
-    m = GPTQModel.load(sys.argv[1], backend=BACKEND.TORCH, device="cpu")
+    m = GPTQModel.load(sys.argv[1], backend=getattr(BACKEND, sys.argv[4]), device="cpu")
 else:
     m = quantprep.load(sys.argv[1])
 t2 = time.time()
@@ -182,14 +183,14 @@ def token_ids(gguf: Path, art: Path | None) -> tuple[list[int], dict]:
                         "gguf_tokenizer_same_prefix": same}
 
 
-def time_to_first_token(paths: dict[str, Path], prompt: list[int], threads: int, loads: int) -> dict:
+def time_to_first_token(paths: dict[str, Path], prompt: list[int], threads: int, loads: int, backend: str) -> dict:
     """Spawn to the first token, each runtime in fresh processes, interleaved; one untimed start each first."""
     def start(name: str) -> dict:
         if name == "llamacpp":
             return fresh_process(CHILD_LLAMACPP_FIRST, [str(paths[name]), json.dumps(prompt), str(threads), json.dumps(LLAMA_KW)])
         if name in NATIVE:
             return fresh_process(CHILD_NATIVE_FIRST, [str(paths[name]), json.dumps(prompt), str(threads)])
-        return fresh_process(CHILD_TORCH_FIRST, [str(paths[name]), json.dumps(prompt), name])
+        return fresh_process(CHILD_TORCH_FIRST, [str(paths[name]), json.dumps(prompt), name, backend])
 
     rows = {name: [] for name in paths}
     for name in paths:
@@ -308,6 +309,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--loads", type=int, default=3)
     p.add_argument("--new", type=int, default=32)
+    p.add_argument("--gptqmodel-backend", default="TORCH", help="GPTQModel's backend, a gptqmodel.BACKEND name (AUTO: its own pick)")
     p.add_argument("--out")
     args = p.parse_args()
     runtimes = [r for r in RUNTIMES if r in args.runtimes.split(",")]
@@ -350,7 +352,7 @@ def main() -> None:
     prompt = ids[:PROMPT]
     print(f"{recipe.name}: {', '.join(f'{k} {v}' for k, v in paths.items())}; {threads} threads", flush=True)
 
-    first = time_to_first_token(paths, prompt, threads, args.loads)
+    first = time_to_first_token(paths, prompt, threads, args.loads, args.gptqmodel_backend)
     llama = LlamaCppChild(gguf, ids, threads, args.new) if "llamacpp" in runtimes else None
     models, load_in_process = {}, {}
     if art is not None:
@@ -361,7 +363,7 @@ def main() -> None:
         for name in RUNTIMES[1:]:
             if name in runtimes:
                 t0 = time.perf_counter()
-                models[name] = (GPTQModel.load(str(paths[name]), backend=BACKEND.TORCH, device="cpu").model.eval()
+                models[name] = (GPTQModel.load(str(paths[name]), backend=getattr(BACKEND, args.gptqmodel_backend), device="cpu").model.eval()
                                 if name == "gptqmodel" else Native(paths[name], threads) if name in NATIVE else quantprep.load(paths[name]))
                 load_in_process[name] = time.perf_counter() - t0
     try:
@@ -380,6 +382,8 @@ def main() -> None:
         "artifact": art and str(art.relative_to(REPO) if art.is_relative_to(REPO) else art),
         "head_artifacts": {k: str(v.relative_to(REPO) if v.is_relative_to(REPO) else v) for k, v in paths.items() if k.endswith("_head")},
         "native_threads": {k: m.model.threads for k, m in models.items() if isinstance(m, Native)},
+        "gptqmodel_backend": args.gptqmodel_backend if "gptqmodel" in models else None,
+        "gptqmodel_kernels": sorted({type(m).__name__ for m in models["gptqmodel"].modules() if hasattr(m, "qweight")}) if "gptqmodel" in models else None,
         **(codes if art else {"gptq_checkpoint": None, "codes": None}),
         "llamacpp_settings": LLAMA_KW | {"n_threads": threads, "n_threads_batch": threads},
         "tokens": tokens_info | {"prefill": PREFILL, "prompt": PROMPT, "new": args.new},
