@@ -29,7 +29,9 @@ several times slower than its float32 one, so there float32 is the dense model a
 On a CPU without AVX512-BF16 BACKEND.TORCH multiplies in torch's bfloat16 reference loop: on a 2-core
 AVX2 machine (2026-11-27) it took 599 s for its warm-up and 1720 s for one 512-token prefill of the
 1.5B (decode 0.1 tok/s). There GPTQModel's own choice (AUTO: TorchAtenLinear) and TORCH_FUSED in
-float32 are the peers a user would run.
+float32 are the peers a user would run. (TorchFusedLinear's first forward turns on Inductor's
+freezing and max_autotune for the whole process: a model that compiles with Inductor after it, such
+as BACKEND.TORCH listed after TORCH_FUSED, compiles under those settings.)
 
     python benchmarks/vs_gptqmodel.py artifacts/qwen2.5-coder-1.5b/cpu [--openvino artifacts/qwen2.5-coder-1.5b/openvino]
         [--gptqmodel AUTO --gptqmodel TORCH_FUSED:float32] [--dense [--dense-float32]] [--profile]
@@ -123,6 +125,17 @@ def main() -> None:
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count()))
 
     from gptqmodel import BACKEND, GPTQModel
+
+    specs: dict[str, tuple[str, str]] = {}  # JSON name -> (BACKEND name, torch dtype name or "")
+    for i, spec in enumerate(args.gptqmodel or ["TORCH"]):
+        backend, _, dtype = spec.upper().partition(":")
+        if backend not in BACKEND.__members__ or dtype and not isinstance(getattr(torch, dtype.lower(), None), torch.dtype):
+            p.error(f"--gptqmodel {spec!r}: not BACKEND[:DTYPE] (a gptqmodel.BACKEND name, a torch dtype)")
+        dtype = str(getattr(torch, dtype.lower())).removeprefix("torch.") if dtype else ""  # float -> float32
+        name = "gptqmodel" if i == 0 else "_".join(["gptqmodel", backend.lower()] + ([dtype] if dtype else []))
+        if name in specs or (backend, dtype) in specs.values():
+            p.error(f"--gptqmodel {spec!r} given twice")
+        specs[name] = backend, dtype
     from transformers import AutoTokenizer
 
     import quantprep
@@ -142,11 +155,9 @@ def main() -> None:
     ours = quantprep.load(art)
     load_ours = time.perf_counter() - t0
     models, variants, load_theirs = {}, {}, {}
-    for i, spec in enumerate(args.gptqmodel or ["TORCH"]):
-        backend, _, dtype = spec.partition(":")
-        name = "gptqmodel" if i == 0 else "_".join(["gptqmodel", backend.lower()] + ([dtype] if dtype else []))
+    for name, (backend, dtype) in specs.items():
         t0 = time.perf_counter()
-        models[name] = GPTQModel.load(str(gptq), backend=getattr(BACKEND, backend), device="cpu",
+        models[name] = GPTQModel.load(str(gptq), backend=BACKEND[backend], device="cpu",
                                       **({"dtype": getattr(torch, dtype)} if dtype else {})).model.eval()
         load_theirs[name] = time.perf_counter() - t0
         variants[name] = {"backend": backend, "dtype": dtype or "default",
