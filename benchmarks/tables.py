@@ -934,6 +934,12 @@ SUMMARY = [
      ["vs-llamacpp-native-qwen2.5-coder-1.5b-cpu-avx2.json"],
      lambda r: "; ".join(f"{head}: {_vs_llamacpp(r, k)}" for head, k in (("bf16 head", "native"), ("int8 head", "native_int8_head"),
                                                                         ("int4 head", "native_int4_head")))),
+    ("llama.cpp, quantprep and GPTQModel's own pick (AUTO: TorchAtenLinear) in one run, each / llama.cpp: decode speed after 16 "
+     "and after 512 tokens, 512-token prefill time, spawn to first token; real Qwen2.5-Coder-1.5B's shapes on AVX2 (codes rounded "
+     "to nearest), the checkpoint's bf16 head: the native runtime, the torch path (`quantprep.load`), GPTQModel",
+     "at least llama.cpp (decode >= 1x, first token <= 1x)", LLAMACPP, ["vs-llamacpp-gptqmodel-qwen2.5-coder-1.5b-cpu-avx2.json"],
+     lambda r: "; ".join(f"{who}: {_vs_llamacpp(r, k)}" for who, k in (("native", "native"), ("torch path", "quantprep"),
+                                                                      ("GPTQModel", "gptqmodel")))),
     ("one decode token's attention per layer, Qwen2.5-1.5B's heads, bf16: torch's SDPA time / quantprep's C kernel's at 48, 512 "
      "and 2048 cached tokens; the int4-head model's decode after 512 tokens with the kernel and the growing KV cache / with SDPA "
      "and transformers' concatenating cache", "CPU decode speed",
