@@ -313,6 +313,9 @@ def main() -> None:
     p.add_argument("--out")
     args = p.parse_args()
     runtimes = [r for r in RUNTIMES if r in args.runtimes.split(",")]
+    args.gptqmodel_backend = args.gptqmodel_backend.upper()
+    if "gptqmodel" in runtimes and args.gptqmodel_backend not in __import__("gptqmodel").BACKEND.__members__:
+        p.error(f"--gptqmodel-backend {args.gptqmodel_backend!r}: not a gptqmodel.BACKEND name")
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count()))
 
     import torch
