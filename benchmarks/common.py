@@ -131,6 +131,11 @@ def checkpoint_codes(gptq: Path | None) -> dict:
     return {"gptq_checkpoint": gptq and gptq.name, "codes": rtn_record(gptq).get("codes", "the checkpoint's own (GPTQ)")}
 
 
+def gptqmodel_kernels(model) -> list[str]:
+    """The quantized-linear classes GPTQModel loaded a model with (its BACKEND picks them): the modules with a qweight."""
+    return sorted({type(m).__name__ for m in model.modules() if hasattr(m, "qweight")})
+
+
 def greedy_decode(model, ids, new: int, **generate_kwargs) -> tuple[float, list[int]]:
     """transformers' greedy `generate` of `new` tokens after `ids` [1, n] -> (tokens/s over the new - 1
     after the first, which the prompt's forward gives; the new tokens), timed by a streamer's

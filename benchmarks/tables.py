@@ -287,13 +287,18 @@ def vs_gptqmodel_openvino(*runs: dict) -> str:
     return "\n".join(out)
 
 
+def _gptqmodel_label(backend: str, kernels: list[str] | None, dtype: str = "default") -> str:
+    """GPTQModel's name in a table: its backend, a dtype it was asked for, the kernel classes it loaded."""
+    return (f"GPTQModel, BACKEND.{backend}" + ("" if dtype == "default" else f", {dtype}")
+            + (f" ({', '.join(kernels)})" if kernels else ""))
+
+
 def _runtime_label(r: dict, name: str) -> str:
     """A vs_gptqmodel model's name in a table: GPTQModel's with its backend, dtype and kernel (files
     before --gptqmodel ran BACKEND.TORCH, TorchLinear)."""
     if name.startswith("gptqmodel"):
         v = r.get("gptqmodel_variants", {}).get(name, {"backend": "TORCH", "dtype": "default", "kernels": ["TorchLinear"]})
-        dtype = "" if v["dtype"] == "default" else f", {v['dtype']}"
-        return f"GPTQModel, BACKEND.{v['backend']}{dtype} ({', '.join(v['kernels'])})"
+        return _gptqmodel_label(v["backend"], v["kernels"], v["dtype"])
     return {"quantprep": "quantprep (cpu artifact, kernel plan)", "dense": "dense bf16", "dense_float32": "dense float32",
             "openvino": "openvino artifact"}.get(name, name)
 
@@ -375,8 +380,8 @@ def vs_llamacpp(*runs: dict) -> str:
              "native_int4_head": "native runtime, `--lm-head int4`"}
     out = []
     for r in runs:
-        # files before --gptqmodel-backend ran BACKEND.TORCH
-        names["gptqmodel"] = f"GPTQModel (BACKEND.{r.get('gptqmodel_backend') or 'TORCH'}{': ' + ', '.join(r['gptqmodel_kernels']) if r.get('gptqmodel_kernels') else ''})"
+        # files before --gptqmodel-backend ran BACKEND.TORCH and did not record the kernel
+        names["gptqmodel"] = _gptqmodel_label(r.get("gptqmodel_backend") or "TORCH", r.get("gptqmodel_kernels"))
         dc, pf, ft = r["decode_tok_s"], r["prefill_512_s"], r["first_token_s"]
         dl = r["decode_after_512_tok_s"]
         out += [""] * bool(out) + [

@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import checkpoint_codes, machine, median_and_runs, save, timed
+from common import checkpoint_codes, gptqmodel_kernels, machine, median_and_runs, save, timed
 
 
 def kind(name: str, module) -> str:
@@ -161,7 +161,7 @@ def main() -> None:
                                       **({"dtype": getattr(torch, dtype)} if dtype else {})).model.eval()
         load_theirs[name] = time.perf_counter() - t0
         variants[name] = {"backend": backend, "dtype": dtype or "default",
-                          "kernels": sorted({type(m).__name__ for m in models[name].modules() if hasattr(m, "qweight")})}
+                          "kernels": gptqmodel_kernels(models[name])}
     theirs = models["gptqmodel"]
     models = {"gptqmodel": theirs, "quantprep": ours} | {k: v for k, v in models.items() if k != "gptqmodel"}
     dense = ({"dense": torch.bfloat16} if args.dense else {}) | ({"dense_float32": torch.float32} if args.dense and args.dense_float32 else {})
@@ -243,10 +243,9 @@ def main() -> None:
     }
     for k in ("prefill_512_s", "decode_tok_s"):
         r = result[k]
-        for name in variants:
+        for name in [*variants, *dense]:
             r[f"quantprep_over_{name}"] = r["quantprep"]["median"] / r[name]["median"]
         for name in dense:
-            r[f"quantprep_over_{name}"] = r["quantprep"]["median"] / r[name]["median"]
             r[f"gptqmodel_over_{name}"] = r["gptqmodel"]["median"] / r[name]["median"]
         if args.openvino:
             r["openvino_over_gptqmodel"] = r["openvino"]["median"] / r["gptqmodel"]["median"]

@@ -50,7 +50,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import REPO, checkpoint_codes, greedy_decode, machine, median_and_runs, rtn_record, save, timed
+from common import REPO, checkpoint_codes, gptqmodel_kernels, greedy_decode, machine, median_and_runs, rtn_record, save, timed
 from load import fresh_process, medians
 
 RUNTIMES = ("llamacpp", "quantprep", "quantprep_int8_head", "quantprep_int4_head", "native", "native_int8_head", "native_int4_head",
@@ -386,7 +386,7 @@ def main() -> None:
         "head_artifacts": {k: str(v.relative_to(REPO) if v.is_relative_to(REPO) else v) for k, v in paths.items() if k.endswith("_head")},
         "native_threads": {k: m.model.threads for k, m in models.items() if isinstance(m, Native)},
         "gptqmodel_backend": args.gptqmodel_backend if "gptqmodel" in models else None,
-        "gptqmodel_kernels": sorted({type(m).__name__ for m in models["gptqmodel"].modules() if hasattr(m, "qweight")}) if "gptqmodel" in models else None,
+        "gptqmodel_kernels": gptqmodel_kernels(models["gptqmodel"]) if "gptqmodel" in models else None,
         **(codes if art else {"gptq_checkpoint": None, "codes": None}),
         "llamacpp_settings": LLAMA_KW | {"n_threads": threads, "n_threads_batch": threads},
         "tokens": tokens_info | {"prefill": PREFILL, "prompt": PROMPT, "new": args.new},
