@@ -286,6 +286,8 @@ def cmd_pull(args) -> int:
 
 def cmd_generate(args) -> int:
     t0 = time.perf_counter()
+    if args.native:
+        return _generate_native(args, t0)
     import torch
 
     from quantprep import load
@@ -314,6 +316,29 @@ def cmd_generate(args) -> int:
     completion = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     result = {"load_s": t1 - t0, "first_token_s": t2 - t0, "completion": completion}
     _print_json_or(args, result, f"load {result['load_s']:.2f} s, first token {result['first_token_s']:.2f} s\n{completion}")
+    return 0
+
+
+def _generate_native(args, t0: float) -> int:
+    """generate without torch or transformers: runtime/native_model.py and runtime/tokenizer.py."""
+    if "://" in args.dir or not Path(args.dir, "manifest.json").exists():
+        raise QuantprepError(f"{args.dir}: --native runs an artifact directory (with a manifest.json); for a published reference, "
+                             f"`quantprep pull {args.dir} --target cpu --out DIR` first")
+    from quantprep.runtime import native_model
+    from quantprep.runtime.tokenizer import ArtifactTokenizer
+
+    model = native_model.load(args.dir)
+    t1 = time.perf_counter()
+    tok = ArtifactTokenizer(model.path, model.listed)  # the directory load checked, the files its manifest lists
+    ids = tok.prompt_ids(args.prompt)
+    if not ids or args.max_new_tokens < 1:
+        raise QuantprepError(f"nothing to generate: {len(ids)} prompt tokens, --max-new-tokens {args.max_new_tokens}")
+    tokens = [int(model.forward(ids).argmax())]
+    t2 = time.perf_counter()
+    while len(tokens) < args.max_new_tokens and tokens[-1] not in tok.eos:  # greedy, as generate(do_sample=False)
+        tokens.append(int(model.forward(tokens[-1:]).argmax()))
+    result = {"load_s": t1 - t0, "first_token_s": t2 - t0, "completion": tok.decode(tokens)}
+    _print_json_or(args, result, f"load {result['load_s']:.2f} s, first token {result['first_token_s']:.2f} s\n{result['completion']}")
     return 0
 
 
@@ -487,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--prompt", default="What is the capital of France?")
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--trust-kcache", action="store_true", help=TRUST_HELP)
+    g.add_argument("--native", action="store_true", help="a cpu artifact run by quantprep's C, without torch or transformers "
+                                                           "(docs/usage.md, \"Without torch\"; int8 activations at every length)")
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_generate)
 

@@ -137,6 +137,40 @@ def test_int8_activations_vs_dense(smollm2):
 
 # --- the openvino target on the real model (issue 31) ---
 
+TEXTS = [PROMPT, "def f(x):\n    return x  # ünïcödé 日本語 🙂\n\n\tTabs  and   spaces", "<|im_start|>user hi<|im_end|>", "  123 0.5e-3"]
+
+
+def test_native_generate_on_the_real_tokenizer(smollm2):
+    """`quantprep generate --native` (runtime/tokenizer.py, no transformers): its prompt ids are
+    AutoTokenizer's apply_chat_template ids for each text (the real template's newlines and special
+    tokens, byte-level BPE, unicode, a special token's text inside a message), and its completion is
+    AutoTokenizer's decode of the native model's greedy tokens up to the end-of-turn id."""
+    from transformers import AutoTokenizer
+
+    from quantprep.runtime import native_model
+    from quantprep.runtime.tokenizer import ArtifactTokenizer
+    from quantprep.targets.cpu import native_a8_block
+
+    if native_a8_block() == 0 or native_model.libraries() is None:
+        pytest.skip("no int4_a8 on this CPU (AVX2 and FMA, or AVX512-VNNI and VBMI) or no C compiler")
+    _, art, _ = smollm2
+    hf = AutoTokenizer.from_pretrained(art)
+    ours = ArtifactTokenizer(art, set(json.loads((art / "manifest.json").read_text())["files"]))
+    for text in TEXTS:
+        ids = hf.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                                     return_dict=True)["input_ids"]
+        assert ours.prompt_ids(text) == ids, text
+    model, tokens = native_model.load(art), []
+    logits = model.forward(ids)
+    while len(tokens) < 16 and (not tokens or tokens[-1] != hf.eos_token_id):
+        tokens.append(int(logits.argmax()))
+        logits = model.forward(tokens[-1:])
+    proc = subprocess.run([sys.executable, "-m", "quantprep", "generate", str(art), "--native", "--prompt", TEXTS[-1],
+                           "--max-new-tokens", "16", "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["completion"] == hf.decode(tokens, skip_special_tokens=True)
+
+
 @pytest.fixture(scope="module")
 def smollm2_openvino(smollm2, tmp_path_factory):
     """The openvino variant of the same GPTQ checkpoint (tokenizer IR included)."""

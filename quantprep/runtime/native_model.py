@@ -168,6 +168,7 @@ class NativeModel:
         if target.get("name") != "cpu" or target.get("act_dtype") != "bfloat16":
             raise refuse(path, f"a {target.get('name')!r} artifact for {target.get('act_dtype')!r} activations (it runs cpu, bfloat16)")
         self.path, self.config, self.weights = path, Config(path), Weights(path, manifest)
+        self.listed = set(manifest["files"])  # the files the checked manifest names (runtime/tokenizer.py reads only those)
         self.int4_a8, self.int8_a8 = cpu_c.int4_a8_function(a8), cpu_c.int8_a8_function(a8)
         c, modules = self.config, manifest["modules"]
         names = {f"model.layers.{i}.{m}" for i in range(c.layers) for m in c.bias} | ({"lm_head"} & set(modules))

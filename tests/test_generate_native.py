@@ -1,0 +1,156 @@
+"""`quantprep generate --native`: a cpu artifact run by runtime/native_model.py with its tokenizer and
+chat template read by runtime/tokenizer.py, in a process that imports neither torch nor transformers.
+Checked against transformers' own pipeline: AutoTokenizer's apply_chat_template ids, the native
+model's greedy tokens from them, AutoTokenizer's decode. The real SmolLM2 tokenizer: tests/test_smollm2.py."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import CHAT_TEMPLATE, REPO, TINY_LLAMA, add_chat_tokenizer, edit_manifest, one_line_error, relist
+
+from quantprep.cli import main
+from quantprep.runtime import native_model
+from quantprep.runtime.tokenizer import ArtifactTokenizer
+from quantprep.targets.cpu import native_a8_block
+
+pytestmark = pytest.mark.skipif(native_a8_block() == 0 or native_model.libraries() is None,
+                                reason="no int4_a8 on this CPU (AVX2 and FMA, or AVX512-VNNI and VBMI) or no C compiler")
+PROMPT = "b c d e"
+# specials and the generation prompt, as real templates use them
+TEMPLATE = "{{ pad_token }} {% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}f g{% endif %}"
+NEW = 6
+# a child that runs the CLI and reports what it imported
+RUN = """import json, sys
+from quantprep.cli import main
+rc = main(sys.argv[1:])
+print(json.dumps({"rc": rc, "torch": "torch" in sys.modules, "transformers": "transformers" in sys.modules}), file=sys.stderr)
+"""
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    from quantprep.build.pipeline import prepack
+    from quantprep.build.synthetic import write_random_checkpoint
+
+    root = tmp_path_factory.mktemp("native-generate")
+    # Llama: transformers 5's AutoTokenizer runs a Llama tokenizer.json as it is (TokenizersBackend); for a
+    # qwen2 config it builds Qwen2Tokenizer's own pipeline from the vocabulary, which this word-level one is not
+    gptq = write_random_checkpoint(root / "gptq", TINY_LLAMA, bits=4, group_size=64, desc_act=True, sym=False)
+    add_chat_tokenizer(gptq, TINY_LLAMA["vocab_size"])
+    prepack(gptq, "cpu", root / "art")
+    # a post-processor that adds a special token ("a") in front, as BOS-adding tokenizers do: the bare
+    # prompt gets it (add_special_tokens, as tok(prompt)), a rendered template does not (as transformers)
+    tok = json.loads((root / "art" / "tokenizer.json").read_text())
+    tok["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "a", "type_id": 0}},
+                                                                      {"Sequence": {"id": "A", "type_id": 0}}],
+                             "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                             "special_tokens": {"a": {"id": "a", "ids": [0], "tokens": ["a"]}}}
+    (root / "art" / "tokenizer.json").write_text(json.dumps(tok))
+    relist(root / "art", "tokenizer.json")
+    return root / "art"
+
+
+def template_in(art, where: str):
+    """The artifact with its chat template moved: TEMPLATE in chat_template.jinja (as saved), in
+    tokenizer_config.json as a string or as the "default" of a list, or no template at all."""
+    jinja = art / "chat_template.jinja"
+    config = json.loads((art / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    if where == "jinja":
+        jinja.write_text(TEMPLATE)
+        return relist(art, "chat_template.jinja")
+    jinja.unlink(missing_ok=True)
+    edit_manifest(art, lambda m: m["files"].pop("chat_template.jinja", None))
+    if where == "tokenizer_config":
+        config["chat_template"] = TEMPLATE
+    elif where == "default_of_a_list":
+        config["chat_template"] = [{"name": "tool_use", "template": CHAT_TEMPLATE}, {"name": "default", "template": TEMPLATE}]
+    (art / "tokenizer_config.json").write_text(json.dumps(config))
+    return relist(art, "tokenizer_config.json")
+
+
+def transformers_pipeline(art) -> tuple[list[int], str]:
+    """The prompt's ids by AutoTokenizer, and its decode of the native model's greedy tokens from them."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(art)
+    if tok.chat_template:
+        ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True,
+                                      return_dict=True)["input_ids"]
+    else:
+        ids = tok(PROMPT)["input_ids"]
+    return ids, tok.decode(native_model.load(art).generate(ids, NEW), skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("where", ["jinja", "tokenizer_config", "default_of_a_list", "none"])
+def test_native_generate_is_transformers_pipeline_without_torch(tmp_path, art, where):
+    copy = tmp_path / "art"
+    subprocess.run(["cp", "-r", str(art), str(copy)], check=True)
+    template_in(copy, where)
+    ids, want = transformers_pipeline(copy)
+    ours = ArtifactTokenizer(copy, set(json.loads((copy / "manifest.json").read_text())["files"]))
+    assert (ours.template is None) == (where == "none")
+    assert ours.prompt_ids(PROMPT) == ids and len(ids) == 5 + 3 * (where != "none")  # "a" in front (the template's pad_token, or the post-processor), "user" and "f g"
+    proc = subprocess.run([sys.executable, "-c", RUN, "generate", str(copy), "--native", "--json", "--prompt", PROMPT,
+                           "--max-new-tokens", str(NEW)], capture_output=True, text=True, cwd=REPO)
+    report = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert report == {"rc": 0, "torch": False, "transformers": False}, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    assert result["completion"] == want and want.strip(), (result, want)
+    assert 0 < result["load_s"] <= result["first_token_s"]
+
+
+def test_native_generate_stops_at_end_of_sequence(tmp_path, art, capsys):
+    """generation_config.json's eos_token_id (here: the first token greedy picks) ends the completion
+    after it, as transformers' generate does (the token is kept, and shows unless it is a special token)."""
+    copy = tmp_path / "art"
+    subprocess.run(["cp", "-r", str(art), str(copy)], check=True)
+    ids = ArtifactTokenizer(copy, set(json.loads((copy / "manifest.json").read_text())["files"])).prompt_ids(PROMPT)
+    first, second = native_model.load(copy).generate(ids, 2)
+    assert main(["generate", str(copy), "--native", "--json", "--prompt", PROMPT, "--max-new-tokens", "2"]) == 0
+    two = json.loads(capsys.readouterr().out)["completion"]
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [first]}))
+    relist(copy, "generation_config.json")
+    assert main(["generate", str(copy), "--native", "--json", "--prompt", PROMPT, "--max-new-tokens", "2"]) == 0
+    one = json.loads(capsys.readouterr().out)["completion"]
+    assert len(two.split()) == 2 and one == two.split()[0], (one, two)
+
+
+BAD = {
+    "a template that does not compile": ("chat_template.jinja", "{% for m in %}", "chat_template.jinja: the chat template does not compile"),
+    "a template reaching Python's internals": ("chat_template.jinja", "{{ messages.__class__.__mro__ }}", "chat_template.jinja: the chat template failed"),
+    "a template that raises": ("chat_template.jinja", "{{ raise_exception('no system role') }}", "no system role"),
+    "a tokenizer.json that is not one": ("tokenizer.json", '{"model": 7}', "tokenizer.json: not a tokenizer"),
+    "an eos_token_id that is not an id": ("generation_config.json", '{"eos_token_id": "x"}', "eos_token_id 'x' is not an id"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_native_generate_refuses_bad_tokenizer_files_in_one_line(tmp_path, art, capsys, case):
+    name, text, says = BAD[case]
+    copy = tmp_path / "art"
+    subprocess.run(["cp", "-r", str(art), str(copy)], check=True)
+    (copy / name).write_text(text)
+    relist(copy, name)
+    assert main(["generate", str(copy), "--native", "--prompt", PROMPT]) == 2
+    assert says in one_line_error(capsys)
+
+
+def test_native_generate_reads_only_listed_files(tmp_path, art, capsys):
+    """Without a tokenizer.json in the manifest (whose hash the load checked), none is read: refused.
+    (An unlisted file beside the listed ones is refused by every load: test_trust_boundary.py.)"""
+    copy = tmp_path / "art"
+    subprocess.run(["cp", "-r", str(art), str(copy)], check=True)
+    edit_manifest(copy, lambda m: m["files"].pop("tokenizer.json"))
+    (copy / "tokenizer.json").unlink()
+    assert main(["generate", str(copy), "--native"]) == 2
+    assert "no tokenizer.json in manifest.json" in one_line_error(capsys)
+
+
+def test_native_generate_refuses_a_reference_in_one_line(tmp_path, capsys):
+    (tmp_path / "index.json").write_text("{}")
+    for ref in (str(tmp_path), "oci://127.0.0.1:9/x:y"):
+        assert main(["generate", ref, "--native"]) == 2
+        assert "quantprep pull" in one_line_error(capsys)
