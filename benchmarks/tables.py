@@ -405,6 +405,24 @@ def vs_llamacpp(*runs: dict) -> str:
     return "\n".join(out)
 
 
+FIRST_TOKEN_CLI = {"quantprep_native": "`quantprep generate --native`", "quantprep": "`quantprep generate`",
+                   "llamacpp": "llama.cpp, `create_chat_completion` (the recipe's Q4_K_M GGUF)"}
+
+
+def first_token_cli(r: dict) -> str:
+    """Prompt text to first token from the command line, fresh processes (benchmarks/first_token_cli.py)."""
+    t = r["spawn_to_first_token_s"]
+    out = [f"{r['_file']}: {r['artifact']}, {r['cpu']} ({r['cores']} cores, {r['cpu_capability']}), {r['threads']} threads each, "
+           f"{r['date'][:16]}{_codes(r)}; spawn to exit after one token, median of {r['loads']} fresh processes; prompt tokens (each tool's "
+           f"template and tokenizer): quantprep {r['prompt_tokens']['quantprep']}, llama.cpp {r['prompt_tokens']['llamacpp']}", "",
+           "| command | spawn to first token, s | / llama.cpp | runs, s | first token |", "| --- | --- | --- | --- | --- |"]
+    for k, name in FIRST_TOKEN_CLI.items():
+        ratio = f"{r['over_llamacpp'][k]:.2f}x" if k in r["over_llamacpp"] else "1"
+        out.append(f"| {name} | {t[k]['median']:.2f} | {ratio} | {', '.join(f'{x:.2f}' for x in t[k]['runs'])} | "
+                   f"{json.dumps(r['first_token'][k])} |")
+    return "\n".join(out)
+
+
 def cpu_decode_attention(r: dict) -> str:
     """One decode token's attention per layer: quantprep's kernel against torch's SDPA (benchmarks/cpu_decode_attention.py)."""
     out = [f"{r['cpu']} ({r['cores']} cores, {r['cpu_capability']}, {r['threads']} threads), {r['date'][:10]}, torch {r['torch']}; "
@@ -945,6 +963,12 @@ SUMMARY = [
      "at least llama.cpp (decode >= 1x, first token <= 1x)", LLAMACPP, ["vs-llamacpp-gptqmodel-qwen2.5-coder-1.5b-cpu-avx2.json"],
      lambda r: "; ".join(f"{who}: {_vs_llamacpp(r, k)}" for who, k in (("native", "native"), ("torch path", "quantprep"),
                                                                       ("GPTQModel", "gptqmodel")))),
+    ("prompt text to first token from the command line, fresh processes, / llama.cpp's `create_chat_completion` (each with its "
+     "own chat template and tokenizer): `quantprep generate --native`, `quantprep generate`; real Qwen2.5-Coder-1.5B's shapes on "
+     "AVX2 (codes rounded to nearest), the checkpoint's bf16 head", "at least llama.cpp (first token <= 1x)", LLAMACPP,
+     ["first-token-cli-qwen2.5-coder-1.5b-cpu-avx2.json"],
+     lambda r: "; ".join(f"{who}: {r['over_llamacpp'][k]:.2f}x{_met(r['over_llamacpp'][k] <= 1)}"
+                         for who, k in (("--native", "quantprep_native"), ("torch path", "quantprep")))),
     ("one decode token's attention per layer, Qwen2.5-1.5B's heads, bf16: torch's SDPA time / quantprep's C kernel's at 48, 512 "
      "and 2048 cached tokens; the int4-head model's decode after 512 tokens with the kernel and the growing KV cache / with SDPA "
      "and transformers' concatenating cache", "CPU decode speed",
@@ -1024,6 +1048,7 @@ RENDERERS = {
     "openvino-start": openvino_start,
     "vs-gptqmodel-dense": vs_gptqmodel_dense,
     "vs-llamacpp": vs_llamacpp,
+    "first-token-cli": first_token_cli,
     "cpu-dense-tiles": cpu_dense_tiles,
     "cpu-decode-profile": cpu_decode_profile,
     "cpu-int4-a8": cpu_int4_a8,

@@ -310,9 +310,10 @@ def cmd_generate(args) -> int:
     else:
         enc = tok(args.prompt, return_tensors="pt")
     with torch.no_grad():
-        model.generate(**enc, max_new_tokens=1, do_sample=False)
+        out = model.generate(**enc, max_new_tokens=1, do_sample=False)
         t2 = time.perf_counter()
-        out = model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False)
+        if args.max_new_tokens > 1:
+            out = model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False)
     completion = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     result = {"load_s": t1 - t0, "first_token_s": t2 - t0, "completion": completion}
     _print_json_or(args, result, f"load {result['load_s']:.2f} s, first token {result['first_token_s']:.2f} s\n{completion}")
