@@ -131,6 +131,13 @@ def checkpoint_codes(gptq: Path | None) -> dict:
     return {"gptq_checkpoint": gptq and gptq.name, "codes": rtn_record(gptq).get("codes", "the checkpoint's own (GPTQ)")}
 
 
+def is_gptqmodel_backend(name: str) -> bool:
+    """`name` is a gptqmodel.BACKEND member (AUTO: GPTQModel.load's own pick on this machine)."""
+    from gptqmodel import BACKEND
+
+    return name in BACKEND.__members__
+
+
 def gptqmodel_kernels(model) -> list[str]:
     """The quantized-linear classes GPTQModel loaded a model with (its BACKEND picks them): the modules with a qweight."""
     return sorted({type(m).__name__ for m in model.modules() if hasattr(m, "qweight")})

@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import checkpoint_codes, gptqmodel_kernels, machine, median_and_runs, save, timed
+from common import checkpoint_codes, gptqmodel_kernels, is_gptqmodel_backend, machine, median_and_runs, save, timed
 
 
 def kind(name: str, module) -> str:
@@ -129,7 +129,7 @@ def main() -> None:
     specs: dict[str, tuple[str, str]] = {}  # JSON name -> (BACKEND name, torch dtype name or "")
     for i, spec in enumerate(args.gptqmodel or ["TORCH"]):
         backend, _, dtype = spec.upper().partition(":")
-        if backend not in BACKEND.__members__ or dtype and not isinstance(getattr(torch, dtype.lower(), None), torch.dtype):
+        if not is_gptqmodel_backend(backend) or dtype and not isinstance(getattr(torch, dtype.lower(), None), torch.dtype):
             p.error(f"--gptqmodel {spec!r}: not BACKEND[:DTYPE] (a gptqmodel.BACKEND name, a torch dtype)")
         dtype = str(getattr(torch, dtype.lower())).removeprefix("torch.") if dtype else ""  # float -> float32
         name = "gptqmodel" if i == 0 else "_".join(["gptqmodel", backend.lower()] + ([dtype] if dtype else []))

@@ -50,7 +50,18 @@ import sys
 import time
 from pathlib import Path
 
-from common import REPO, checkpoint_codes, gptqmodel_kernels, greedy_decode, machine, median_and_runs, rtn_record, save, timed
+from common import (
+    REPO,
+    checkpoint_codes,
+    gptqmodel_kernels,
+    greedy_decode,
+    is_gptqmodel_backend,
+    machine,
+    median_and_runs,
+    rtn_record,
+    save,
+    timed,
+)
 from load import fresh_process, medians
 
 RUNTIMES = ("llamacpp", "quantprep", "quantprep_int8_head", "quantprep_int4_head", "native", "native_int8_head", "native_int4_head",
@@ -314,7 +325,7 @@ def main() -> None:
     args = p.parse_args()
     runtimes = [r for r in RUNTIMES if r in args.runtimes.split(",")]
     args.gptqmodel_backend = args.gptqmodel_backend.upper()
-    if "gptqmodel" in runtimes and args.gptqmodel_backend not in __import__("gptqmodel").BACKEND.__members__:
+    if "gptqmodel" in runtimes and not is_gptqmodel_backend(args.gptqmodel_backend):
         p.error(f"--gptqmodel-backend {args.gptqmodel_backend!r}: not a gptqmodel.BACKEND name")
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count()))
 

@@ -86,9 +86,11 @@ def write_hashed(chunks: Iterable[bytes], out: BinaryIO, limit: int) -> tuple[st
     return h.hexdigest(), n
 
 
-# a safetensors header's dtype -> the name of torch's
-SAFETENSORS_TO_TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
-                        "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+# The safetensors dtypes an artifact may hold: each one's name in torch and its numpy dtype
+# (little-endian; BF16 as its bits), for the torch load path and safetensors_numpy alike
+SAFETENSORS_DTYPES = {"F64": ("float64", "<f8"), "F32": ("float32", "<f4"), "F16": ("float16", "<f2"), "BF16": ("bfloat16", "<u2"),
+                      "I64": ("int64", "<i8"), "I32": ("int32", "<i4"), "I16": ("int16", "<i2"), "I8": ("int8", "i1"),
+                      "U8": ("uint8", "u1"), "BOOL": ("bool", "?")}
 
 
 @functools.cache
@@ -96,7 +98,7 @@ def torch_dtypes() -> dict:
     """A safetensors header's dtype -> torch's dtype (built once: hf_quantizer asks per tensor)."""
     import torch
 
-    return {name: getattr(torch, dtype) for name, dtype in SAFETENSORS_TO_TORCH.items()}
+    return {name: getattr(torch, dtype) for name, (dtype, _) in SAFETENSORS_DTYPES.items()}
 
 
 WRITE_CHUNK = 16 << 20

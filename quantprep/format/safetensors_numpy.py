@@ -20,11 +20,10 @@ import numpy as np
 
 from quantprep._io.jsonfile import parse_json_object
 from quantprep.errors import ArtifactError
+from quantprep.format.artifact import SAFETENSORS_DTYPES
 
 MAX_HEADER = 100 << 20  # safetensors' own limit
-# a safetensors dtype -> numpy's (little-endian; BF16 as its bits)
-DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
-          "U8": "u1", "BOOL": "?"}
+DTYPES = {name: numpy for name, (_, numpy) in SAFETENSORS_DTYPES.items()}  # a safetensors dtype -> numpy's
 
 
 def read(path: Path) -> dict[str, tuple[str, np.ndarray]]:
