@@ -456,7 +456,7 @@ LAYERS_SOURCE = BF16_C + f"#define MAX_D {MAX_HEAD_DIM}\n" + r"""
 #endif
 /* y[n] = bf16(sum_k x[k] w[n, k]) for one bfloat16 row x of K % 32 == 0 and w [N, K] row-major: products
    exact in float32 (a bfloat16 product has 16 significant bits), sums in float32, as torch's bfloat16
-   linear; four rows of w at a time. AVX512-BF16's dot products, or with AVX2 each 16 values widened to
+   linear; four rows of w at a time with AVX512-BF16's dot products, or with AVX2 each 16 values widened to
    float32 in two halves (the even ones shifted up, the odd ones masked) and fused multiply-adds. 0, or -2:
    built with neither. */
 int gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t N, int64_t K) {
@@ -474,24 +474,24 @@ int gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t N, int6
     }
     return 0;
 #elif defined(__AVX2__) && defined(__FMA__)
+    /* eight rows at a time: each x vector widened once for eight rows of w */
     const __m256i odd = _mm256_set1_epi32((int)0xffff0000);
     #pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += 4) {
-        __m256 even_acc[4], odd_acc[4];
-        for (int r = 0; r < 4; r++) even_acc[r] = odd_acc[r] = _mm256_setzero_ps();
-        int rows = N - n0 < 4 ? (int)(N - n0) : 4;
+    for (int64_t n0 = 0; n0 < N; n0 += 8) {
+        __m256 acc[8];
+        for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+        int rows = N - n0 < 8 ? (int)(N - n0) : 8;
         for (int64_t k = 0; k < K; k += 16) {
             __m256i xv = _mm256_loadu_si256((const __m256i *)(x + k));
             __m256 xe = _mm256_castsi256_ps(_mm256_slli_epi32(xv, 16)), xo = _mm256_castsi256_ps(_mm256_and_si256(xv, odd));
             for (int r = 0; r < rows; r++) {
                 __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (n0 + r) * K + k));
-                even_acc[r] = _mm256_fmadd_ps(xe, _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16)), even_acc[r]);
-                odd_acc[r] = _mm256_fmadd_ps(xo, _mm256_castsi256_ps(_mm256_and_si256(wv, odd)), odd_acc[r]);
+                acc[r] = _mm256_fmadd_ps(xe, _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16)), acc[r]);
+                acc[r] = _mm256_fmadd_ps(xo, _mm256_castsi256_ps(_mm256_and_si256(wv, odd)), acc[r]);
             }
         }
         for (int r = 0; r < rows; r++) {
-            __m256 s = _mm256_add_ps(even_acc[r], odd_acc[r]);
-            __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
             h = _mm_add_ps(h, _mm_movehl_ps(h, h));
             h = _mm_add_ss(h, _mm_movehdup_ps(h));
             y[n0 + r] = to_bf16(_mm_cvtss_f32(h));
