@@ -79,12 +79,12 @@ def main() -> None:
         for name, cmd in cmds.items():
             took, replies[name] = spawn(cmd, env)
             times[name].append(took)
-    listed = set(json.loads((art / "manifest.json").read_text())["files"])
+    files = json.loads((art / "manifest.json").read_text())["files"]
     medians = {name: statistics.median(t) for name, t in times.items()}
     result = machine() | {
         "recipe": args.recipe, "artifact": str(art.relative_to(REPO)) if art.is_relative_to(REPO) else str(art), "threads": threads,
         **artifact_codes(art), "prompt": args.prompt, "loads": args.loads,
-        "prompt_tokens": {"quantprep": len(ArtifactTokenizer(art, listed).prompt_ids(args.prompt)),
+        "prompt_tokens": {"quantprep": len(ArtifactTokenizer(art, files).prompt_ids(args.prompt)),
                           "llamacpp": replies["llamacpp"]["prompt_tokens"]},
         "first_token": {name: r["completion"] for name, r in replies.items()},
         "spawn_to_first_token_s": {name: {"median": medians[name], "runs": times[name]} for name in cmds},

@@ -414,7 +414,7 @@ def first_token_cli(r: dict) -> str:
     t = r["spawn_to_first_token_s"]
     out = [f"{r['_file']}: {r['artifact']}, {r['cpu']} ({r['cores']} cores, {r['cpu_capability']}), {r['threads']} threads each, "
            f"{r['date'][:16]}{_codes(r)}; spawn to exit after one token, median of {r['loads']} fresh processes; prompt tokens (each tool's "
-           f"template and tokenizer): quantprep {r['prompt_tokens']['quantprep']}, llama.cpp {r['prompt_tokens']['llamacpp']}", "",
+           f"template and tokenizer): --native {r['prompt_tokens']['quantprep']}, llama.cpp {r['prompt_tokens']['llamacpp']}", "",
            "| command | spawn to first token, s | / llama.cpp | runs, s | first token |", "| --- | --- | --- | --- | --- |"]
     for k, name in FIRST_TOKEN_CLI.items():
         ratio = f"{r['over_llamacpp'][k]:.2f}x" if k in r["over_llamacpp"] else "1"

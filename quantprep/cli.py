@@ -325,15 +325,20 @@ def _generate_native(args, t0: float) -> int:
     if "://" in args.dir or not Path(args.dir, "manifest.json").exists():
         raise QuantprepError(f"{args.dir}: --native runs an artifact directory (with a manifest.json); for a published reference, "
                              f"`quantprep pull {args.dir} --target cpu --out DIR` first")
+    from quantprep.errors import ArtifactError
     from quantprep.runtime import native_model
     from quantprep.runtime.tokenizer import ArtifactTokenizer
 
     model = native_model.load(args.dir)
     t1 = time.perf_counter()
-    tok = ArtifactTokenizer(model.path, model.listed)  # the directory load checked, the files its manifest lists
-    ids = tok.prompt_ids(args.prompt)
-    if not ids or args.max_new_tokens < 1:
-        raise QuantprepError(f"nothing to generate: {len(ids)} prompt tokens, --max-new-tokens {args.max_new_tokens}")
+    tok = ArtifactTokenizer(model.path, model.files)  # the directory load checked, the files its manifest lists
+    ids, context = tok.prompt_ids(args.prompt), model.config.context
+    if not ids or args.max_new_tokens < 1 or len(ids) + args.max_new_tokens > context:
+        raise QuantprepError(f"{len(ids)} prompt tokens and --max-new-tokens {args.max_new_tokens}: give at least one of each, "
+                             f"{context} at most together (the model's max_position_embeddings)")
+    if max(ids) >= model.config.vocab:
+        raise ArtifactError(f"{model.path / 'tokenizer.json'}: the prompt encodes to token id {max(ids)}, outside the model's "
+                            f"{model.config.vocab}; rebuild the artifact from a source whose tokenizer matches its model")
     tokens = [int(model.forward(ids).argmax())]
     t2 = time.perf_counter()
     while len(tokens) < args.max_new_tokens and tokens[-1] not in tok.eos:  # greedy, as generate(do_sample=False)

@@ -11,6 +11,7 @@ import pytest
 from conftest import CHAT_TEMPLATE, REPO, TINY_LLAMA, add_chat_tokenizer, edit_manifest, one_line_error, relist
 
 from quantprep.cli import main
+from quantprep.errors import ArtifactError
 from quantprep.runtime import native_model
 from quantprep.runtime.tokenizer import ArtifactTokenizer
 from quantprep.targets.cpu import native_a8_block
@@ -19,11 +20,13 @@ pytestmark = pytest.mark.skipif(native_a8_block() == 0 or native_model.libraries
                                 reason="no int4_a8 on this CPU (AVX2 and FMA, or AVX512-VNNI and VBMI) or no C compiler")
 PROMPT = "b c d e"
 # specials and the generation prompt, as real templates use them
-TEMPLATE = "{{ pad_token }} {% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}f g{% endif %}"
+TEMPLATE = ("{{ pad_token }} {% if tools is not none or documents is not none %}z {% endif %}{% for m in messages %}{{ m['role'] }} "
+            "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}f g{% endif %}")
 NEW = 6
 # a child that runs the CLI and reports what it imported
 RUN = """import json, sys
 from quantprep.cli import main
+from quantprep.errors import ArtifactError
 rc = main(sys.argv[1:])
 print(json.dumps({"rc": rc, "torch": "torch" in sys.modules, "transformers": "transformers" in sys.modules}), file=sys.stderr)
 """
@@ -66,7 +69,8 @@ def template_in(art, where: str):
     if where == "tokenizer_config":
         config["chat_template"] = TEMPLATE
     elif where == "default_of_a_list":
-        config["chat_template"] = [{"name": "tool_use", "template": CHAT_TEMPLATE}, {"name": "default", "template": TEMPLATE}]
+        config["chat_template"] = [{"name": "default", "template": CHAT_TEMPLATE}, {"name": "tool_use", "template": CHAT_TEMPLATE},
+                                   {"name": "default", "template": TEMPLATE}]  # the last "default" counts, as in transformers
     (art / "tokenizer_config.json").write_text(json.dumps(config))
     return relist(art, "tokenizer_config.json")
 
@@ -90,7 +94,7 @@ def test_native_generate_is_transformers_pipeline_without_torch(tmp_path, art, w
     subprocess.run(["cp", "-r", str(art), str(copy)], check=True)
     template_in(copy, where)
     ids, want = transformers_pipeline(copy)
-    ours = ArtifactTokenizer(copy, set(json.loads((copy / "manifest.json").read_text())["files"]))
+    ours = ArtifactTokenizer(copy, json.loads((copy / "manifest.json").read_text())["files"])
     assert (ours.template is None) == (where == "none")
     assert ours.prompt_ids(PROMPT) == ids and len(ids) == 5 + 3 * (where != "none")  # "a" in front (the template's pad_token, or the post-processor), "user" and "f g"
     proc = subprocess.run([sys.executable, "-c", RUN, "generate", str(copy), "--native", "--json", "--prompt", PROMPT,
@@ -107,7 +111,7 @@ def test_native_generate_stops_at_end_of_sequence(tmp_path, art, capsys):
     after it, as transformers' generate does (the token is kept, and shows unless it is a special token)."""
     copy = tmp_path / "art"
     subprocess.run(["cp", "-r", str(art), str(copy)], check=True)
-    ids = ArtifactTokenizer(copy, set(json.loads((copy / "manifest.json").read_text())["files"])).prompt_ids(PROMPT)
+    ids = ArtifactTokenizer(copy, json.loads((copy / "manifest.json").read_text())["files"]).prompt_ids(PROMPT)
     first, second = native_model.load(copy).generate(ids, 2)
     assert main(["generate", str(copy), "--native", "--json", "--prompt", PROMPT, "--max-new-tokens", "2"]) == 0
     two = json.loads(capsys.readouterr().out)["completion"]
@@ -122,8 +126,20 @@ BAD = {
     "a template that does not compile": ("chat_template.jinja", "{% for m in %}", "chat_template.jinja: the chat template does not compile"),
     "a template reaching Python's internals": ("chat_template.jinja", "{{ messages.__class__.__mro__ }}", "chat_template.jinja: the chat template failed"),
     "a template that raises": ("chat_template.jinja", "{{ raise_exception('no system role') }}", "no system role"),
+    "a template's multi-line message": ("chat_template.jinja", "{{ raise_exception('a\\nquantprep: fake\\x1b[31m') }}",
+                                        "a\\nquantprep: fake\\x1b[31m"),
+    "a template dividing by zero": ("chat_template.jinja", "{{ 1 / 0 }}", "the chat template failed (ZeroDivisionError"),
+    "a template including a file": ("chat_template.jinja", "{% include 'tokenizer.json' %}", "the chat template failed"),
+    "a template recursing": ("chat_template.jinja", "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "the chat template failed (RecursionError"),
+    "a namespace attribute with an underscore": ("chat_template.jinja", "{% set ns = namespace(_x=1) %}a", "starts with an underscore"),
+    "a template writing megabytes": ("chat_template.jinja", "{{ 'b ' * 600000 }}", "the chat template writes more than"),
+    "a template that is not UTF-8": ("chat_template.jinja", b"\xff\xfe{{ messages }}", "chat_template.jinja: not UTF-8"),
+    "a list of templates without a default": ("tokenizer_config.json", '{"chat_template": [{"name": "tool_use", "template": "a"}]}',
+                                              "none \"default\""),
     "a tokenizer.json that is not one": ("tokenizer.json", '{"model": 7}', "tokenizer.json: not a tokenizer"),
     "an eos_token_id that is not an id": ("generation_config.json", '{"eos_token_id": "x"}', "eos_token_id 'x' is not an id"),
+    "a repetition penalty": ("generation_config.json", '{"repetition_penalty": 1.1}', "repetition_penalty 1.1 (generate --native decodes plain greedy)"),
+    "beam search": ("generation_config.json", '{"num_beams": 4}', "num_beams 4"),
 }
 
 
@@ -132,7 +148,9 @@ def test_native_generate_refuses_bad_tokenizer_files_in_one_line(tmp_path, art, 
     name, text, says = BAD[case]
     copy = tmp_path / "art"
     subprocess.run(["cp", "-r", str(art), str(copy)], check=True)
-    (copy / name).write_text(text)
+    if name == "tokenizer_config.json":
+        template_in(copy, "none")  # else chat_template.jinja is the one read
+    (copy / name).write_bytes(text if isinstance(text, bytes) else text.encode())
     relist(copy, name)
     assert main(["generate", str(copy), "--native", "--prompt", PROMPT]) == 2
     assert says in one_line_error(capsys)
@@ -154,3 +172,50 @@ def test_native_generate_refuses_a_reference_in_one_line(tmp_path, capsys):
     for ref in (str(tmp_path), "oci://127.0.0.1:9/x:y"):
         assert main(["generate", ref, "--native"]) == 2
         assert "quantprep pull" in one_line_error(capsys)
+
+
+def tokenizer_json_edited(art, tmp_path, edit):
+    copy = tmp_path / "art"
+    subprocess.run(["cp", "-r", str(art), str(copy)], check=True)
+    tok = json.loads((copy / "tokenizer.json").read_text())
+    edit(tok)
+    (copy / "tokenizer.json").write_text(json.dumps(tok))
+    relist(copy, "tokenizer.json")
+    return copy
+
+
+def test_native_generate_neither_truncates_nor_pads(tmp_path, art):
+    """tokenizer.json's own truncation and padding are off, as transformers turns them off per call."""
+    def edit(tok):
+        tok["truncation"] = {"direction": "Right", "max_length": 3, "strategy": "LongestFirst", "stride": 0}
+        tok["padding"] = {"strategy": {"Fixed": 20}, "direction": "Left", "pad_to_multiple_of": None, "pad_id": 0,
+                          "pad_type_id": 0, "pad_token": "a"}
+    plain = ArtifactTokenizer(art, json.loads((art / "manifest.json").read_text())["files"]).prompt_ids(PROMPT)
+    copy = tokenizer_json_edited(art, tmp_path, edit)
+    assert ArtifactTokenizer(copy, json.loads((copy / "manifest.json").read_text())["files"]).prompt_ids(PROMPT) == plain
+    assert len(plain) == 4  # the fixture's template writes the message alone
+
+
+def test_native_generate_refuses_ids_outside_the_vocabulary(tmp_path, art, capsys):
+    """A token of tokenizer.json past the model's vocab_size (256), written by the template: one line."""
+    def edit(tok):
+        tok["added_tokens"].append({"id": 257, "content": "<big>", "single_word": False, "lstrip": False, "rstrip": False,
+                                    "normalized": False, "special": True})
+    copy = tokenizer_json_edited(art, tmp_path, edit)
+    (copy / "chat_template.jinja").write_text("<big> {{ messages[0]['content'] }}")
+    relist(copy, "chat_template.jinja")
+    assert main(["generate", str(copy), "--native", "--prompt", PROMPT]) == 2
+    assert "tokenizer.json: the prompt encodes to token id 257, outside the model's 256" in one_line_error(capsys)
+
+
+def test_native_generate_bounds_prompt_and_new_tokens_by_the_context(art, capsys):
+    assert main(["generate", str(art), "--native", "--prompt", PROMPT, "--max-new-tokens", "1000000"]) == 2
+    assert "max_position_embeddings" in one_line_error(capsys)
+
+
+def test_native_generate_reads_the_bytes_the_manifest_lists(tmp_path, art):
+    """A side file whose bytes are no longer the manifest's (changed after the load's check) is refused."""
+    files = json.loads((art / "manifest.json").read_text())["files"]
+    changed = dict(files, **{"tokenizer_config.json": dict(files["tokenizer_config.json"], sha256="0" * 64)})
+    with pytest.raises(ArtifactError, match="tokenizer_config.json: not the file manifest.json lists"):
+        ArtifactTokenizer(art, changed)

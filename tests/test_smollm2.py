@@ -155,7 +155,7 @@ def test_native_generate_on_the_real_tokenizer(smollm2):
         pytest.skip("no int4_a8 on this CPU (AVX2 and FMA, or AVX512-VNNI and VBMI) or no C compiler")
     _, art, _ = smollm2
     hf = AutoTokenizer.from_pretrained(art)
-    ours = ArtifactTokenizer(art, set(json.loads((art / "manifest.json").read_text())["files"]))
+    ours = ArtifactTokenizer(art, json.loads((art / "manifest.json").read_text())["files"])
     for text in TEXTS:
         ids = hf.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
                                      return_dict=True)["input_ids"]

@@ -111,6 +111,7 @@ class Config:
         self.hidden, self.layers, self.heads = size("hidden_size"), size("num_hidden_layers"), size("num_attention_heads")
         self.kv_heads, self.intermediate, self.vocab = size("num_key_value_heads", self.heads), size("intermediate_size"), size("vocab_size")
         self.head_dim = size("head_dim", self.hidden // self.heads)
+        self.context = size("max_position_embeddings", 2048)  # the positions it was trained for (transformers' Llama default)
         if self.heads % self.kv_heads or self.head_dim % 16 or self.head_dim > cpu_c.MAX_HEAD_DIM or self.hidden % 32:
             raise refuse(path, f"{self.heads} heads of {self.head_dim} over {self.kv_heads} key/value heads, hidden size {self.hidden}")
         rope = c.get("rope_parameters") or {"rope_theta": c.get("rope_theta", 10000.0), **(rope_scaling or {})}
@@ -168,7 +169,7 @@ class NativeModel:
         if target.get("name") != "cpu" or target.get("act_dtype") != "bfloat16":
             raise refuse(path, f"a {target.get('name')!r} artifact for {target.get('act_dtype')!r} activations (it runs cpu, bfloat16)")
         self.path, self.config, self.weights = path, Config(path), Weights(path, manifest)
-        self.listed = set(manifest["files"])  # the files the checked manifest names (runtime/tokenizer.py reads only those)
+        self.files = manifest["files"]  # what the checked manifest lists: runtime/tokenizer.py reads only these, checked again
         self.int4_a8, self.int8_a8 = cpu_c.int4_a8_function(a8), cpu_c.int8_a8_function(a8)
         c, modules = self.config, manifest["modules"]
         names = {f"model.layers.{i}.{m}" for i in range(c.layers) for m in c.bias} | ({"lm_head"} & set(modules))

@@ -2,81 +2,123 @@
 (`quantprep generate --native`): whose point is a first token without transformers' imports
 (seconds on a small CPU; BENCHMARKS.md, "llama.cpp, the CPU anchor").
 
-It does what transformers' `apply_chat_template(..., add_generation_prompt=True)` and `decode(...,
-skip_special_tokens=True)` do for a tokenizer.json: the template rendered in jinja2's immutable
-sandbox set up as transformers sets it up (utils/chat_template_utils.py: trim_blocks, lstrip_blocks,
-loopcontrols, its tojson, raise_exception, strftime_now), given the messages and the special tokens,
-then encoded without special tokens. Without a template: the prompt encoded with them. The ids are
-AutoTokenizer's (tests/test_generate_native.py; on the real SmolLM2 tokenizer, tests/test_smollm2.py).
+It does what transformers 5's `apply_chat_template(..., add_generation_prompt=True)` and `decode(...,
+skip_special_tokens=True)` do for a tokenizer.json run as it is (TokenizersBackend): the template
+rendered in jinja2's immutable sandbox set up as transformers sets it up (utils/chat_template_utils.py:
+trim_blocks, lstrip_blocks, loopcontrols, its tojson, raise_exception, strftime_now, its dict and
+namespace), given the message, tools=None, documents=None and the named special tokens, then encoded
+without special tokens, neither truncated nor padded. Without a template: the prompt encoded with
+them. The ids are AutoTokenizer's (tests/test_generate_native.py; the real SmolLM2 tokenizer:
+tests/test_smollm2.py).
 
-Only files the checked manifest lists are read (their sha256 was checked), each bounded. A template
-is the artifact's text: the sandbox refuses attribute access to Python internals, as in transformers,
-which renders the same template for `quantprep generate` without --native.
+Only files the checked manifest lists are read, each bounded, and their bytes are checked against
+its sha256 as they are read. Anything wrong with them, a template that fails included, is one line
+naming the file. A template's output is bounded (MAX_PROMPT_CHARS); its running time is not, as in
+transformers, which renders the same template for `quantprep generate` without --native.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import datetime
 from pathlib import Path
 
-from quantprep._io.jsonfile import MAX_JSON_BYTES, read_json_object
+from quantprep._io.jsonfile import MAX_JSON_BYTES, parse_json_object
 from quantprep.errors import ArtifactError
 
 MAX_TEMPLATE_BYTES = 1 << 20  # chat templates are kilobytes
+MAX_PROMPT_CHARS = 1 << 20  # a rendered prompt; more is refused, not tokenized
 FIX = "rebuild the artifact from a source with a working tokenizer"
+# transformers' named special tokens (SPECIAL_TOKENS_ATTRIBUTES): what a template sees of them
+# transformers' GenerationConfig fields that change what generate(do_sample=False) picks, at their no-op values
+NEUTRAL_GENERATION = {"num_beams": 1, "penalty_alpha": 0, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": [],
+                      "min_length": 0, "min_new_tokens": 0, "suppress_tokens": [], "begin_suppress_tokens": [], "forced_bos_token_id": None,
+                      "forced_eos_token_id": None, "sequence_bias": {}, "exponential_decay_length_penalty": None, "dola_layers": None,
+                      "guidance_scale": 1.0, "stop_strings": [], "watermarking_config": None}
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def said(x) -> str:
+    """A message or value from the artifact (a template's, a tokenizer's) as one short printable line."""
+    return str(x).encode("unicode_escape").decode("ascii")[:200]
 
 
 class ArtifactTokenizer:
     """tokenizer.json, the chat template and the end-of-sequence ids of a checked artifact directory
-    (`listed`: the file names its manifest lists)."""
+    (`files`: its manifest's "files", {name: {"sha256", "size"}})."""
 
-    def __init__(self, path: Path, listed: set[str]):
+    def __init__(self, path: Path, files: dict):
         from tokenizers import Tokenizer
 
-        self.path = path
-        if "tokenizer.json" not in listed:
+        self.path, self.files = path, files
+        if "tokenizer.json" not in files:
             raise ArtifactError(f"{path}: no tokenizer.json in manifest.json (the native runtime reads only that format); {FIX}")
-        text = self._read(path / "tokenizer.json", MAX_JSON_BYTES)
         try:
-            self.tokenizer = Tokenizer.from_str(text)
-        except Exception as e:  # tokenizers raises plain Exception on a malformed file
-            raise ArtifactError(f"{path / 'tokenizer.json'}: not a tokenizer the tokenizers package reads ({e}); {FIX}") from None
-        config = read_json_object(path / "tokenizer_config.json", ArtifactError, FIX) if "tokenizer_config.json" in listed else {}
-        self.specials = {k: v for k, v in ((k, _token(config.get(k))) for k in ("bos_token", "eos_token", "unk_token", "pad_token"))
-                         if v is not None}
-        self.template = self._template(listed, config)
-        self.eos = self._eos(listed)
+            self.tokenizer = Tokenizer.from_str(self._read("tokenizer.json", MAX_JSON_BYTES).decode())
+            self.tokenizer.no_truncation()  # transformers turns both off unless a call asks for them
+            self.tokenizer.no_padding()
+        except ArtifactError:
+            raise
+        except BaseException as e:  # tokenizers raises Exception, or its Rust panic (a BaseException)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise ArtifactError(f"{path / 'tokenizer.json'}: not a tokenizer the tokenizers package reads ({said(e)}); {FIX}") from None
+        config = self._json("tokenizer_config.json")
+        self.specials = self._specials(config)
+        self.template = self._template(config)
+        self.eos = self._eos()
 
-    def _read(self, file: Path, limit: int) -> str:
+    def _read(self, name: str, limit: int) -> bytes:
+        """A listed file's bytes, at most `limit`, checked against the manifest's sha256 and size."""
+        file = self.path / name
         with open(file, "rb") as f:
             raw = f.read(limit + 1)
         if len(raw) > limit:
             raise ArtifactError(f"{file}: larger than {limit} bytes; {FIX}")
-        try:
-            return raw.decode()
-        except UnicodeDecodeError:
-            raise ArtifactError(f"{file}: not UTF-8 text; {FIX}") from None
+        listed = self.files[name]
+        if len(raw) != listed.get("size") or hashlib.sha256(raw).hexdigest() != listed.get("sha256"):
+            raise ArtifactError(f"{file}: not the file manifest.json lists (changed since the load checked it); load it again")
+        return raw
 
-    def _template(self, listed: set[str], config: dict):
-        """The compiled chat template, or None: chat_template.jinja, else chat_template.json's, else
-        tokenizer_config.json's (a string, or the one named "default" of a list), as transformers looks."""
-        where, source = None, None
-        if "chat_template.jinja" in listed:
-            where, source = "chat_template.jinja", self._read(self.path / "chat_template.jinja", MAX_TEMPLATE_BYTES)
-        elif "chat_template.json" in listed:
-            where = "chat_template.json"
-            source = read_json_object(self.path / where, ArtifactError, FIX, MAX_TEMPLATE_BYTES).get("chat_template")
+    def _json(self, name: str) -> dict:
+        return parse_json_object(self._read(name, MAX_JSON_BYTES), str(self.path / name), ArtifactError, FIX) if name in self.files else {}
+
+    def _specials(self, config: dict) -> dict[str, str]:
+        """The named special tokens, as transformers reads them: tokenizer_config.json's, and where it
+        has no added_tokens_decoder (a legacy save), special_tokens_map.json's over them."""
+        tokens = {k: config.get(k) for k in SPECIAL_TOKENS}
+        if "added_tokens_decoder" not in config:
+            tokens |= {k: v for k, v in self._json("special_tokens_map.json").items() if k in SPECIAL_TOKENS}
+        tokens = {k: v.get("content") if isinstance(v, dict) else v for k, v in tokens.items()}
+        return {k: v for k, v in tokens.items() if isinstance(v, str)}
+
+    def _template(self, config: dict):
+        """The compiled chat template, or None: chat_template.jinja, else tokenizer_config.json's (a
+        string, or of a list of {"name", "template"} the last named "default"), as AutoTokenizer looks."""
+        if "chat_template.jinja" in self.files:
+            where = "chat_template.jinja"
+            try:
+                source = self._read(where, MAX_TEMPLATE_BYTES).decode()
+            except UnicodeDecodeError:
+                raise ArtifactError(f"{self.path / where}: not UTF-8 text; {FIX}") from None
         else:
             where, source = "tokenizer_config.json", config.get("chat_template")
             if isinstance(source, list):
-                source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+                if not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in source):
+                    raise ArtifactError(f"{self.path / where}: chat_template is a list whose entries are not all {{name, template}}; {FIX}")
+                named = {t["name"]: t.get("template") for t in source}
+                if "default" not in named:
+                    raise ArtifactError(f"{self.path / where}: chat_template names {sorted(named)}, none \"default\"; {FIX}")
+                source = named["default"]
+        self.template_file = self.path / where
         if source is None:
             return None
         if not isinstance(source, str) or len(source) > MAX_TEMPLATE_BYTES:
-            raise ArtifactError(f"{self.path / where}: the chat template is not a string of at most {MAX_TEMPLATE_BYTES} bytes; {FIX}")
+            raise ArtifactError(f"{self.template_file}: the chat template is not a string of at most {MAX_TEMPLATE_BYTES} bytes; {FIX}")
         import jinja2
         import jinja2.ext
+        import jinja2.utils
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
@@ -85,46 +127,87 @@ class ArtifactTokenizer:
         def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
+        class TemplateDict:  # transformers': `dict(...)` makes a dict, and its class is not reachable
+            def __call__(self, *args, **kwargs):
+                return dict(*args, **kwargs)
+
+            def fromkeys(self, *args, **kwargs):
+                return dict.fromkeys(*args, **kwargs)
+
+        class TemplateNamespace(jinja2.utils.Namespace):  # transformers': no underscore names
+            def __init__(*args, **kwargs):
+                self, args = args[0], args[1:]
+                attrs = dict(*args, **kwargs)
+                for name in attrs:
+                    TemplateNamespace._check_name(name)
+                jinja2.utils.Namespace.__init__(self, attrs)
+
+            def __setitem__(self, name, value):
+                TemplateNamespace._check_name(name)
+                jinja2.utils.Namespace.__setitem__(self, name, value)
+
+            @staticmethod
+            def _check_name(name):
+                if isinstance(name, str) and name.startswith("_"):
+                    raise jinja2.exceptions.SecurityError(f"a namespace attribute {name!r} starts with an underscore")
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = tojson
-        env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
-        self.template_file = self.path / where
+        env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
+                           dict=TemplateDict(), namespace=TemplateNamespace)
         try:
             return env.from_string(source)
-        except jinja2.TemplateError as e:
-            raise ArtifactError(f"{self.template_file}: the chat template does not compile ({e}); {FIX}") from None
+        except Exception as e:  # TemplateSyntaxError, or a RecursionError on a deeply nested one
+            raise ArtifactError(f"{self.template_file}: the chat template does not compile ({said(e)}); {FIX}") from None
 
-    def _eos(self, listed: set[str]) -> set[int]:
-        """generation_config.json's eos_token_id (an id or a list), else config.json's: where generate stops."""
-        for name in ("generation_config.json", "config.json"):
-            if name in listed:
-                value = read_json_object(self.path / name, ArtifactError, FIX).get("eos_token_id")
-                if value is not None:
-                    ids = value if isinstance(value, list) else [value]
-                    if not all(type(i) is int for i in ids):
-                        raise ArtifactError(f"{self.path / name}: eos_token_id {value!r} is not an id or a list of ids; {FIX}")
-                    return set(ids)
-        return set()
+    def _eos(self) -> set[int]:
+        """The end-of-sequence ids where generate stops: from generation_config.json, else config.json
+        (as transformers makes a generation config from it). A setting there that makes transformers'
+        generate(do_sample=False) other than plain greedy is refused: --native would answer otherwise."""
+        name = "generation_config.json" if "generation_config.json" in self.files else "config.json"
+        config = self._json(name)
+        for key, neutral in NEUTRAL_GENERATION.items():
+            if config.get(key, neutral) not in (neutral, None):
+                raise ArtifactError(f"{self.path / name}: {key} {said(repr(config[key]))} (generate --native decodes plain greedy); "
+                                    "run `quantprep generate` without --native")
+        value = config.get("eos_token_id")
+        ids = [] if value is None else value if isinstance(value, list) else [value]
+        if not all(type(i) is int for i in ids):
+            raise ArtifactError(f"{self.path / name}: eos_token_id {said(repr(value))} is not an id or a list of ids; {FIX}")
+        return set(ids)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """The ids of one user message with the generation prompt after it (or of the bare prompt
         without a chat template), as AutoTokenizer's apply_chat_template gives them."""
         if self.template is None:
-            return self.tokenizer.encode(prompt).ids
-        import jinja2
-
+            return self._encode(prompt, True)
+        parts, size = [], 0
         try:
-            text = self.template.render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, **self.specials)
-        except jinja2.TemplateError as e:  # SecurityError too
-            raise ArtifactError(f"{self.template_file}: the chat template failed ({e}); {FIX}") from None
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+            for part in self.template.generate(messages=[{"role": "user", "content": prompt}], tools=None, documents=None,
+                                               add_generation_prompt=True, **self.specials):
+                size += len(part)
+                if size > MAX_PROMPT_CHARS:
+                    raise ArtifactError(f"{self.template_file}: the chat template writes more than {MAX_PROMPT_CHARS} characters "
+                                        f"for a prompt of {len(prompt)}; {FIX}")
+                parts.append(part)
+        except ArtifactError:
+            raise
+        except Exception as e:  # any error of the template's own making (raise_exception, SecurityError, 1/0, recursion)
+            raise ArtifactError(f"{self.template_file}: the chat template failed ({type(e).__name__}: {said(e)}); {FIX}") from None
+        return self._encode("".join(parts), False)
+
+    def _encode(self, text: str, special: bool) -> list[int]:
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=special).ids
+        except BaseException as e:
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise ArtifactError(f"{self.path / 'tokenizer.json'}: cannot encode the prompt ({said(e)}); {FIX}") from None
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def _token(value) -> str | None:
-    """A special token of tokenizer_config.json: a string, or an added token's {"content": ...}."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
+        try:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        except BaseException as e:
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise ArtifactError(f"{self.path / 'tokenizer.json'}: cannot decode the tokens ({said(e)}); {FIX}") from None
