@@ -339,10 +339,10 @@ def _generate_native(args, t0: float) -> int:
     if max(ids) >= model.config.vocab:
         raise ArtifactError(f"{model.path / 'tokenizer.json'}: the prompt encodes to token id {max(ids)}, outside the model's "
                             f"{model.config.vocab}; rebuild the artifact from a source whose tokenizer matches its model")
-    tokens = [int(model.forward(ids).argmax())]
+    tokens = [tok.pick(model.forward(ids), ids)]
     t2 = time.perf_counter()
     while len(tokens) < args.max_new_tokens and tokens[-1] not in tok.eos:  # greedy, as generate(do_sample=False)
-        tokens.append(int(model.forward(tokens[-1:]).argmax()))
+        tokens.append(tok.pick(model.forward(tokens[-1:]), ids + tokens))
     result = {"load_s": t1 - t0, "first_token_s": t2 - t0, "completion": tok.decode(tokens)}
     _print_json_or(args, result, f"load {result['load_s']:.2f} s, first token {result['first_token_s']:.2f} s\n{result['completion']}")
     return 0

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(native_a8_block() == 0 or native_model.libraries
 PROMPT = "b c d e"
 # specials and the generation prompt, as real templates use them
 TEMPLATE = ("{{ pad_token }} {% if tools is not none or documents is not none %}z {% endif %}{% for m in messages %}{{ m['role'] }} "
-            "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}f g{% endif %}")
+            "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}{% generation %}f g{% endgeneration %}{% endif %}")
 NEW = 6
 # a child that runs the CLI and reports what it imported
 RUN = """import json, sys
@@ -57,7 +57,7 @@ def art(tmp_path_factory):
 
 def template_in(art, where: str):
     """The artifact with its chat template moved: TEMPLATE in chat_template.jinja (as saved), in
-    tokenizer_config.json as a string or as the "default" of a list, or no template at all."""
+    tokenizer_config.json as a string or as the "default" of a list, an empty one, or none at all."""
     jinja = art / "chat_template.jinja"
     config = json.loads((art / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
@@ -68,6 +68,8 @@ def template_in(art, where: str):
     edit_manifest(art, lambda m: m["files"].pop("chat_template.jinja", None))
     if where == "tokenizer_config":
         config["chat_template"] = TEMPLATE
+    elif where == "empty":
+        config["chat_template"] = ""  # no template, to transformers
     elif where == "default_of_a_list":
         config["chat_template"] = [{"name": "default", "template": CHAT_TEMPLATE}, {"name": "tool_use", "template": CHAT_TEMPLATE},
                                    {"name": "default", "template": TEMPLATE}]  # the last "default" counts, as in transformers
@@ -88,15 +90,15 @@ def transformers_pipeline(art) -> tuple[list[int], str]:
     return ids, tok.decode(native_model.load(art).generate(ids, NEW), skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("where", ["jinja", "tokenizer_config", "default_of_a_list", "none"])
+@pytest.mark.parametrize("where", ["jinja", "tokenizer_config", "default_of_a_list", "empty", "none"])
 def test_native_generate_is_transformers_pipeline_without_torch(tmp_path, art, where):
     copy = tmp_path / "art"
     subprocess.run(["cp", "-r", str(art), str(copy)], check=True)
     template_in(copy, where)
     ids, want = transformers_pipeline(copy)
     ours = ArtifactTokenizer(copy, json.loads((copy / "manifest.json").read_text())["files"])
-    assert (ours.template is None) == (where == "none")
-    assert ours.prompt_ids(PROMPT) == ids and len(ids) == 5 + 3 * (where != "none")  # "a" in front (the template's pad_token, or the post-processor), "user" and "f g"
+    assert (ours.template is None) == (where in ("none", "empty"))
+    assert ours.prompt_ids(PROMPT) == ids and len(ids) == 5 + 3 * (ours.template is not None)  # "a" in front (the template's pad_token, or the post-processor), "user" and "f g"
     proc = subprocess.run([sys.executable, "-c", RUN, "generate", str(copy), "--native", "--json", "--prompt", PROMPT,
                            "--max-new-tokens", str(NEW)], capture_output=True, text=True, cwd=REPO)
     report = json.loads(proc.stderr.strip().splitlines()[-1])
@@ -138,7 +140,12 @@ BAD = {
                                               "none \"default\""),
     "a tokenizer.json that is not one": ("tokenizer.json", '{"model": 7}', "tokenizer.json: not a tokenizer"),
     "an eos_token_id that is not an id": ("generation_config.json", '{"eos_token_id": "x"}', "eos_token_id 'x' is not an id"),
-    "a repetition penalty": ("generation_config.json", '{"repetition_penalty": 1.1}', "repetition_penalty 1.1 (generate --native decodes plain greedy)"),
+    "a repetition penalty that is not a number": ("generation_config.json", '{"repetition_penalty": "x"}',
+                                                  "repetition_penalty 'x' is not a positive number"),
+    "no repeated n-grams": ("generation_config.json", '{"no_repeat_ngram_size": 3}', "no_repeat_ngram_size 3 (generate --native decodes"),
+    "a penalty on the prompt's tokens": ("generation_config.json", '{"encoder_repetition_penalty": 1.2}', "encoder_repetition_penalty 1.2"),
+    "a message that is an int too long to print": ("chat_template.jinja", "{% set n = messages|length + 9 %}{{ raise_exception(n ** 5000) }}",
+                                                   "the chat template failed"),
     "beam search": ("generation_config.json", '{"num_beams": 4}', "num_beams 4"),
 }
 
@@ -219,3 +226,26 @@ def test_native_generate_reads_the_bytes_the_manifest_lists(tmp_path, art):
     changed = dict(files, **{"tokenizer_config.json": dict(files["tokenizer_config.json"], sha256="0" * 64)})
     with pytest.raises(ArtifactError, match="tokenizer_config.json: not the file manifest.json lists"):
         ArtifactTokenizer(art, changed)
+
+
+def test_native_generate_applies_the_repetition_penalty_as_transformers(tmp_path, art, capsys):
+    """generation_config.json's repetition_penalty: each step's tokens are the argmax of transformers'
+    own RepetitionPenaltyLogitsProcessor over the native logits (prompt and output ids seen)."""
+    import torch
+    from transformers import AutoTokenizer
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    copy = tmp_path / "art"
+    subprocess.run(["cp", "-r", str(art), str(copy)], check=True)
+    (copy / "generation_config.json").write_text(json.dumps({"repetition_penalty": 3.0}))
+    relist(copy, "generation_config.json")
+    ids = ArtifactTokenizer(copy, json.loads((copy / "manifest.json").read_text())["files"]).prompt_ids(PROMPT)
+    model, penalty, seq, want = native_model.load(copy), RepetitionPenaltyLogitsProcessor(3.0), list(ids), []
+    logits = model.forward(ids)
+    for _ in range(NEW):
+        want.append(int(penalty(torch.tensor([seq]), torch.from_numpy(logits.copy())[None]).argmax()))
+        seq.append(want[-1])
+        logits = model.forward(want[-1:])
+    assert want != native_model.load(copy).generate(ids, NEW)  # the penalty changes the greedy tokens here
+    assert main(["generate", str(copy), "--native", "--json", "--prompt", PROMPT, "--max-new-tokens", str(NEW)]) == 0
+    assert json.loads(capsys.readouterr().out)["completion"] == AutoTokenizer.from_pretrained(copy).decode(want, skip_special_tokens=True)

@@ -111,7 +111,10 @@ class Config:
         self.hidden, self.layers, self.heads = size("hidden_size"), size("num_hidden_layers"), size("num_attention_heads")
         self.kv_heads, self.intermediate, self.vocab = size("num_key_value_heads", self.heads), size("intermediate_size"), size("vocab_size")
         self.head_dim = size("head_dim", self.hidden // self.heads)
-        self.context = size("max_position_embeddings", 2048)  # the positions it was trained for (transformers' Llama default)
+        context = c.get("max_position_embeddings", 32768 if c.get("model_type") == "qwen2" else 2048)  # transformers' defaults
+        if type(context) is not int or context <= 0:
+            raise ArtifactError(f"{where}: max_position_embeddings is {context!r}, not a size; {fix}")
+        self.context = min(context, MAX_SIZE)  # the positions it was trained for
         if self.heads % self.kv_heads or self.head_dim % 16 or self.head_dim > cpu_c.MAX_HEAD_DIM or self.hidden % 32:
             raise refuse(path, f"{self.heads} heads of {self.head_dim} over {self.kv_heads} key/value heads, hidden size {self.hidden}")
         rope = c.get("rope_parameters") or {"rope_theta": c.get("rope_theta", 10000.0), **(rope_scaling or {})}

@@ -32,7 +32,9 @@ MAX_PROMPT_CHARS = 1 << 20  # a rendered prompt; more is refused, not tokenized
 FIX = "rebuild the artifact from a source with a working tokenizer"
 # transformers' named special tokens (SPECIAL_TOKENS_ATTRIBUTES): what a template sees of them
 # transformers' GenerationConfig fields that change what generate(do_sample=False) picks, at their no-op values
-NEUTRAL_GENERATION = {"num_beams": 1, "penalty_alpha": 0, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": [],
+# (repetition_penalty is applied: ArtifactTokenizer.repetition_penalty; the encoder_ ones act on the prompt in a decoder-only model)
+NEUTRAL_GENERATION = {"num_beams": 1, "penalty_alpha": 0, "no_repeat_ngram_size": 0, "encoder_repetition_penalty": 1.0,
+                      "encoder_no_repeat_ngram_size": 0, "bad_words_ids": [],
                       "min_length": 0, "min_new_tokens": 0, "suppress_tokens": [], "begin_suppress_tokens": [], "forced_bos_token_id": None,
                       "forced_eos_token_id": None, "sequence_bias": {}, "exponential_decay_length_penalty": None, "dola_layers": None,
                       "guidance_scale": 1.0, "stop_strings": [], "watermarking_config": None}
@@ -41,7 +43,11 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
 
 def said(x) -> str:
     """A message or value from the artifact (a template's, a tokenizer's) as one short printable line."""
-    return str(x).encode("unicode_escape").decode("ascii")[:200]
+    try:
+        text = str(x)
+    except Exception:  # an int of more than 4300 digits, a __str__ that fails
+        text = f"<a {type(x).__name__}>"
+    return text.encode("unicode_escape").decode("ascii")[:200]
 
 
 class ArtifactTokenizer:
@@ -105,19 +111,20 @@ class ArtifactTokenizer:
         else:
             where, source = "tokenizer_config.json", config.get("chat_template")
             if isinstance(source, list):
-                if not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in source):
+                if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in source):
                     raise ArtifactError(f"{self.path / where}: chat_template is a list whose entries are not all {{name, template}}; {FIX}")
-                named = {t["name"]: t.get("template") for t in source}
+                named = {t["name"]: t["template"] for t in source}
                 if "default" not in named:
-                    raise ArtifactError(f"{self.path / where}: chat_template names {sorted(named)}, none \"default\"; {FIX}")
+                    raise ArtifactError(f"{self.path / where}: chat_template names {said(sorted(named))}, none \"default\"; {FIX}")
                 source = named["default"]
         self.template_file = self.path / where
-        if source is None:
+        if source is None or source == "":  # no template, as transformers' `if tokenizer.chat_template`
             return None
         if not isinstance(source, str) or len(source) > MAX_TEMPLATE_BYTES:
             raise ArtifactError(f"{self.template_file}: the chat template is not a string of at most {MAX_TEMPLATE_BYTES} bytes; {FIX}")
         import jinja2
         import jinja2.ext
+        import jinja2.nodes
         import jinja2.utils
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -151,7 +158,18 @@ class ArtifactTokenizer:
                 if isinstance(name, str) and name.startswith("_"):
                     raise jinja2.exceptions.SecurityError(f"a namespace attribute {name!r} starts with an underscore")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        class Generation(jinja2.ext.Extension):  # transformers' {% generation %} block (AssistantTracker): its body, as rendered
+            tags = {"generation"}
+
+            def parse(self, parser):
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+            def _body(self, caller):
+                return caller()
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
         env.filters["tojson"] = tojson
         env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
                            dict=TemplateDict(), namespace=TemplateNamespace)
@@ -161,15 +179,20 @@ class ArtifactTokenizer:
             raise ArtifactError(f"{self.template_file}: the chat template does not compile ({said(e)}); {FIX}") from None
 
     def _eos(self) -> set[int]:
-        """The end-of-sequence ids where generate stops: from generation_config.json, else config.json
-        (as transformers makes a generation config from it). A setting there that makes transformers'
-        generate(do_sample=False) other than plain greedy is refused: --native would answer otherwise."""
+        """The end-of-sequence ids where generate stops, and the repetition penalty: from
+        generation_config.json, else config.json (as transformers makes a generation config from it).
+        Another setting there that makes transformers' generate(do_sample=False) other than greedy is
+        refused: --native would answer otherwise."""
         name = "generation_config.json" if "generation_config.json" in self.files else "config.json"
         config = self._json(name)
         for key, neutral in NEUTRAL_GENERATION.items():
             if config.get(key, neutral) not in (neutral, None):
                 raise ArtifactError(f"{self.path / name}: {key} {said(repr(config[key]))} (generate --native decodes plain greedy); "
                                     "run `quantprep generate` without --native")
+        penalty = config.get("repetition_penalty", 1.0)
+        if type(penalty) not in (int, float) or not 0 < penalty < 1e6:
+            raise ArtifactError(f"{self.path / name}: repetition_penalty {said(repr(penalty))} is not a positive number; {FIX}")
+        self.repetition_penalty = float(penalty)
         value = config.get("eos_token_id")
         ids = [] if value is None else value if isinstance(value, list) else [value]
         if not all(type(i) is int for i in ids):
@@ -195,6 +218,19 @@ class ArtifactTokenizer:
         except Exception as e:  # any error of the template's own making (raise_exception, SecurityError, 1/0, recursion)
             raise ArtifactError(f"{self.template_file}: the chat template failed ({type(e).__name__}: {said(e)}); {FIX}") from None
         return self._encode("".join(parts), False)
+
+    def pick(self, logits, seen: list[int]) -> int:
+        """The greedy token of float32 logits [vocab], after transformers' RepetitionPenaltyLogitsProcessor
+        over the ids `seen` (prompt and output): a seen token's logit divided by the penalty, or
+        multiplied where it is negative."""
+        import numpy as np
+
+        if self.repetition_penalty != 1.0:
+            ids = np.unique(np.asarray(seen, np.int64))
+            s = logits[ids]
+            logits = logits.copy()
+            logits[ids] = np.where(s < 0, s * np.float32(self.repetition_penalty), s / np.float32(self.repetition_penalty))
+        return int(logits.argmax())
 
     def _encode(self, text: str, special: bool) -> list[int]:
         try:
