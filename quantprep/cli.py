@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from quantprep.errors import QuantprepError
+from quantprep.errors import ArtifactError, QuantprepError
 
 TRUST_HELP = ("run the artifact's kcache/ (compiled code) although it was not warmed here by you; "
               "only for artifacts from a source you trust (also QUANTPREP_TRUST_KCACHE=1)")
@@ -325,7 +325,6 @@ def _generate_native(args, t0: float) -> int:
     if "://" in args.dir or not Path(args.dir, "manifest.json").exists():
         raise QuantprepError(f"{args.dir}: --native runs an artifact directory (with a manifest.json); for a published reference, "
                              f"`quantprep pull {args.dir} --target cpu --out DIR` first")
-    from quantprep.errors import ArtifactError
     from quantprep.runtime import native_model
     from quantprep.runtime.tokenizer import ArtifactTokenizer
 
