@@ -4,6 +4,7 @@ Checked against transformers' own pipeline: AutoTokenizer's apply_chat_template 
 model's greedy tokens from them, AutoTokenizer's decode. The real SmolLM2 tokenizer: tests/test_smollm2.py."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -55,6 +56,11 @@ def art(tmp_path_factory):
     return root / "art"
 
 
+def copy_of(art, tmp_path):
+    shutil.copytree(art, tmp_path / "art")
+    return tmp_path / "art"
+
+
 def template_in(art, where: str):
     """The artifact with its chat template moved: TEMPLATE in chat_template.jinja (as saved), in
     tokenizer_config.json as a string or as the "default" of a list, an empty one, or none at all."""
@@ -92,8 +98,7 @@ def transformers_pipeline(art) -> tuple[list[int], str]:
 
 @pytest.mark.parametrize("where", ["jinja", "tokenizer_config", "default_of_a_list", "empty", "none"])
 def test_native_generate_is_transformers_pipeline_without_torch(tmp_path, art, where):
-    copy = tmp_path / "art"
-    subprocess.run(["cp", "-r", str(art), str(copy)], check=True)
+    copy = copy_of(art, tmp_path)
     template_in(copy, where)
     ids, want = transformers_pipeline(copy)
     ours = ArtifactTokenizer(copy, json.loads((copy / "manifest.json").read_text())["files"])
@@ -111,8 +116,7 @@ def test_native_generate_is_transformers_pipeline_without_torch(tmp_path, art, w
 def test_native_generate_stops_at_end_of_sequence(tmp_path, art, capsys):
     """generation_config.json's eos_token_id (here: the first token greedy picks) ends the completion
     after it, as transformers' generate does (the token is kept, and shows unless it is a special token)."""
-    copy = tmp_path / "art"
-    subprocess.run(["cp", "-r", str(art), str(copy)], check=True)
+    copy = copy_of(art, tmp_path)
     ids = ArtifactTokenizer(copy, json.loads((copy / "manifest.json").read_text())["files"]).prompt_ids(PROMPT)
     first, second = native_model.load(copy).generate(ids, 2)
     assert main(["generate", str(copy), "--native", "--json", "--prompt", PROMPT, "--max-new-tokens", "2"]) == 0
@@ -153,8 +157,7 @@ BAD = {
 @pytest.mark.parametrize("case", BAD)
 def test_native_generate_refuses_bad_tokenizer_files_in_one_line(tmp_path, art, capsys, case):
     name, text, says = BAD[case]
-    copy = tmp_path / "art"
-    subprocess.run(["cp", "-r", str(art), str(copy)], check=True)
+    copy = copy_of(art, tmp_path)
     if name == "tokenizer_config.json":
         template_in(copy, "none")  # else chat_template.jinja is the one read
     (copy / name).write_bytes(text if isinstance(text, bytes) else text.encode())
@@ -166,8 +169,7 @@ def test_native_generate_refuses_bad_tokenizer_files_in_one_line(tmp_path, art, 
 def test_native_generate_reads_only_listed_files(tmp_path, art, capsys):
     """Without a tokenizer.json in the manifest (whose hash the load checked), none is read: refused.
     (An unlisted file beside the listed ones is refused by every load: test_trust_boundary.py.)"""
-    copy = tmp_path / "art"
-    subprocess.run(["cp", "-r", str(art), str(copy)], check=True)
+    copy = copy_of(art, tmp_path)
     edit_manifest(copy, lambda m: m["files"].pop("tokenizer.json"))
     (copy / "tokenizer.json").unlink()
     assert main(["generate", str(copy), "--native"]) == 2
@@ -182,8 +184,7 @@ def test_native_generate_refuses_a_reference_in_one_line(tmp_path, capsys):
 
 
 def tokenizer_json_edited(art, tmp_path, edit):
-    copy = tmp_path / "art"
-    subprocess.run(["cp", "-r", str(art), str(copy)], check=True)
+    copy = copy_of(art, tmp_path)
     tok = json.loads((copy / "tokenizer.json").read_text())
     edit(tok)
     (copy / "tokenizer.json").write_text(json.dumps(tok))
@@ -235,8 +236,7 @@ def test_native_generate_applies_the_repetition_penalty_as_transformers(tmp_path
     from transformers import AutoTokenizer
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-    copy = tmp_path / "art"
-    subprocess.run(["cp", "-r", str(art), str(copy)], check=True)
+    copy = copy_of(art, tmp_path)
     (copy / "generation_config.json").write_text(json.dumps({"repetition_penalty": 3.0}))
     relist(copy, "generation_config.json")
     ids = ArtifactTokenizer(copy, json.loads((copy / "manifest.json").read_text())["files"]).prompt_ids(PROMPT)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
@@ -60,16 +61,10 @@ class ArtifactTokenizer:
         self.path, self.files = path, files
         if "tokenizer.json" not in files:
             raise ArtifactError(f"{path}: no tokenizer.json in manifest.json (the native runtime reads only that format); {FIX}")
-        try:
+        with self._tokenizers("not a tokenizer the tokenizers package reads"):
             self.tokenizer = Tokenizer.from_str(self._read("tokenizer.json", MAX_JSON_BYTES).decode())
             self.tokenizer.no_truncation()  # transformers turns both off unless a call asks for them
             self.tokenizer.no_padding()
-        except ArtifactError:
-            raise
-        except BaseException as e:  # tokenizers raises Exception, or its Rust panic (a BaseException)
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            raise ArtifactError(f"{path / 'tokenizer.json'}: not a tokenizer the tokenizers package reads ({said(e)}); {FIX}") from None
         config = self._json("tokenizer_config.json")
         self.specials = self._specials(config)
         self.template = self._template(config)
@@ -233,17 +228,19 @@ class ArtifactTokenizer:
         return int(logits.argmax())
 
     def _encode(self, text: str, special: bool) -> list[int]:
-        try:
+        with self._tokenizers("cannot encode the prompt"):
             return self.tokenizer.encode(text, add_special_tokens=special).ids
-        except BaseException as e:
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            raise ArtifactError(f"{self.path / 'tokenizer.json'}: cannot encode the prompt ({said(e)}); {FIX}") from None
 
     def decode(self, ids: list[int]) -> str:
-        try:
+        with self._tokenizers("cannot decode the tokens"):
             return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @contextmanager
+    def _tokenizers(self, what: str):
+        """A tokenizers call's failure, an Exception or its Rust panic (a BaseException), as one line."""
+        try:
+            yield
+        except (ArtifactError, KeyboardInterrupt, SystemExit):
+            raise
         except BaseException as e:
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            raise ArtifactError(f"{self.path / 'tokenizer.json'}: cannot decode the tokens ({said(e)}); {FIX}") from None
+            raise ArtifactError(f"{self.path / 'tokenizer.json'}: {what} ({said(e)}); {FIX}") from None
