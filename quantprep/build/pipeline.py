@@ -247,11 +247,12 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
         imports.result()
     check_against_model(ckpt)
     if "openvino" in targets:
-        from quantprep.build.openvino_ir import check_floats, check_supported, check_tokenizer, read_config
+        from quantprep.build.openvino_ir import check_floats, check_tokenizer, read_config
+        from quantprep.targets.openvino_decoder import check_supported
 
         if problem := get_target("openvino").runtime_problem():
             raise RecipeError(f"target openvino: {problem}")
-        check_supported(read_config(ckpt.path), ckpt.path / "config.json")
+        check_supported(read_config(ckpt.path), ckpt.path / "config.json", SourceError)
         check_floats(ckpt)
         check_tokenizer(ckpt.path)
     dtypes = [getattr(torch, act_dtype) if act_dtype else t.default_act_dtype for t in resolved]

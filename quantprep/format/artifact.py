@@ -48,8 +48,9 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
 # The openvino target's files (build/openvino_ir.py): its IR in place of the shards, and
 # openvino-tokenizers' IR of the tokenizer, where openvino.genai and OpenVINO Model Server look for them.
 OPENVINO_MODEL = "openvino_model.xml"
+OPENVINO_WEIGHTS = "openvino_model.bin"
 OPENVINO_TOKENIZERS = ("openvino_tokenizer.xml", "openvino_tokenizer.bin", "openvino_detokenizer.xml", "openvino_detokenizer.bin")
-OPENVINO_FILES = (OPENVINO_MODEL, "openvino_model.bin", *OPENVINO_TOKENIZERS)
+OPENVINO_FILES = (OPENVINO_MODEL, OPENVINO_WEIGHTS, *OPENVINO_TOKENIZERS)
 SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 CODE_CONFIGS = ("config.json", "tokenizer_config.json")  # where transformers reads `auto_map` (code to import)
 DEFAULT_SHAPES = [1, 16, 128, 512]  # prefill lengths warm runs (and warmup replays) unless the recipe says otherwise

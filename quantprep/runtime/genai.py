@@ -6,6 +6,13 @@ hashes, signature, compatibility key). What comes back is `OpenVINOModel`, a thi
 `logits` runs the IR itself, token ids in, logits out (eval, tests). openvino is imported here
 only, and only when an openvino artifact is loaded.
 
+An artifact carries data, never a program (docs/security.md). Its graph runs only after it
+compared equal to the graph quantprep builds from the IR's own weights (`checked_ir`), read by
+OpenVINO's IR frontend alone. Its tokenizer and detokenizer IR never run here: text becomes ids and
+ids text through `runtime/tokenizer.py` (the hashed tokenizer.json, the chat template rendered in
+quantprep's sandbox), and openvino.genai is given ids, from a private directory that holds links to
+the model's IR only (`pipeline`).
+
 The model cache: `quantprep warm DIR --device CPU|GPU` runs the pipeline once with OpenVINO's
 CACHE_DIR in a scratch directory and ships it in kcache/openvino/, keyed by the OpenVINO version
 and the device (name, architecture, driver). Compiled blobs are code for the device, so the cache
@@ -15,6 +22,9 @@ ignored with a warning, since OpenVINO would otherwise recompile silently.
 
 from __future__ import annotations
 
+import re
+import shutil
+import tempfile
 import time
 import warnings
 from functools import cached_property
@@ -23,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from quantprep.errors import ArtifactError, ArtifactMismatch, QuantprepError
-from quantprep.format.artifact import OPENVINO_FILES, OPENVINO_MODEL
+from quantprep.format.artifact import OPENVINO_FILES, OPENVINO_MODEL, OPENVINO_WEIGHTS
 from quantprep.runtime.kcache import kcache_problem, key_mismatch, materialize, trust_reason, untrusted_message
 
 CACHE_SUBDIR = "openvino"  # kcache/openvino/: OpenVINO's CACHE_DIR
@@ -100,50 +110,94 @@ def _ignored(msg: str) -> dict:
 
 class OpenVINOModel:
     """An openvino artifact, loaded: `pipeline` (openvino_genai.LLMPipeline, created at first use),
-    `generate(prompt)`, and `logits(input_ids)`. `config` holds the OpenVINO properties both use
-    (EXACT, or the plugin's defaults); `quantprep_kcache` says whether the model cache was used."""
+    `generate(prompt)`, `generate_ids(ids)` and `logits(input_ids)`. `ir` is its checked graph;
+    `config` holds the OpenVINO properties both use (EXACT, or the plugin's defaults);
+    `quantprep_kcache` says whether the model cache was used."""
 
-    def __init__(self, path: Path, manifest: dict, device: str, config: dict, kcache: dict):
-        self.quantprep_path, self.manifest, self.device, self.config = path, manifest, device, dict(config)
+    def __init__(self, path: Path, manifest: dict, ir, device: str, config: dict, kcache: dict):
+        self.quantprep_path, self.manifest, self.ir, self.device, self.config = path, manifest, ir, device, dict(config)
         self.quantprep_kcache = kcache
         if kcache.get("status") == "used":
             self.config["CACHE_DIR"] = kcache["dir"]
 
     @cached_property
+    def tokenizer(self):
+        """The artifact's tokenizer.json and chat template (runtime/tokenizer.py), read as checked."""
+        from quantprep.runtime.tokenizer import ArtifactTokenizer
+
+        return ArtifactTokenizer(self.quantprep_path, self.manifest["files"])
+
+    @cached_property
     def pipeline(self):
+        """openvino.genai's pipeline over the model's IR alone: it runs from a private directory of
+        links to openvino_model.xml/.bin, so it neither reads nor runs the artifact's tokenizer IR or
+        JSON files, and takes and gives token ids."""
         import openvino_genai
 
-        if not (self.quantprep_path / "openvino_tokenizer.xml").is_file():
-            raise QuantprepError(f"{self.quantprep_path}: no openvino_tokenizer.xml (the source had no tokenizer); "
-                                 "run token ids through .logits() instead")
-        with openvino_errors(self.quantprep_path):
-            return openvino_genai.LLMPipeline(str(self.quantprep_path), self.device, **{**PIPELINE, **self.config})
+        links = Path(tempfile.mkdtemp(prefix="quantprep-openvino-"))  # 0700: nobody else can swap a link
+        try:
+            for name in (OPENVINO_MODEL, OPENVINO_WEIGHTS):
+                (links / name).symlink_to((self.quantprep_path / name).absolute())
+            with openvino_errors(self.quantprep_path):
+                return openvino_genai.LLMPipeline(str(links), self.device, **{**PIPELINE, **self.config})
+        finally:
+            shutil.rmtree(links, ignore_errors=True)  # the pipeline holds what it read
+
+    def generation_config(self, max_new_tokens: int):
+        """Greedy decoding to `max_new_tokens`, stopping at the artifact's end-of-sequence ids and with
+        its repetition penalty, as `quantprep generate` on the other targets (transformers' generate)."""
+        import openvino_genai
+
+        tok = self.tokenizer if "tokenizer.json" in self.manifest["files"] else None
+        eos, penalty = (tok.eos, tok.repetition_penalty) if tok else (set(), 1.0)
+        config = openvino_genai.GenerationConfig()
+        config.max_new_tokens, config.do_sample, config.repetition_penalty = max_new_tokens, False, penalty
+        if eos:
+            config.eos_token_id, config.stop_token_ids = min(eos), set(eos)
+        else:  # genai's own default (-1) is refused by its checks; nothing stops generation but the length
+            config.eos_token_id, config.stop_token_ids, config.ignore_eos = 0, {0}, True
+        return config
+
+    def generate_ids(self, ids: list[int], config, streamer=None) -> list[int]:
+        """The new token ids after `ids`, by `config` (generation_config); `streamer`: an
+        openvino_genai.StreamerBase, told each token."""
+        import openvino as ov
+
+        vocab = self.vocab_size()
+        if not ids or not all(type(i) is int and 0 <= i < vocab for i in ids):
+            raise QuantprepError(f"{self.quantprep_path}: token ids must be 0..{vocab - 1}, and at least one")
+        tensor = ov.Tensor(np.asarray([ids], dtype=np.int64))
+        return [int(t) for t in self.pipeline.generate(tensor, config, streamer).tokens[0]]
 
     def generate(self, prompt: str, max_new_tokens: int = 64, chat: bool = True, streamer=None) -> str:
-        """Greedy completion of `prompt`, through the model's chat template where it has one."""
-        import openvino_genai
-
-        config = openvino_genai.GenerationConfig()
-        config.max_new_tokens, config.do_sample = max_new_tokens, False
-        config.apply_chat_template = chat
-        return str(self.pipeline.generate(prompt, config, streamer))
+        """Greedy completion of `prompt`, through the model's chat template where it has one (rendered
+        in quantprep's sandbox, runtime/tokenizer.py)."""
+        tok = self.tokenizer
+        ids = tok.prompt_ids(prompt) if chat else tok._encode(prompt, True)
+        return tok.decode(self.generate_ids(ids, self.generation_config(max_new_tokens), streamer))
 
     @cached_property
     def compiled(self):
         import openvino as ov
 
-        core = ov.Core()
         with openvino_errors(self.quantprep_path):
-            return core.compile_model(core.read_model(str(self.quantprep_path / OPENVINO_MODEL)), self.device, self.config)
+            return ov.Core().compile_model(self.ir, self.device, self.config)
 
-    def max_position_embeddings(self) -> int | None:
-        """The context the source's config.json gives (serve bounds prompts by it), None without one."""
+    def _config(self) -> dict:
         from quantprep._io.jsonfile import read_json_object
 
         if not (self.quantprep_path / "config.json").is_file():
-            return None
-        value = read_json_object(self.quantprep_path / "config.json", ArtifactError, "rebuild the artifact").get("max_position_embeddings")
+            return {}
+        return read_json_object(self.quantprep_path / "config.json", ArtifactError, "rebuild the artifact")
+
+    def max_position_embeddings(self) -> int | None:
+        """The context the source's config.json gives (serve bounds prompts by it), None without one."""
+        value = self._config().get("max_position_embeddings")
         return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    def vocab_size(self) -> int:
+        """The rows of the IR's logits (ids past them would read outside the embedding)."""
+        return int(self.ir.output("logits").get_partial_shape()[2].get_length())
 
     def __call__(self, input_ids, **_):
         """model(input_ids=[[...]]).logits, as a transformers model answers (eval): one sequence, from an empty KV cache."""
@@ -166,8 +220,8 @@ class openvino_errors:
     """OpenVINO's errors reading or compiling an artifact's IR as one ArtifactError line (a hand-made
     or damaged IR is the artifact's fault, not a crash of quantprep)."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, name: str = OPENVINO_MODEL):
+        self.path, self.name = path, name
 
     def __enter__(self):
         return self
@@ -176,14 +230,14 @@ class openvino_errors:
         if kind is not None and issubclass(kind, RuntimeError):
             lines = [line for line in str(value).splitlines() if line.strip()]
             first = lines[-1].strip()[:300] if lines else kind.__name__  # OpenVINO's last line says what failed
-            raise ArtifactError(f"{self.path / OPENVINO_MODEL}: OpenVINO cannot read or compile it ({first}); rebuild the artifact") from None
+            raise ArtifactError(f"{self.path / self.name}: OpenVINO cannot read or compile it ({first}); rebuild the artifact") from None
         return False
 
 
 def check_files(path: Path, manifest: dict) -> None:
     """The IR the manifest must list, and .xml files of a bounded size (they are parsed whole)."""
     files = manifest["files"]
-    for name in (OPENVINO_MODEL, "openvino_model.bin"):
+    for name in (OPENVINO_MODEL, OPENVINO_WEIGHTS):
         if name not in files:
             raise ArtifactError(f"{path}: an openvino artifact without {name} in manifest.json; rebuild it")
     for name in OPENVINO_FILES:
@@ -192,17 +246,59 @@ def check_files(path: Path, manifest: dict) -> None:
                                 "refusing it")
 
 
+# An IR's .xml: an XML declaration, comments, then the root element <net>. OpenVINO's read_model picks
+# a frontend by content, so a file with this name may be ONNX or another format: it is refused.
+IR_ROOT = re.compile(rb"\s*(<\?xml[^>]*\?>\s*)?(<!--.*?-->\s*)*<net[\s>]", re.S)
+
+
+def read_ir(path: Path, name: str = OPENVINO_MODEL, extension: str | None = None):
+    """An IR read by OpenVINO's IR frontend only (never another frontend, whatever the content);
+    `extension`: a library of operations it may name (openvino-tokenizers', installed here)."""
+    from openvino.frontend import FrontEndManager
+
+    with open(path / name, "rb") as f:
+        head = f.read(4096)
+    if not IR_ROOT.match(head):
+        raise ArtifactError(f"{path / name}: not OpenVINO IR (its root element is not <net>); rebuild the artifact")
+    frontend = FrontEndManager().load_by_framework("ir")
+    if extension:
+        frontend.add_extension(extension)
+    with openvino_errors(path, name):
+        return frontend.convert(frontend.load(str(path / name)))
+
+
+def checked_ir(path: Path, manifest: dict):
+    """The artifact's model IR, read, once it equals the graph quantprep builds from the IR's own
+    weight constants and the artifact's config.json (targets/openvino_decoder.py); else one line."""
+    from quantprep._io.jsonfile import read_json_object
+    from quantprep.targets.openvino_decoder import check_supported, rebuilt_difference
+
+    config = read_json_object(path / "config.json", ArtifactError, "rebuild the artifact") if "config.json" in manifest["files"] else None
+    if config is None:
+        raise ArtifactError(f"{path}: an openvino artifact without config.json in manifest.json; rebuild it")
+    check_supported(config, path / "config.json", ArtifactError)
+    ir = read_ir(path)
+    modules = manifest["modules"]
+    # the head the graph reads: quantized, else a float lm_head written beside the embedding, else tied
+    tied = "lm_head" not in modules and "lm_head.weight" not in {op.get_friendly_name() for op in ir.get_ops()}
+    if difference := rebuilt_difference(dict(config, tie_word_embeddings=tied), modules, ir):
+        raise ArtifactError(f"{path / OPENVINO_MODEL}: not the graph quantprep builds from its weights and config.json "
+                            f"({difference}); rebuild the artifact with `quantprep prepack`")
+    return ir
+
+
 class _Output:
     def __init__(self, logits):
         self.logits = logits
 
 
 def load(path: Path, manifest: dict, device: str | None, exact: bool, kcache: bool, trust: bool, signed: bool) -> OpenVINOModel:
-    """An openvino artifact that passed load's checks -> OpenVINOModel (nothing compiled yet)."""
+    """An openvino artifact that passed load's checks -> OpenVINOModel (its graph checked, nothing compiled yet)."""
     device = device_name(device)
     check_files(path, manifest)
+    ir = checked_ir(path, manifest)
     status = cache_status(path, manifest, device, trust, signed) if kcache else {"status": "off"}
-    return OpenVINOModel(path, manifest, device, EXACT if exact else {}, status)
+    return OpenVINOModel(path, manifest, ir, device, EXACT if exact else {}, status)
 
 
 def warm(path: Path, manifest: dict, device: str | None, scratch: Path) -> dict:
@@ -210,7 +306,7 @@ def warm(path: Path, manifest: dict, device: str | None, scratch: Path) -> dict:
     `quantprep warm` ships for an openvino artifact. Returns the report's fields."""
     device = device_name(device)
     (scratch / CACHE_SUBDIR).mkdir(parents=True, exist_ok=True)
-    model = OpenVINOModel(path, manifest, device, {}, {"status": "used", "dir": str(scratch / CACHE_SUBDIR)})
+    model = OpenVINOModel(path, manifest, checked_ir(path, manifest), device, {}, {"status": "used", "dir": str(scratch / CACHE_SUBDIR)})
     t0 = time.perf_counter()
-    model.generate("Hello", max_new_tokens=1)
+    model.generate_ids([0], model.generation_config(1))
     return {"key": cache_key(device), "s": round(time.perf_counter() - t0, 3), "shapes": [1], "compiled_regions": 0, "aot": []}

@@ -64,7 +64,7 @@ class OpenVINOTarget(Target):
     device = "openvino"  # OpenVINO picks the device (CPU, GPU) at load; torch runs nothing
     default_act_dtype = torch.float32  # the IR's activations; the plugin's inference precision is a load option
     act_dtypes = (torch.float32,)
-    layout_version = 1
+    layout_version = 2  # 2: the pad value explicit in the IR (a rebuilt graph compares equal)
 
     def compat_key(self) -> dict:
         return {"openvino": openvino_version(), "openvino_ir": IR_VERSION}
@@ -161,7 +161,8 @@ def linear(x, consts: dict, meta: dict):
     if padded != meta["in_features"]:
         rank = x.get_output_partial_shape(0).rank.get_length() if hasattr(x, "get_output_partial_shape") else x.get_partial_shape().rank.get_length()
         x = ops.pad(x, ops.constant(np.zeros(rank, dtype=np.int64)),
-                    ops.constant(np.array([0] * (rank - 1) + [padded - meta["in_features"]], dtype=np.int64)), "constant")
+                    ops.constant(np.array([0] * (rank - 1) + [padded - meta["in_features"]], dtype=np.int64)), "constant",
+                    ops.constant(np.float32(0)))  # the pad value explicit: a read IR holds it, so a rebuilt graph compares equal
     y = ops.matmul(x, w, False, True)
     if "bias" in consts:
         y = ops.add(y, ops.convert(consts["bias"], ov.Type.f32))

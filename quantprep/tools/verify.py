@@ -75,13 +75,12 @@ def run_openvino_probes(path: Path, manifest: dict) -> list[dict]:
     import openvino.opset13 as ops
 
     from quantprep.format.artifact import OPENVINO_MODEL
-    from quantprep.runtime.genai import EXACT, check_files, openvino_errors
+    from quantprep.runtime.genai import EXACT, check_files, checked_ir
     from quantprep.targets.openvino import ir_constants, linear
 
     check_files(path, manifest)
     core = ov.Core()
-    with openvino_errors(path):
-        model = core.read_model(str(path / OPENVINO_MODEL))
+    model = checked_ir(path, manifest)
     tol, rows = REL_TOL["float32"], []
     with safe_open(path / PROBES_FILE, framework="pt") as probes:
         for name in sorted({k.rsplit(".", 1)[0] for k in probes.keys()}):
@@ -136,7 +135,13 @@ def verify_artifact(path: Path, strict: bool = True) -> dict:
         report["skipped"] = f"numeric check skipped: {e}"
         return report
     if target.name == "openvino":
+        from quantprep.build.openvino_ir import tokenizer_difference
+
         report["probes"] = run_openvino_probes(path, manifest)
+        if difference := tokenizer_difference(path, manifest["files"]):
+            raise ArtifactError(f"{path}: the tokenizer IR is not what openvino-tokenizers converts here from the artifact's "
+                                f"tokenizer files ({difference}); rebuild the artifact")
+        report["tokenizer_ir"] = "rebuilt and equal" if "openvino_tokenizer.xml" in manifest["files"] else "none"
     else:
         report["probes"] = run_probes(path, manifest, target, "cpu" if emulate else None)
     report["emulated"] = emulate
