@@ -6,9 +6,11 @@ import argparse
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from quantprep.errors import ArtifactError, QuantprepError
@@ -298,15 +300,14 @@ def cmd_generate(args) -> int:
         first = model.generate(args.prompt, max_new_tokens=1)
         t2 = time.perf_counter()
         completion = model.generate(args.prompt, max_new_tokens=args.max_new_tokens) if args.max_new_tokens > 1 else first
-        result = {"load_s": t1 - t0, "first_token_s": t2 - t0, "completion": completion}
-        _print_json_or(args, result, f"load {result['load_s']:.2f} s, first token {result['first_token_s']:.2f} s\n{completion}")
-        return 0
+        return _print_generated(args, {"load_s": t1 - t0, "first_token_s": t2 - t0, "completion": completion})
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model.quantprep_path, trust_remote_code=False)  # the directory load checked
     if tok.chat_template:
-        enc = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)
+        with _chat_template_failures(model.quantprep_path):
+            enc = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)
     else:
         enc = tok(args.prompt, return_tensors="pt")
     with torch.no_grad():
@@ -315,9 +316,62 @@ def cmd_generate(args) -> int:
         if args.max_new_tokens > 1:
             out = model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False)
     completion = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    result = {"load_s": t1 - t0, "first_token_s": t2 - t0, "completion": completion}
+    return _print_generated(args, {"load_s": t1 - t0, "first_token_s": t2 - t0, "completion": completion})
+
+
+# What a terminal acts on rather than shows (titles, clearing, colours, cursor moves): the C0 controls but
+# newline and tab, DEL, and the C1 controls (U+0080-U+009F; U+009B alone is CSI to many terminals)
+TERMINAL_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def terminal_safe(text: str) -> str:
+    """`text` with each terminal control character written as Python writes it in a string (ESC as \\x1b)."""
+    return TERMINAL_CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def _print_generated(args, result: dict) -> int:
+    """generate's timings and completion. The completion is the model's: its vocabulary can hold escape
+    sequences, so on a terminal its control characters print escaped; piped or redirected, it prints as
+    generated. --json needs nothing: json.dumps escapes every control character."""
+    completion = terminal_safe(result["completion"]) if sys.stdout.isatty() else result["completion"]
     _print_json_or(args, result, f"load {result['load_s']:.2f} s, first token {result['first_token_s']:.2f} s\n{completion}")
     return 0
+
+
+@contextmanager
+def _chat_template_failures(directory: Path):
+    """transformers rendering an artifact's chat template: a failure of the template's own making is one
+    line naming its file, as generate --native says it (runtime/tokenizer.py). Anything else propagates."""
+    from quantprep.runtime.tokenizer import FIX, said
+
+    try:
+        yield
+    except Exception as e:
+        if not _made_by_template(e):
+            raise
+        # AutoTokenizer reads chat_template.jinja where there is one, else tokenizer_config.json's
+        where = directory / "chat_template.jinja"
+        where = where if where.is_file() else directory / "tokenizer_config.json"
+        raise ArtifactError(f"{where}: the chat template failed ({type(e).__name__}: {said(e)}); {FIX}") from None
+
+
+def _made_by_template(e: Exception) -> bool:
+    """Whether an exception out of apply_chat_template is the template's: jinja2's own (a syntax error,
+    the sandbox's refusal, raise_exception's TemplateError), a RecursionError (jinja2 parses nesting
+    recursively), Python's compiler refusing the code jinja2 made of it (more than 20 nested blocks), or
+    anything raised while that code ran (`{{ 1 / 0 }}`); jinja2 names that code "<template>"."""
+    import jinja2
+
+    if isinstance(e, (jinja2.TemplateError, RecursionError)):
+        return True
+    if isinstance(e, SyntaxError):
+        return e.filename == "<template>"
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _generate_native(args, t0: float) -> int:
@@ -342,9 +396,7 @@ def _generate_native(args, t0: float) -> int:
     t2 = time.perf_counter()
     while len(tokens) < args.max_new_tokens and tokens[-1] not in tok.eos:  # greedy, as generate(do_sample=False)
         tokens.append(tok.pick(model.forward(tokens[-1:]), ids + tokens))
-    result = {"load_s": t1 - t0, "first_token_s": t2 - t0, "completion": tok.decode(tokens)}
-    _print_json_or(args, result, f"load {result['load_s']:.2f} s, first token {result['first_token_s']:.2f} s\n{result['completion']}")
-    return 0
+    return _print_generated(args, {"load_s": t1 - t0, "first_token_s": t2 - t0, "completion": tok.decode(tokens)})
 
 
 def cmd_serve(args) -> int:
