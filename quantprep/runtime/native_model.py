@@ -9,10 +9,11 @@ the numerics of `warm --int8-activations` decode, at every length here (tests/te
 compares it with quantprep.load's model). The lm_head runs on the last position only: gemv_bf16 for
 a bfloat16 head (or the tied embedding), int8_a8 for `--lm-head int8`, int4_a8 for `--lm-head int4`.
 
-It runs a cpu artifact packed for bfloat16 activations, of transformers' LlamaForCausalLM or
-Qwen2ForCausalLM (SiLU MLP, default rotary embedding, no sliding window), on a CPU whose int4_a8
-reads the artifact's pack layout (AVX2 and FMA: 32 columns; AVX512-VNNI and VBMI: 64). Anything
-else is refused with ArtifactMismatch saying why; quantprep.load runs it.
+It runs a cpu artifact packed for bfloat16 activations whose config.json transformers reads as a
+Llama or a Qwen2 (its model_type; SiLU MLP, default rotary embedding, no sliding window; every other
+key one it reads or one that changes nothing: Config), on a CPU whose int4_a8 reads the artifact's
+pack layout (AVX2 and FMA: 32 columns; AVX512-VNNI and VBMI: 64). Anything else is refused with
+ArtifactMismatch saying why; quantprep.load runs it.
 
     model = native_model.load("artifacts/qwen2.5-coder-1.5b/cpu")
     tokens = model.generate([9707, 11, 1879], max_new_tokens=16)  # greedy
@@ -34,7 +35,6 @@ from quantprep.format import safetensors_numpy
 from quantprep.runtime.checked import checked_manifest
 from quantprep.targets import cpu_c, native
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 FUSED_MEMBERS = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}  # in the order C reads them
 MAX_SIZE = 1 << 20  # any one dimension of a config: far above real models, small enough for int64 sums
 
@@ -77,24 +77,106 @@ def refuse(path: Path, why: str) -> ArtifactMismatch:
     return ArtifactMismatch(f"{path}: {why}; the native runtime cannot run it, quantprep.load can")
 
 
+def refuse_config(path: Path, key: str, value, why: str) -> ArtifactMismatch:
+    """One line naming config.json, the key and its value (printable and bounded: a hostile one may be neither)."""
+    def bounded(text: str, limit: int) -> str:
+        return text if len(text) <= limit else text[:limit] + "..."
+    key, shown = bounded(key if key.isprintable() else repr(key), 100), bounded(repr(value), 200)
+    return ArtifactMismatch(f"{path / 'config.json'}: {key}={shown}: {why}; `quantprep generate --native` implements Llama and Qwen2 "
+                            "decoders only (SiLU, the default rotary embedding, full attention): run this model with `quantprep generate` "
+                            "without --native (quantprep.load, transformers' model)")
+
+
+# transformers builds the model a config.json's model_type names (AutoConfig's class, then
+# AutoModelForCausalLM's), whatever its `architectures` say. The two this runtime implements:
+CAUSAL_LM = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # as transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+ANY = object()  # a neutral key's value when none changes the logits quantprep.load's model computes
+# Every config.json key accepted but not read, with the values that change nothing this runtime
+# computes (ANY: whatever). Any other key is refused: transformers' shared code reads keys that no
+# config class declares (is_causal, attention_chunk_size, per_layer_config, attn_implementation, ...).
+NEUTRAL_KEYS = {
+    "transformers_version": ANY, "_name_or_path": ANY, "_model_name_or_path": ANY,  # the second: transformers' GGUF reader's name
+    "quantization_config": ANY,  # quantprep.load drops it: the manifest says how each module is quantized
+    "dtype": ANY, "torch_dtype": ANY,  # quantprep.load passes the manifest's act_dtype, which wins
+    "bos_token_id": ANY, "eos_token_id": ANY, "unk_token_id": ANY, "sep_token_id": ANY,  # the tokenizer's and generate's
+    "pad_token_id": ANY,  # the embedding's padding_idx: its gradient only
+    "initializer_range": ANY, "attention_dropout": ANY,  # initialization and training: every weight is loaded, in eval mode
+    "use_cache": ANY,  # the same logits with the cache or without
+    "id2label": ANY, "label2id": ANY, "num_labels": ANY, "problem_type": ANY,  # classification heads, not a causal LM's
+    "output_attentions": (False,), "output_hidden_states": (False,), "return_dict": (True,),  # what forward returns
+    "chunk_size_feed_forward": (0,), "is_encoder_decoder": (False,),
+    "use_sliding_window": (False,),  # Qwen2's switch for its sliding layers
+    "is_llama_config": ANY, "rope_interleaved": (False,), "transformers.js_config": ANY,  # nanotron's exports (SmolLM2's Hub config): unread
+}
+MODEL_NEUTRAL_KEYS = {
+    "llama": {"pretraining_tp": ANY,  # transformers 5's Llama does not read it
+              "sliding_window": (None,)},  # transformers' cache would keep only that many tokens
+    "qwen2": {"sliding_window": ANY, "max_window_layers": ANY},  # they make sliding layers only with use_sliding_window
+}
+# The keys Config reads, each checked below.
+READ_KEYS = {"model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps", "hidden_act",
+             "tie_word_embeddings", "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "layer_types"}
+MODEL_READ_KEYS = {"llama": {"attention_bias", "mlp_bias"}, "qwen2": set()}  # Qwen2's q/k/v always have a bias, o_proj none
+DEFAULTS = {  # LlamaConfig's and Qwen2Config's, for keys a config.json may leave out
+    "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None},  # None: num_attention_heads
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+}
+FULL_ATTENTION = ("full_attention", "attention")  # the second: a legacy name transformers reads as the first
+ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}  # what the default rotary embedding's dict holds
+
+
+def neutral(value, values) -> bool:
+    """`value` is one of `values`, of the same type (JSON's 0 is not false)."""
+    return values is ANY or any(type(value) is type(v) and value == v for v in values)
+
+
+def rotary(c: dict, where: Path, fix: str) -> tuple[str, dict]:
+    """The rotary embedding's parameters as transformers 5 reads them (configuration_utils' __post_init__,
+    modeling_rope_utils' convert_rope_params_to_dict and standardize_rope_params), and the key they came
+    from: a non-empty rope_scaling replaces rope_parameters whole; the top-level rope_theta (else 10000)
+    and partial_rotary_factor fill what that dict lacks; rope_type defaults to its `type`, then "default"."""
+    for key in ("rope_scaling", "rope_parameters"):
+        if not isinstance(c.get(key), dict | None):
+            raise ArtifactError(f"{where}: {key} is {c.get(key)!r}, not an object or null as transformers reads it; {fix}")
+    key = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
+    rope = dict(c.get(key) or {})
+    rope.setdefault("rope_theta", c.get("rope_theta", 10000.0))
+    if c.get("partial_rotary_factor") is not None:
+        rope.setdefault("partial_rotary_factor", c["partial_rotary_factor"])
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    return key, rope
+
+
 class Config:
-    """The fields of config.json this runtime reads, checked (ArtifactError / ArtifactMismatch), and
-    which projections have a bias (Qwen2: q/k/v; Llama: attention_bias, mlp_bias), as transformers builds them."""
+    """The model config.json describes, read as transformers reads it and refused (ArtifactMismatch,
+    one line naming the key) where it is not exactly a model this runtime computes: transformers
+    builds the class its model_type names, Llama or Qwen2 here, and every key must be one this
+    runtime reads or one that changes nothing it computes (NEUTRAL_KEYS, at its neutral values).
+    Malformed values are ArtifactError. `bias`: which projections have one (Qwen2: q/k/v; Llama:
+    attention_bias, mlp_bias), as transformers builds them."""
 
     def __init__(self, path: Path):
         where, fix = path / "config.json", "the artifact is corrupt: rebuild it"
         c = read_json_object(where, ArtifactError, fix)
-        if c.get("architectures") not in ([a] for a in ARCHITECTURES) or c.get("hidden_act", "silu") != "silu":
-            raise refuse(path, f"architectures {c.get('architectures')!r} with hidden_act {c.get('hidden_act')!r} "
-                               f"(it runs {' and '.join(ARCHITECTURES)} with SiLU)")
-        layer_types, rope_scaling = c.get("layer_types") or [], c.get("rope_scaling")
-        if not isinstance(layer_types, list) or not isinstance(rope_scaling, dict | None) or \
-                type(c.get("tie_word_embeddings", False)) is not bool:
-            raise ArtifactError(f"{where}: layer_types {layer_types!r}, rope_scaling {rope_scaling!r} or tie_word_embeddings "
-                                f"{c.get('tie_word_embeddings')!r} is not what transformers reads; {fix}")
-        if c.get("use_sliding_window") or (c.get("model_type") != "qwen2" and c.get("sliding_window")) or \
-                any(kind != "full_attention" for kind in layer_types):
-            raise refuse(path, "a sliding-window attention")
+        model_type = c.get("model_type")
+        if not isinstance(model_type, str) or model_type not in CAUSAL_LM:
+            raise refuse_config(path, "model_type", model_type, "transformers builds this model's class from it, not Llama's or Qwen2's")
+        if c.get("architectures") not in (None, [CAUSAL_LM[model_type]]):
+            raise refuse_config(path, "architectures", c.get("architectures"),
+                                f"not {[CAUSAL_LM[model_type]]!r}, the class transformers builds for model_type {model_type!r}")
+        read, neutral_keys = READ_KEYS | MODEL_READ_KEYS[model_type], NEUTRAL_KEYS | MODEL_NEUTRAL_KEYS[model_type]
+        for key, value in c.items():
+            if key in read:
+                continue
+            if key not in neutral_keys:
+                raise refuse_config(path, key, value, f"not a key of the {model_type} config this runtime implements")
+            if not neutral(value, neutral_keys[key]):
+                raise refuse_config(path, key, value, f"it runs only {' or '.join(f'{key}={v!r}' for v in neutral_keys[key])}")
+        if c.get("hidden_act", "silu") != "silu":
+            raise refuse_config(path, "hidden_act", c.get("hidden_act"), "it runs a SiLU-gated MLP")
+        if type(c.get("tie_word_embeddings", False)) is not bool:
+            raise ArtifactError(f"{where}: tie_word_embeddings {c.get('tie_word_embeddings')!r} is not true or false; {fix}")
 
         def size(key: str, default=None) -> int:
             v = default if c.get(key) is None else c[key]
@@ -108,22 +190,35 @@ class Config:
                 raise ArtifactError(f"{where}: {key} is {v!r}, not a positive number; {fix}")
             return x
 
+        defaults = DEFAULTS[model_type]
         self.hidden, self.layers, self.heads = size("hidden_size"), size("num_hidden_layers"), size("num_attention_heads")
-        self.kv_heads, self.intermediate, self.vocab = size("num_key_value_heads", self.heads), size("intermediate_size"), size("vocab_size")
+        kv_heads = c.get("num_key_value_heads", defaults["num_key_value_heads"])  # an explicit null: num_attention_heads
+        self.kv_heads, self.intermediate, self.vocab = size("num_key_value_heads", kv_heads or self.heads), size("intermediate_size"), size("vocab_size")
         self.head_dim = size("head_dim", self.hidden // self.heads)
-        context = c.get("max_position_embeddings", 32768 if c.get("model_type") == "qwen2" else 2048)  # transformers' defaults
+        context = c.get("max_position_embeddings", defaults["max_position_embeddings"])
         if type(context) is not int or context <= 0:
             raise ArtifactError(f"{where}: max_position_embeddings is {context!r}, not a size; {fix}")
         self.context = min(context, MAX_SIZE)  # the positions it was trained for
         if self.heads % self.kv_heads or self.head_dim % 16 or self.head_dim > cpu_c.MAX_HEAD_DIM or self.hidden % 32:
             raise refuse(path, f"{self.heads} heads of {self.head_dim} over {self.kv_heads} key/value heads, hidden size {self.hidden}")
-        rope = c.get("rope_parameters") or {"rope_theta": c.get("rope_theta", 10000.0), **(rope_scaling or {})}
-        if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type", "default")) != "default" or \
-                c.get("partial_rotary_factor", 1.0) != 1.0:
-            raise refuse(path, f"rotary embedding {rope!r} (it runs the default one, over whole heads)")
-        self.rope_theta, self.eps = number("rope_theta", rope.get("rope_theta")), number("rms_norm_eps", c.get("rms_norm_eps", 1e-6))
+        layer_types = c.get("layer_types")
+        if not isinstance(layer_types, list | None):
+            raise ArtifactError(f"{where}: layer_types {layer_types!r} is not a list as transformers reads it; {fix}")
+        if any(kind not in FULL_ATTENTION for kind in layer_types or []):  # (transformers refuses a list of another length)
+            raise refuse_config(path, "layer_types", layer_types, "it runs full-attention layers only")
+        key, rope = rotary(c, where, fix)
+        if any(isinstance(v, dict) for v in rope.values()):
+            raise refuse_config(path, key, c.get(key), "it runs one rotary embedding for every layer, not one per layer type")
+        if rope["rope_type"] != "default":
+            raise refuse_config(path, key, c.get(key), f"transformers builds a {rope['rope_type']!r} rotary embedding from it, "
+                                                       "this runtime only the default one")
+        if extra := sorted(set(rope) - ROPE_KEYS):
+            raise refuse_config(path, key, c.get(key), f"{extra[0]!r} is no parameter of the default rotary embedding it runs")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:  # transformers 5's default one ignores it; another version may not
+            raise refuse_config(path, "partial_rotary_factor", rope["partial_rotary_factor"], "it rotates whole heads")
+        self.rope_theta, self.eps = number("rope_theta", rope["rope_theta"]), number("rms_norm_eps", c.get("rms_norm_eps", 1e-6))
         self.tied = c.get("tie_word_embeddings", False)
-        qwen2 = c["architectures"] == ["Qwen2ForCausalLM"]
+        qwen2 = model_type == "qwen2"
         attention_bias, mlp_bias = (True, False) if qwen2 else (c.get("attention_bias", False), c.get("mlp_bias", False))
         if type(attention_bias) is not bool or type(mlp_bias) is not bool:
             raise ArtifactError(f"{where}: attention_bias {attention_bias!r} or mlp_bias {mlp_bias!r} is not true or false; {fix}")
