@@ -31,6 +31,41 @@ from quantprep.targets.intel_runtime import arch_warning
 KERNEL = "aten._weight_int4pack_mm_with_scales_and_zeros"
 # Any multiple of 32 is accepted (Blas.cpp); these are the ones GPTQ group sizes divide into.
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
+# XpuInt4Linear.kernel's call: every argument by position, as (its name in torch 2.8's schema, the
+# type passed). pytorch#194692 (open) makes qZeros `Tensor?` and allows float32 scales: the call
+# fits both, since int8 zero points stay valid.
+KERNEL_CALL = (("self", torch.TensorType.get()), ("mat2", torch.TensorType.get()), ("qGroupSize", torch.IntType.get()),
+               ("qScale", torch.TensorType.get()), ("qZeros", torch.TensorType.get()))
+
+
+def kernel_schema() -> torch.FunctionSchema | None:
+    """This torch's schema of KERNEL (the op's argument names, types and optionality), None where it has no such op."""
+    try:
+        return torch.ops.aten._weight_int4pack_mm_with_scales_and_zeros.default._schema
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def kernel_schema_problem(schema: torch.FunctionSchema) -> str | None:
+    """Why KERNEL_CALL does not fit `schema`, else None: the call would fail in the first forward
+    (too few arguments, one moved, keyword-only or of another type, a new one without a default,
+    or a result that is not one Tensor)."""
+    args = schema.arguments
+    names = [a.name for a in args]
+    if len(args) < len(KERNEL_CALL):
+        return f"it takes {len(args)} arguments, quantprep passes {len(KERNEL_CALL)}"
+    for i, ((name, passed), arg) in enumerate(zip(KERNEL_CALL, args[:len(KERNEL_CALL)], strict=True)):
+        if name in names and names.index(name) != i:  # same-typed arguments swapped would pass the type check
+            return f"{name} is argument {names.index(name)}, quantprep passes it as argument {i}"
+        if arg.kwarg_only:
+            return f"argument {i} ({arg.name}) is keyword-only, quantprep passes {name} by position"
+        if not passed.isSubtypeOf(arg.type):
+            return f"argument {i} ({arg.name}) is {arg.type}, quantprep passes {name} as {passed}"
+    if required := [a.name for a in args[len(KERNEL_CALL):] if not a.has_default_value()]:
+        return f"it requires {', '.join(required)}, which quantprep does not pass"
+    if len(schema.returns) != 1 or not schema.returns[0].type.isSubtypeOf(torch.TensorType.get()):
+        return "it does not return one Tensor"
+    return None
 
 
 def pack_int4_nk(codes: torch.Tensor, block: int = 1 << 24) -> torch.Tensor:
@@ -59,7 +94,7 @@ class XpuInt4Linear(PackedLinear):
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         mm = torch.ops.aten._weight_int4pack_mm_with_scales_and_zeros if x.device.type == "xpu" else \
             xpu_emulator.weight_int4pack_mm_with_scales_and_zeros
-        return mm(x, self.qweight, self.kernel_group_size, self.scales, self.qzeros)
+        return mm(x, self.qweight, self.kernel_group_size, self.scales, self.qzeros)  # KERNEL_CALL, checked at load
 
 
 class XpuTarget(Target):
@@ -82,6 +117,13 @@ class XpuTarget(Target):
     def runtime_problem(self) -> str | None:
         if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8):
             return f"torch {torch.__version__} has no XPU int4 kernel (needs torch >= 2.8)"
+        schema = kernel_schema()  # before the device: the op's contract is the installed torch's, card or not
+        if schema is None:
+            return f"torch {torch.__version__} has no {KERNEL}"
+        if why := kernel_schema_problem(schema):
+            call = ", ".join(f"{t} {n}" for n, t in KERNEL_CALL)
+            return (f"torch {torch.__version__}'s {KERNEL} is `{schema}`, which quantprep's call ({call}) does not fit: {why}; "
+                    "install a torch whose op takes that call, or a quantprep that knows this schema")
         if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
             return "no XPU device here (torch.xpu.is_available() is False)"
         return None

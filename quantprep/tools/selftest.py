@@ -1,7 +1,8 @@
 """`quantprep selftest`: on the user's own machine, run every kernel of a device on small random
 problems against the dense reference, time them at M=1 and M=512, and report what makes first
-runs slow there (for xpu: AOT arch coverage, the driver/SYCL kernel caches, and which oneDNN
-implementation runs the int4 matmul, from ONEDNN_VERBOSE).
+runs slow there (for xpu: the int4 op's schema and whether quantprep's call fits it, AOT arch
+coverage, the driver/SYCL kernel caches, and which oneDNN implementation runs the int4 matmul,
+from ONEDNN_VERBOSE).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from quantprep.build.synthetic import random_gptq_tensors
 from quantprep.errors import QuantprepError
 from quantprep.targets import get_target
 from quantprep.targets.intel_runtime import aot_name, arch_warning, int4_matmul_report, neo_cache_state
+from quantprep.targets.xpu import KERNEL, kernel_schema, kernel_schema_problem
 from quantprep.tools.verify import REL_TOL
 
 CASES = [(bits, gs, act) for bits in (4, 8) for gs in (128, -1) for act in (True, False)]
@@ -94,6 +96,18 @@ def xpu_cache_report(env: dict[str, str], arch_list: list[str], device_name: str
     return notes
 
 
+def xpu_op_note(schema: torch.FunctionSchema | None) -> str:
+    """This torch's schema of the xpu int4 op (its arguments' names, types and optionality, as torch
+    prints them) and whether quantprep's call fits it (targets/xpu.py, kernel_schema_problem)."""
+    if schema is None:
+        return f"int4 op {KERNEL}: not in this torch"
+    if why := kernel_schema_problem(schema):
+        return f"int4 op `{schema}`: quantprep's call does NOT fit it: {why}"
+    optional = [a.name for a in schema.arguments if isinstance(a.type, torch.OptionalType)]
+    also = f"; optional here: {', '.join(optional)} (quantprep still passes int8 zero points)" if optional else ""
+    return f"int4 op `{schema}`: quantprep's call fits it{also}"
+
+
 def onednn_notes(problems: list[dict]) -> list[str]:
     """Plain words for intel_runtime.int4_matmul_report: which implementation ran each int4 matmul."""
     if not problems:
@@ -143,7 +157,7 @@ def environment(device: str) -> dict:
         props = torch.xpu.get_device_properties()
         arch, architecture, driver = torch.xpu.get_arch_list(), getattr(props, "architecture", None), getattr(props, "driver_version", None)
         info.update(name=props.name, driver=driver, architecture=architecture, aot_name=aot_name(architecture, props.name),
-                    arch_list=arch, notes=xpu_cache_report(dict(os.environ), arch, props.name, architecture, driver))
+                    arch_list=arch, notes=[xpu_op_note(kernel_schema()), *xpu_cache_report(dict(os.environ), arch, props.name, architecture, driver)])
     return info
 
 
