@@ -1,7 +1,8 @@
 """Cold start of a server: process spawn to the first streamed token of its first request (issue 17).
 
 For each model, fresh processes, medians of --runs, interleaved (a, b, c, a, b, c, ...):
-  (a) `quantprep serve ARTIFACT`: transformers' OpenAI-compatible server with the artifact preloaded
+  (a) `quantprep serve ARTIFACT`: quantprep's OpenAI-compatible server with the artifact preloaded (measured
+      when it was transformers' own server: benchmarks/results/serve-*.json)
   (b) `transformers serve GPTQ_DIR`: the same server loading the GPTQ checkpoint the artifact was
       built from, through transformers' GPTQ integration (GPTQModel's kernels)
   (c) floor for (a): a script that imports quantprep, loads the artifact and streams `generate`

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from quantprep.errors import ArtifactError, QuantprepError
+from quantprep.format.experts import count_experts, expert_linear
 
 TRUST_HELP = ("run the artifact's kcache/ (compiled code) although it was not warmed here by you; "
               "only for artifacts from a source you trust (also QUANTPREP_TRUST_KCACHE=1)")
@@ -171,16 +172,23 @@ def cmd_inspect(args) -> int:
     print(f"target     {t['name']} ({', '.join(t['kernels'].values())}), layout v{t['layout_version']}, act {t['act_dtype']}")
     print(f"compat     {', '.join(f'{k}={v}' for k, v in m['compat'].items())}")
     print(f"modules    {len(m['modules'])} quantized linears, act-order on {sum(x['act_order'] for x in m['modules'].values())}")
+    if (experts := count_experts(m["modules"]))["experts"]:
+        print(f"experts    {_experts_line(experts)}")
     print(f"files      {len(m['files'])}, {size / 2**20:.1f} MiB; built {m['created']} by quantprep {m['quantprep_version']}")
     for e in m.get("eval", {}).values():
         print(f"eval       {_eval_line(e)}")
     return 0
 
 
+def _experts_line(experts: dict) -> str:
+    return f"{experts['experts']} in {experts['moe_layers']} MoE layers, {experts['linears']} of the quantized linears"
+
+
 def _eval_line(e: dict) -> str:
     return (f"ppl {e['ppl']:.4f} vs {e['reference']['kind']} {e['reference']['ppl']:.4f} (ratio {e['ppl_ratio']:.4f}), "
             f"KLD mean {e['kld']['mean']:.4f} p99 {e['kld']['p99']:.4f}, top-1 {100 * e['top1_agree']:.2f}%, "
-            f"{e['tokens']} tokens of {e['text']['name']}, ctx {e['ctx']}")
+            f"{e['tokens']} tokens of {e['text']['name']}, ctx {e['ctx']}"
+            + (f", {e['experts']['routed']} of {e['experts']['experts']} experts routed to" if "experts" in e else ""))
 
 
 def cmd_eval(args) -> int:
@@ -207,8 +215,13 @@ def cmd_verify(args) -> int:
     kc = f" + {report['kcache_files']} kcache files" if "kcache_files" in report else ""
     lines = [f"{args.dir}: {report['files']} files{kc}, sha256 ok"]
     how = f" (CPU path of the {report['target']} kernels; no {report['target']} device here)" if report.get("emulated") else ""
+    # experts: one line for all of them (thousands in a real MoE), and each failed one
     lines += [f"  {r['layer']} x{r['rows']}: rel err {r['rel_err']:.2e} (tol {r['tol']:.0e}) {'ok' if r['ok'] else 'FAILED'}{how}"
-              for r in report["probes"]]
+              for r in report["probes"] if not (r["ok"] and expert_linear(r["layer"]))]
+    if experts := report.get("experts"):
+        rows = [r for r in report["probes"] if expert_linear(r["layer"])]
+        lines.append(f"  experts: {experts['probed']} of {_experts_line(experts)}, probed: max rel err "
+                     f"{max((r['rel_err'] for r in rows), default=0):.2e} over {len(rows)} runs{how}")
     if report["skipped"]:
         lines.append(f"  {report['skipped']}")
     _print_json_or(args, report, "\n".join(lines))
@@ -574,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_generate)
 
-    sv = sub.add_parser("serve", help="serve an artifact with transformers' OpenAI-compatible server (/v1/chat/completions, ...)")
+    sv = sub.add_parser("serve", help="serve an artifact with quantprep's bounded OpenAI-compatible server (/v1/chat/completions, ...)")
     sv.add_argument("src", help="artifact dir, or a published reference (pulled and verified first)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)

@@ -3,7 +3,7 @@ or lower ones. Every import counts, at module level or inside a function, becaus
 still runs on the path that reaches it. docs/architecture.md draws the same picture.
 
     cli, __init__, __main__         (top: the commands and the public API)
-    tools/                          verify, eval, selftest, serving
+    tools/                          verify, eval, selftest, serving, openai_server
     build/                          recipes, source, quantize (gptqmodel), prepack, pipeline
     runtime/                        load, checked, hf_quantizer, kcache, aot, fused, warm, cpu_attention, cpu_layers,
                                     native_model, genai
@@ -27,8 +27,8 @@ PACKAGE = REPO / "quantprep"
 LAYERS = {"_io": 0, "errors": 0, "settings": 0, "version": 0, "format": 1, "targets": 2, "distribution": 3,
           "runtime": 4, "build": 5, "tools": 6, "cli": 7, "__init__": 7, "__main__": 7, "pipelines": 0}
 # third-party packages that only some layers or modules may import, and which (a layer, or layer/module)
-OPENVINO = ("targets/openvino", "targets/openvino_decoder", "build/openvino_ir", "runtime/genai", "tools/verify", "tools/selftest", "tools/serving_openvino")
-ONLY_IN = {"gptqmodel": ("build",), "openvino": OPENVINO, "openvino_genai": ("runtime/genai", "tools/serving_openvino"),
+OPENVINO = ("targets/openvino", "targets/openvino_decoder", "build/openvino_ir", "runtime/genai", "tools/verify", "tools/selftest", "tools/openai_server")
+ONLY_IN = {"gptqmodel": ("build",), "openvino": OPENVINO, "openvino_genai": ("runtime/genai", "tools/openai_server"),
            "openvino_tokenizers": ("build/openvino_ir",)}
 
 

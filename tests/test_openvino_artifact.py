@@ -281,8 +281,10 @@ def test_the_openvino_server_refuses_what_the_torch_one_refuses(ov_server):
 
 
 # wide enough that 2,000 tokens take seconds (so a cancelled stream is told apart from a finished
-# one by far more than the time a disconnect takes to reach the server on a busy 2-core machine)
-WIDE = dict(LLAMA, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)
+# one by far more than the time a disconnect takes to reach the server on a busy 2-core machine), and
+# without an end-of-sequence id, which serve stops at, so the full generation runs them all
+WIDE = dict(LLAMA, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+            eos_token_id=None)
 
 
 def test_a_client_that_goes_away_cancels_its_generation(tmp_path):

@@ -58,7 +58,7 @@ def test_the_qwen_recipe_warms_the_prefill_buckets():
     assert all(b / a <= 1.1 + 8 / a for a, b in zip(PREFILL_BUCKETS[1:], PREFILL_BUCKETS[2:], strict=False))  # <= 10% + rounding
 
 
-# --- quantprep serve: transformers' OpenAI-compatible server with the artifact preloaded, driven by the real openai client ---
+# --- quantprep serve: quantprep's OpenAI-compatible server over the loaded artifact, driven by the real openai client ---
 
 def chat_artifact(root, target: str = "cpu"):
     """A tiny random Llama artifact with a word-level tokenizer and a chat template (no network)."""
@@ -140,17 +140,9 @@ def test_a_bad_request_is_4xx_and_the_server_keeps_serving(server):
     with pytest.raises(openai.APIStatusError) as bad:
         _chat(client, "some-other-model", "b c")
     assert bad.value.status_code == 400
-    with pytest.raises(openai.APIStatusError) as bad:  # (a malformed `messages` gets a 500 from transformers' server)
+    with pytest.raises(openai.APIStatusError) as bad:
         _chat(client, str(art), "b c", extra_body={"not_a_field": 1})
     assert bad.value.status_code == 422
-    assert _chat(client, str(art), "b c d").choices[0].message.content == local_greedy(art, "b c d", 12)
-
-
-def test_a_client_that_disconnects_mid_stream(server):
-    art, client = server
-    stream = _chat(client, str(art), "l m", new=400, stream=True)
-    next(iter(stream))
-    stream.close()
     assert _chat(client, str(art), "b c d").choices[0].message.content == local_greedy(art, "b c d", 12)
 
 
@@ -182,9 +174,9 @@ def test_serve_a_published_reference(tmp_path, monkeypatch):
         stop()
 
 
-# the tiny model streams thousands of tokens a second and a stop waits 3 s for open streams: a request
-# far longer than that is still running when the server stops
-LONG = 200_000
+# within the tiny model's 2048-token context; far more than the tokens it streams in the moment a stop
+# takes to reach the server, so the request is still running when the server stops
+LONG = 2000
 
 
 def test_sigterm_during_a_request_stops_it_cleanly(tmp_path):

@@ -122,10 +122,11 @@ class OpenVINOModel:
 
     @cached_property
     def tokenizer(self):
-        """The artifact's tokenizer.json and chat template (runtime/tokenizer.py), read as checked."""
+        """The artifact's tokenizer.json and chat template (runtime/tokenizer.py), read as checked; a
+        template that cannot be used fails each chat prompt in one line, not plain text."""
         from quantprep.runtime.tokenizer import ArtifactTokenizer
 
-        return ArtifactTokenizer(self.quantprep_path, self.manifest["files"])
+        return ArtifactTokenizer(self.quantprep_path, self.manifest["files"], defer_template_error=True)
 
     @cached_property
     def pipeline(self):
@@ -173,7 +174,7 @@ class OpenVINOModel:
         """Greedy completion of `prompt`, through the model's chat template where it has one (rendered
         in quantprep's sandbox, runtime/tokenizer.py)."""
         tok = self.tokenizer
-        ids = tok.prompt_ids(prompt) if chat else tok._encode(prompt, True)
+        ids = tok.prompt_ids(prompt) if chat else tok.text_ids(prompt)
         return tok.decode(self.generate_ids(ids, self.generation_config(max_new_tokens), streamer))
 
     @cached_property

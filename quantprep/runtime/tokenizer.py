@@ -1,6 +1,8 @@
 """An artifact's tokenizer and chat template without transformers, for the native runtime
 (`quantprep generate --native`): whose point is a first token without transformers' imports
-(seconds on a small CPU; BENCHMARKS.md, "llama.cpp, the CPU anchor").
+(seconds on a small CPU; BENCHMARKS.md, "llama.cpp, the CPU anchor"). `quantprep serve` encodes and
+decodes an openvino artifact's requests with it too, so the template renders in this sandbox rather
+than in openvino.genai's C++ Jinja, which recurses without a bound.
 
 It does what transformers 5's `apply_chat_template(..., add_generation_prompt=True)` and `decode(...,
 skip_special_tokens=True)` do for a tokenizer.json run as it is (TokenizersBackend): the template
@@ -53,9 +55,11 @@ def said(x) -> str:
 
 class ArtifactTokenizer:
     """tokenizer.json, the chat template and the end-of-sequence ids of a checked artifact directory
-    (`files`: its manifest's "files", {name: {"sha256", "size"}})."""
+    (`files`: its manifest's "files", {name: {"sha256", "size"}}). defer_template_error: a chat
+    template that cannot be used is raised by every prompt_ids and chat_ids call instead of here, so
+    a server answers chat requests with it and still encodes prompts (`quantprep serve`)."""
 
-    def __init__(self, path: Path, files: dict):
+    def __init__(self, path: Path, files: dict, defer_template_error: bool = False):
         from tokenizers import Tokenizer
 
         self.path, self.files = path, files
@@ -67,7 +71,13 @@ class ArtifactTokenizer:
             self.tokenizer.no_padding()
         config = self._json("tokenizer_config.json")
         self.specials = self._specials(config)
-        self.template = self._template(config)
+        self.template_error: ArtifactError | None = None
+        try:
+            self.template = self._template(config)
+        except ArtifactError as e:
+            if not defer_template_error:
+                raise
+            self.template, self.template_error = None, e
         self.eos = self._eos()
 
     def _read(self, name: str, limit: int) -> bytes:
@@ -197,22 +207,42 @@ class ArtifactTokenizer:
     def prompt_ids(self, prompt: str) -> list[int]:
         """The ids of one user message with the generation prompt after it (or of the bare prompt
         without a chat template), as AutoTokenizer's apply_chat_template gives them."""
+        if self.template_error:
+            raise self.template_error
         if self.template is None:
             return self._encode(prompt, True)
+        return self._encode(self._render([{"role": "user", "content": prompt}]), False)
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The ids of `messages` ({"role", "content"} each) with the generation prompt after them, as
+        AutoTokenizer's apply_chat_template gives them; an artifact without a chat template has none."""
+        if self.template_error:
+            raise self.template_error
+        if self.template is None:
+            raise ArtifactError(f"{self.template_file}: the artifact has no chat template to render messages with; "
+                                "give it a prompt instead")
+        return self._encode(self._render(messages), False)
+
+    def text_ids(self, text: str) -> list[int]:
+        """The ids of plain text with the tokenizer's special tokens, as AutoTokenizer's encode gives them."""
+        return self._encode(text, True)
+
+    def _render(self, messages: list[dict]) -> str:
+        """The chat template's text for `messages`, bounded (MAX_PROMPT_CHARS); its failures as one line."""
         parts, size = [], 0
         try:
-            for part in self.template.generate(messages=[{"role": "user", "content": prompt}], tools=None, documents=None,
-                                               add_generation_prompt=True, **self.specials):
+            for part in self.template.generate(messages=messages, tools=None, documents=None, add_generation_prompt=True,
+                                               **self.specials):
                 size += len(part)
                 if size > MAX_PROMPT_CHARS:
                     raise ArtifactError(f"{self.template_file}: the chat template writes more than {MAX_PROMPT_CHARS} characters "
-                                        f"for a prompt of {len(prompt)}; {FIX}")
+                                        f"for a prompt of {sum(len(m['content']) for m in messages)}; {FIX}")
                 parts.append(part)
         except ArtifactError:
             raise
         except Exception as e:  # any error of the template's own making (raise_exception, SecurityError, 1/0, recursion)
             raise ArtifactError(f"{self.template_file}: the chat template failed ({type(e).__name__}: {said(e)}); {FIX}") from None
-        return self._encode("".join(parts), False)
+        return "".join(parts)
 
     def pick(self, logits, seen: list[int]) -> int:
         """The greedy token of float32 logits [vocab], after transformers' RepetitionPenaltyLogitsProcessor
