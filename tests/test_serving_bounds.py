@@ -195,3 +195,17 @@ def test_case19_serve_an_openvino_template_nested_20000_deep_is_a_400_and_the_se
             assert done.choices[0].text and done.usage.completion_tokens == 2
     finally:
         stop()
+
+
+def test_a_seeded_sampling_request_is_repeatable_and_differs_from_greedy(torch_server):
+    """temperature, top_p and seed reach the torch backend's generation config (Sampling.apply)."""
+    art, port, client = torch_server
+
+    def words(**kw) -> str:
+        status, body = post(port, "/v1/chat/completions", chat(art, max_tokens=12, **kw), timeout=60)
+        assert status == 200, body
+        return body["choices"][0]["message"]["content"]
+
+    sampled = [words(temperature=2.0, top_p=1.0, seed=seed) for seed in (1, 1, 2)]
+    assert sampled[0] == sampled[1] and sampled[0] != sampled[2], sampled
+    assert words() != sampled[0]

@@ -89,6 +89,14 @@ class Sampling:
     top_p: float | None = None
     seed: int | None = None
 
+    def apply(self, config) -> None:
+        """Onto a generation config, transformers' or openvino.genai's (their fields share these names)."""
+        config.do_sample = bool(self.temperature)
+        if config.do_sample:
+            config.temperature = self.temperature
+            if self.top_p:
+                config.top_p = self.top_p
+
 
 # --- backends: model_id, tokenizer (chat_ids, text_ids, decode; a failure is an ArtifactError line), context,
 # vocab_size, kcache, warm() and generate(), which the worker thread runs ---
@@ -177,13 +185,9 @@ class TorchBackend:
 
         config = copy.deepcopy(self.model.generation_config)  # the artifact's (eos, repetition penalty), bounded by the request
         config.max_new_tokens, config.num_beams, config.num_return_sequences = sampling.new_tokens, 1, 1
-        config.do_sample = bool(sampling.temperature)
-        if config.do_sample:
-            config.temperature = sampling.temperature
-            if sampling.top_p:
-                config.top_p = sampling.top_p
-            if sampling.seed is not None:
-                torch.manual_seed(sampling.seed)  # this thread runs one generation at a time
+        sampling.apply(config)
+        if config.do_sample and sampling.seed is not None:
+            torch.manual_seed(sampling.seed)  # this thread runs one generation at a time
         if config.pad_token_id is None:
             eos = config.eos_token_id
             config.pad_token_id = (eos[0] if isinstance(eos, list) else eos) or 0
@@ -220,13 +224,9 @@ class OpenVINOBackend:
                 pass
 
         config = self.model.generation_config(sampling.new_tokens)  # greedy, the artifact's eos and repetition penalty
-        config.do_sample = bool(sampling.temperature)
-        if config.do_sample:
-            config.temperature = sampling.temperature
-            if sampling.top_p:
-                config.top_p = sampling.top_p
-            if sampling.seed is not None:
-                config.rng_seed = sampling.seed
+        sampling.apply(config)
+        if config.do_sample and sampling.seed is not None:
+            config.rng_seed = sampling.seed
         return self.model.generate_ids(ids, config, Emitted())
 
 
