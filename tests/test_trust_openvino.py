@@ -133,10 +133,10 @@ def test_case20_a_gather_index_appended_to_the_weights_is_refused_before_anythin
 
     code, _, err = generate(art)
     assert code == 2
-    assert "openvino_model.xml" in one_line(err) and "other values" in err
+    assert "openvino_model.xml" in one_line(err) and "not the IR quantprep writes" in err
     assert main(["verify", str(art)]) == 2
     assert "openvino_model.xml" in one_line(capsys.readouterr().err)
-    with pytest.raises(ArtifactError, match="not the graph quantprep builds"):
+    with pytest.raises(ArtifactError, match="not the IR quantprep writes"):
         quantprep.load(art)
 
 
@@ -172,3 +172,131 @@ def test_case20_a_model_file_that_is_not_ir_is_refused_in_one_line(art):
     code, _, err = generate(art)
     assert code == 2
     assert "not OpenVINO IR" in one_line(err)
+
+
+# --- from the review of the first fix: OpenVINO's IR reader evaluates constant subgraphs as it reads,
+# so an artifact's IR is compared as text and bytes before any reader sees it ---
+
+def _replace_with_graph(art, name: str, build, constant_of) -> None:
+    """Write `build()`'s ov.Model as the artifact's `name` IR, each Parameter named in `constant_of`
+    turned into a Const holding those bytes (a graph the writer would fold), and reseal."""
+    import re
+
+    import openvino as ov
+
+    ov.save_model(build(), art / name, compress_to_fp16=False)
+    weights = art / name.replace(".xml", ".bin")
+    xml, data = (art / name).read_text(), bytearray(weights.read_bytes())
+    for parameter, (kind, shape, raw) in constant_of.items():
+        offset = len(data)
+        data += raw
+        xml, n = re.subn(rf'(name="{parameter}" )type="Parameter"( version="opset1">\s*)<data shape="[^"]*" element_type="[^"]*" />',
+                         rf'\1type="Const"\2<data element_type="{kind}" shape="{shape}" offset="{offset}" size="{len(raw)}" />', xml)
+        assert n == 1
+    (art / name).write_text(xml)
+    weights.write_bytes(data)
+    relist(art, name, weights.name)
+
+
+def peak_rss_and_result(*argv: str) -> tuple[int, int, str]:
+    """A quantprep command in a child process: (exit code or -signal, its peak RSS in MiB, stderr)."""
+    code = ("import resource, sys\nfrom quantprep.cli import main\nrc = main(sys.argv[1:])\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)\nsys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300)
+    return proc.returncode, int(proc.stdout.split()[-1]) if proc.stdout.strip() else -1, proc.stderr
+
+
+def test_case20_a_model_ir_whose_shape_inference_allocates_gigabytes_is_refused_unread(art):
+    import numpy as np
+    import openvino as ov
+    import openvino.opset15 as ops
+
+    def range_bomb():  # Reshape's target shape from min(range(0, N)) + 1: inferring it builds the range
+        stop = ops.parameter([], ov.Type.i64, name="STOP")
+        shape = ops.add(ops.reduce_min(ops.range(ops.constant(np.int64(0)), stop, ops.constant(np.int64(1)), ov.Type.i64),
+                                       ops.constant(np.array([0], np.int64)), True), ops.constant(np.array([1], np.int64)))
+        x = ops.parameter([-1], ov.Type.f32, name="input_ids")
+        return ov.Model([ops.result(ops.reshape(x, shape, False))], [x, stop])
+
+    _replace_with_graph(art, "openvino_model.xml", range_bomb, {"STOP": ("i64", "", struct.pack("<q", 300_000_000))})
+    code, peak, err = peak_rss_and_result("generate", str(art), "--prompt", PROMPT)
+    assert code == 2, err[-2000:]
+    assert "openvino_model.xml" in one_line(err)
+    assert peak < 1500, peak  # the range alone would be 2.4 GB
+
+
+def test_case18_verify_never_hands_the_artifacts_detokenizer_to_openvino(art, tmp_path):
+    """A detokenizer whose string table ends 2 GB past its bytes, feeding a Reshape's shape: reading
+    it folds the VocabDecoder (it faulted: SIGBUS). verify compares it as text and bytes instead."""
+    import numpy as np
+    import openvino as ov
+    import openvino.opset15 as ops
+    import openvino_tokenizers
+
+    core = ov.Core()
+    core.add_extension(openvino_tokenizers._ext_path)
+    for name in ("openvino_detokenizer.xml", "openvino_detokenizer.bin"):  # read from a copy: the model maps its .bin
+        shutil.copy(art / name, tmp_path / name)
+    original = core.read_model(str(tmp_path / "openvino_detokenizer.xml"))  # quantprep's own, as written
+    decoder = next(op for op in original.get_ops() if op.get_type_name() == "VocabDecoder")
+    tables = [decoder.input_value(i) for i in range(1, 5)]
+    size = decoder.input_value(2).get_partial_shape()[0].get_length()
+
+    def folded_decoder():
+        ids = ops.parameter([1, 3], ov.Type.i32, name="IDS")
+        begins, ends = (ops.parameter([size], ov.Type.i32, name=n) for n in ("BEGINS", "ENDS"))
+        text = openvino_tokenizers._get_factory().create("VocabDecoder", [ids, begins.output(0), ends.output(0), *tables[2:]],
+                                                         {"skip_tokens": []})
+        shape = ops.convert(ops.slice(text.output(0), *(ops.constant(np.array([v], np.int64)) for v in (0, 1, 1))), ov.Type.i64)
+        x = ops.parameter([-1], ov.Type.f32, name="x")
+        return ov.Model([ops.result(ops.reshape(x, shape, False))], [x, ids, begins, ends])
+
+    _replace_with_graph(art, "openvino_detokenizer.xml", folded_decoder,
+                        {"IDS": ("i32", "1,3", struct.pack("<3i", 1, 2, 3)), "BEGINS": ("i32", str(size), struct.pack(f"<{size}i", *[0] * size)),
+                         "ENDS": ("i32", str(size), struct.pack(f"<{size}i", *[2_000_000_000] * size))})
+    code, _, err = peak_rss_and_result("verify", str(art))
+    assert code == 2, err[-2000:]
+    assert "openvino_detokenizer.xml" in one_line(err)
+
+
+def _edit_xml(art, name: str, old: str, new: str, count: int = 1) -> None:
+    xml = (art / name).read_text()
+    assert old in xml, old
+    (art / name).write_text(xml.replace(old, new, count))
+    relist(art, name)
+
+
+@pytest.mark.parametrize("edit", ["a u4 weight read as nf4", "IR version 10", "a port's rt_info"])
+def test_case20_what_the_ir_says_about_its_weights_and_itself_is_compared_too(art, capsys, edit):
+    xml = (art / "openvino_model.xml").read_text()
+    if edit == "a u4 weight read as nf4":  # the plugin would run a decompression quantprep never writes
+        start = xml.index('name="model.layers.0.mlp.down_proj.weight"')
+        kind = xml.index('element_type="u4"', start)
+        xml = xml[:kind] + 'element_type="nf4"' + xml[kind + len('element_type="u4"'):]
+        (art / "openvino_model.xml").write_text(xml)
+        relist(art, "openvino_model.xml")
+    elif edit == "IR version 10":  # read_model upgrades a v10 IR with passes of its own
+        _edit_xml(art, "openvino_model.xml", 'version="11"', 'version="10"')
+    else:
+        _edit_xml(art, "openvino_model.xml", '<port id="0" precision="I64" names="input_ids">',
+                  '<port id="0" precision="I64" names="input_ids"><rt_info><attribute name="layout" version="0" value="[N,C]" /></rt_info>')
+    assert main(["generate", str(art), "--prompt", PROMPT]) == 2
+    assert "openvino_model.xml" in one_line(capsys.readouterr().err)
+
+
+def test_case18_verify_refuses_a_tokenizer_ir_missing_the_settings_it_was_converted_with(art, capsys):
+    """genai reads eos, pad and the special-token rules from the tokenizer IR's rt_info."""
+    xml = (art / "openvino_tokenizer.xml").read_text()
+    start = xml.index("<eos_token_id ")
+    (art / "openvino_tokenizer.xml").write_text(xml[:start] + xml[xml.index("/>", start) + 2:])
+    relist(art, "openvino_tokenizer.xml")
+    assert main(["verify", str(art)]) == 2
+    assert "openvino_tokenizer.xml" in one_line(capsys.readouterr().err)
+
+
+def test_case20_a_config_dimension_past_any_model_is_one_line(art, capsys):
+    config = json.loads((art / "config.json").read_text())
+    (art / "config.json").write_text(json.dumps(dict(config, head_dim=200_000_000_000)))
+    relist(art, "config.json")
+    assert main(["generate", str(art), "--prompt", PROMPT]) == 2
+    assert "head_dim" in one_line(capsys.readouterr().err)

@@ -12,8 +12,8 @@ import torch
 
 from quantprep._io.jsonfile import read_json_object
 from quantprep.errors import SourceError
-from quantprep.format.artifact import OPENVINO_MODEL, OPENVINO_TOKENIZERS, ArtifactWriter
-from quantprep.targets.openvino_decoder import TensorWeights, decoder, graph_difference
+from quantprep.format.artifact import OPENVINO_MODEL, OPENVINO_TOKENIZERS, ArtifactWriter, sha256_file
+from quantprep.targets.openvino_decoder import TensorWeights, decoder
 
 # The tokenizer IR's rt_info that only records who converted it
 CONVERTER_RT_INFO = ("openvino_tokenizers_version", "openvino_version", "transformers_version", "tokenizers_version",
@@ -85,15 +85,15 @@ def write_tokenizers(src: Path, out: Path) -> list[str]:
 
 
 def tokenizer_difference(path: Path, files: dict) -> str | None:
-    """How an artifact's tokenizer and detokenizer IR differ from what openvino-tokenizers converts
-    here from its own tokenizer files, or None. quantprep never runs them (runtime/genai.py); other
-    runtimes of the directory do, and their operations index string tables without bounds checks."""
+    """How an artifact's tokenizer and detokenizer IR differ, as text and bytes, from what
+    openvino-tokenizers converts here from the artifact's own tokenizer files, or None. quantprep
+    never runs them (runtime/genai.py), nor hands them to OpenVINO here (its reader evaluates
+    constant subgraphs, custom operations included); other runtimes of the directory run them, and
+    their operations index string tables without bounds checks."""
     import tempfile
 
-    import openvino_tokenizers
-
     from quantprep.errors import ArtifactError
-    from quantprep.runtime.genai import read_ir
+    from quantprep.targets.openvino import ir_difference, ir_tree
 
     with tempfile.TemporaryDirectory(prefix="quantprep-tokenizer-") as tmp:
         try:
@@ -103,9 +103,15 @@ def tokenizer_difference(path: Path, files: dict) -> str | None:
         for name in OPENVINO_TOKENIZERS:
             if (name in files) != (name in written):
                 return f"{name} {'listed' if name in files else 'missing'}, where openvino-tokenizers {'writes none' if name in files else 'writes one'}"
-            if name.endswith(".xml") and name in written:
-                ext = str(openvino_tokenizers._ext_path)
-                if difference := graph_difference(read_ir(Path(tmp), name, ext), read_ir(path, name, ext), CONVERTER_RT_INFO):
+        for name in written:
+            if name.endswith(".xml"):
+                weights = name.removesuffix(".xml") + ".bin"
+                try:
+                    got = ir_tree((path / name).read_bytes())
+                except ValueError as e:
+                    return f"{name}: {e}"
+                want = ir_tree((Path(tmp) / name).read_bytes())
+                if difference := ir_difference(want, sha256_file(Path(tmp) / weights), got, files[weights]["sha256"], CONVERTER_RT_INFO):
                     return f"{name}: {difference}"
     return None
 

@@ -22,7 +22,6 @@ ignored with a warning, since OpenVINO would otherwise recompile silently.
 
 from __future__ import annotations
 
-import re
 import shutil
 import tempfile
 import time
@@ -247,20 +246,12 @@ def check_files(path: Path, manifest: dict) -> None:
                                 "refusing it")
 
 
-# An IR's .xml: an XML declaration, comments, then the root element <net>. OpenVINO's read_model picks
-# a frontend by content, so a file with this name may be ONNX or another format: it is refused.
-IR_ROOT = re.compile(rb"\s*(<\?xml[^>]*\?>\s*)?(<!--.*?-->\s*)*<net[\s>]", re.S)
-
-
 def read_ir(path: Path, name: str = OPENVINO_MODEL, extension: str | None = None):
     """An IR read by OpenVINO's IR frontend only (never another frontend, whatever the content);
-    `extension`: a library of operations it may name (openvino-tokenizers', installed here)."""
+    `extension`: a library of operations it may name (openvino-tokenizers', installed here). For an
+    IR quantprep wrote, or one `checked_ir` compared: reading runs part of a graph (shape inference)."""
     from openvino.frontend import FrontEndManager
 
-    with open(path / name, "rb") as f:
-        head = f.read(4096)
-    if not IR_ROOT.match(head):
-        raise ArtifactError(f"{path / name}: not OpenVINO IR (its root element is not <net>); rebuild the artifact")
     frontend = FrontEndManager().load_by_framework("ir")
     if extension:
         frontend.add_extension(extension)
@@ -268,24 +259,50 @@ def read_ir(path: Path, name: str = OPENVINO_MODEL, extension: str | None = None
         return frontend.convert(frontend.load(str(path / name)))
 
 
-def checked_ir(path: Path, manifest: dict):
-    """The artifact's model IR, read, once it equals the graph quantprep builds from the IR's own
-    weight constants and the artifact's config.json (targets/openvino_decoder.py); else one line."""
-    from quantprep._io.jsonfile import read_json_object
-    from quantprep.targets.openvino_decoder import check_supported, rebuilt_difference
+def checked_ir(path: Path, manifest: dict, marked: bool = True):
+    """The artifact's model IR, read by OpenVINO only once it equals, as text and bytes, the IR
+    quantprep writes from that IR's own weight constants and the artifact's config.json
+    (targets/openvino_decoder.py); else one line. Checked once per user for the same manifest,
+    quantprep and OpenVINO (a mark beside the hash marks, format/verified.py); `marked=False`: every time (verify)."""
+    import hashlib
+    import json
 
-    config = read_json_object(path / "config.json", ArtifactError, "rebuild the artifact") if "config.json" in manifest["files"] else None
-    if config is None:
+    import openvino as ov
+
+    from quantprep._io.jsonfile import read_json_object
+    from quantprep._io.userdirs import private_dir
+    from quantprep.format.verified import marks_dir
+    from quantprep.targets.openvino import ir_tree
+    from quantprep.targets.openvino_decoder import check_supported, rebuilt_difference
+    from quantprep.version import __version__
+
+    files = manifest["files"]
+    if "config.json" not in files:
         raise ArtifactError(f"{path}: an openvino artifact without config.json in manifest.json; rebuild it")
-    check_supported(config, path / "config.json", ArtifactError)
-    ir = read_ir(path)
-    modules = manifest["modules"]
-    # the head the graph reads: quantized, else a float lm_head written beside the embedding, else tied
-    tied = "lm_head" not in modules and "lm_head.weight" not in {op.get_friendly_name() for op in ir.get_ops()}
-    if difference := rebuilt_difference(dict(config, tie_word_embeddings=tied), modules, ir):
-        raise ArtifactError(f"{path / OPENVINO_MODEL}: not the graph quantprep builds from its weights and config.json "
-                            f"({difference}); rebuild the artifact with `quantprep prepack`")
-    return ir
+    key = hashlib.sha256(json.dumps(["openvino-ir", manifest["manifest_sha256"], __version__, ov.get_version()]).encode()).hexdigest()
+    try:
+        mark = private_dir(marks_dir()) / f"ir-{key}"
+    except (OSError, ArtifactError):  # no usable cache: compare every time
+        mark = None
+    if not marked or mark is None or not mark.is_file():
+        config = read_json_object(path / "config.json", ArtifactError, "rebuild the artifact")
+        check_supported(config, path / "config.json", ArtifactError)
+        try:
+            root = ir_tree((path / OPENVINO_MODEL).read_bytes())
+        except ValueError as e:
+            raise ArtifactError(f"{path / OPENVINO_MODEL}: not OpenVINO IR ({e}); rebuild the artifact") from None
+        modules = manifest["modules"]
+        # the head the graph reads: quantized, else a float lm_head written beside the embedding, else tied
+        tied = "lm_head" not in modules and not any(layer.get("name") == "lm_head.weight" for layer in root.iter("layer"))
+        with tempfile.TemporaryDirectory(prefix="quantprep-ir-") as scratch:
+            difference = rebuilt_difference(dict(config, tie_word_embeddings=tied), modules, root, path / OPENVINO_WEIGHTS,
+                                            files[OPENVINO_WEIGHTS]["sha256"], Path(scratch))
+        if difference:
+            raise ArtifactError(f"{path / OPENVINO_MODEL}: not the IR quantprep writes from its weights and config.json "
+                                f"({difference}); rebuild the artifact with `quantprep prepack`")
+        if mark is not None:
+            mark.touch()
+    return read_ir(path)
 
 
 class _Output:

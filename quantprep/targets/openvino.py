@@ -22,7 +22,11 @@ constant `<module>.<part>`, so a module can be found in it again.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -167,3 +171,65 @@ def linear(x, consts: dict, meta: dict):
     if "bias" in consts:
         y = ops.add(y, ops.convert(consts["bias"], ov.Type.f32))
     return y
+
+
+# --- an IR's files compared as text and bytes, never read by OpenVINO first ---
+# OpenVINO's IR reader infers shapes as it reads, which evaluates constant subgraphs: reading an IR
+# runs part of it. So an IR from an artifact is compared with one quantprep writes before any reader sees it.
+
+AUTO_NAME = re.compile(r"[A-Za-z]+_[0-9]+")  # OpenVINO's name for an unnamed node or tensor: no runtime looks one up
+WRITER_RT_INFO = ("OpenVINO Runtime",)  # the writing runtime's version, which no reader acts on
+
+
+def ir_tree(data: bytes) -> ET.Element:
+    """An IR's .xml parsed by Python's XML parser: its root must be <net>; no DTD (no entities)."""
+    if b"<!DOCTYPE" in data or b"<!ENTITY" in data:
+        raise ValueError("it declares a DTD, which no IR has")
+    try:
+        root = ET.fromstring(data)
+    except ET.ParseError as e:
+        raise ValueError(f"not XML ({e})") from None
+    if root.tag != "net":
+        raise ValueError(f"its root element is <{root.tag[:40]}>, not <net>")
+    return root
+
+
+def canonical_ir(root: ET.Element, ignore_rt_info: tuple[str, ...] = ()) -> bytes:
+    """The IR's .xml as what it computes: layer names and OpenVINO's automatic tensor names dropped,
+    the writer's version and `ignore_rt_info` entries left out; everything else as written."""
+    root = ET.fromstring(ET.tostring(root))  # a copy
+    for layer in root.iter("layer"):
+        layer.attrib.pop("name", None)
+    for element, attribute in [(port, "names") for port in root.iter("port")] + [(layer, "output_names") for layer in root.iter("layer")]:
+        if attribute in element.attrib:
+            kept = [n for n in element.attrib[attribute].split(",") if not AUTO_NAME.fullmatch(n.strip())]
+            element.attrib[attribute] = ",".join(kept)
+    for info in root.findall("rt_info"):
+        for entry in list(info):
+            if entry.tag in (*WRITER_RT_INFO, *ignore_rt_info) or entry.get("name") in (*WRITER_RT_INFO, *ignore_rt_info):
+                info.remove(entry)
+    return ET.tostring(root)
+
+
+def saved_ir(model, directory: Path, name: str = "model") -> tuple[ET.Element, str]:
+    """`model` as ov.save_model writes it (as prepack does): its .xml parsed and its .bin's sha256."""
+    import openvino as ov
+
+    ov.save_model(model, directory / f"{name}.xml", compress_to_fp16=False)
+    digest = hashlib.sha256()
+    with open(directory / f"{name}.bin", "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return ir_tree((directory / f"{name}.xml").read_bytes()), digest.hexdigest()
+
+
+def ir_difference(want: ET.Element, want_bin: str, got: ET.Element, got_bin: str, ignore_rt_info: tuple[str, ...] = ()) -> str | None:
+    """The first difference between two IRs as programs (canonical_ir, and the .bin's bytes), or None."""
+    a, b = canonical_ir(want, ignore_rt_info).splitlines(), canonical_ir(got, ignore_rt_info).splitlines()
+    if a != b:
+        i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        line = lambda lines: lines[i].strip()[:160].decode(errors="replace") if i < len(lines) else "(the end)"  # noqa: E731
+        return f"line {i + 1} of its graph is {line(b)!r} where quantprep writes {line(a)!r}"
+    if want_bin != got_bin:
+        return "its .bin holds other bytes than quantprep writes for it"
+    return None

@@ -11,15 +11,17 @@ or separate lm_head. The quantized Linears are targets/openvino.py's; everything
 checkpoint's float tensors, kept in their stored f16/bf16 and converted to f32 in the graph.
 Anything else is refused in one line before any work (`check_supported`).
 
-An IR is a program: OpenVINO runs whatever graph it reads. So a load never runs an artifact's graph
-as it comes: `rebuilt_difference` builds the graph again from the IR's own weight constants (found by
-the names `decoder` gave them, `IRWeights`) and the artifact's config, and compares every operation,
-attribute, edge and constant with the artifact's. Only an IR equal to what this code writes runs.
+An IR is a program: OpenVINO runs whatever graph it reads, and its reader already evaluates constant
+subgraphs as it infers shapes. So a load never hands an artifact's IR to OpenVINO as it comes:
+`rebuilt_difference` builds the graph again from the IR's own weight constants (found by name in the
+.xml that Python's parser read, types and shapes pinned by the manifest and config, bytes mapped from
+the .bin: `IRWeights`), writes it as prepack does, and compares the two as text and bytes. Only an
+IR equal to what this code writes runs.
 """
 
 from __future__ import annotations
 
-import re
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,6 +29,7 @@ import torch
 from quantprep.targets.openvino import PARTS, constants, float_storage, linear
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+MAX_SIZE = 1 << 20  # any one dimension of a config: far above real models, small enough that no array of it exhausts memory
 
 
 def rope_theta(config: dict) -> float:
@@ -60,14 +63,14 @@ def check_supported(config: dict, where, error: type[Exception]) -> None:
         refuse("use_sliding_window", True, "sliding-window attention is not built")
     if config.get("mlp_bias"):
         refuse("mlp_bias", True, "MLP biases are not built")
-    for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
-        if not positive(config.get(field)):
-            refuse(field, config.get(field), "must be a positive integer")
+    for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size"):
+        if not positive(config.get(field)) or config[field] > MAX_SIZE:
+            refuse(field, config.get(field), f"must be a positive integer up to {MAX_SIZE}")
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     if not positive(kv) or heads % kv:
         refuse("num_key_value_heads", kv, f"must divide num_attention_heads={heads}")
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    if not positive(head_dim) or head_dim % 2:
+    if not positive(head_dim) or head_dim % 2 or head_dim > MAX_SIZE:
         refuse("head_dim", head_dim, "must be a positive even integer (RoPE rotates halves)")
     if not positive(config.get("rms_norm_eps", 1e-6), float):
         refuse("rms_norm_eps", config.get("rms_norm_eps"), "must be a positive number")
@@ -111,28 +114,74 @@ class TensorWeights:
 
 
 class IRWeights:
-    """The graph's constants taken from a read IR (load): each Constant found by the name `decoder`
-    gave it, copied by reference into the rebuilt graph. A name the IR lacks is a KeyError, which
-    `rebuilt_difference` reports."""
+    """The graph's weight constants from an artifact's IR files, without OpenVINO reading them: each
+    Const layer found by name in the parsed .xml, its element type and shape pinned by what the
+    manifest and config.json say the graph reads (`expected`), its bytes mapped from the .bin within
+    bounds. A constant that is missing or does not fit raises ValueError, naming it."""
 
-    def __init__(self, model):
-        self.named = {op.get_friendly_name(): op for op in model.get_ops() if op.get_type_name() == "Constant"}
+    def __init__(self, root, bin_path: Path, config: dict, modules: dict[str, dict]):
+        self.named = {layer.get("name"): layer for layer in root.iter("layer") if layer.get("type") == "Const"}
+        self.bin = np.memmap(bin_path, dtype=np.uint8, mode="r") if Path(bin_path).stat().st_size else np.zeros(0, np.uint8)
+        self.config, self.modules = config, modules
 
-    def _copy(self, name: str):
+    def _constant(self, name: str):
         import openvino as ov
 
-        c = ov.op.Constant(self.named[name].get_tensor_view(), shared_memory=True)
+        layer = self.named.get(name)
+        data = None if layer is None else layer.find("data")
+        if data is None:
+            raise ValueError(f"no constant {name!r}, which the graph reads")
+        kind, shape = data.get("element_type"), [int(d) for d in data.get("shape", "").split(",") if d.strip()]
+        types, want = expected(name, self.config, self.modules)
+        if kind not in types or shape != want:
+            raise ValueError(f"constant {name!r} is {kind} {shape}, where the graph reads {'/'.join(types)} {want}")
+        offset, size = int(data.get("offset", -1)), int(data.get("size", -1))
+        element = getattr(ov.Type, kind)  # one of `expected`'s names, which are OpenVINO's
+        if offset < 0 or size != (int(np.prod(shape, dtype=np.int64)) * element.bitwidth + 7) // 8 or offset + size > len(self.bin):
+            raise ValueError(f"constant {name!r}: offset {offset} and size {size} do not fit its {kind} {shape} in the .bin")
+        c = ov.op.Constant(ov.Tensor(np.ascontiguousarray(self.bin[offset:offset + size]), ov.Shape(shape), element), shared_memory=True)
         c.set_friendly_name(name)
         return c
 
     def module(self, name: str) -> dict:
-        return {part: self._copy(f"{name}.{part}") for part in PARTS if f"{name}.{part}" in self.named}
+        return {part: self._constant(f"{name}.{part}") for part in PARTS if f"{name}.{part}" in self.named}
 
     def has_float(self, name: str) -> bool:
         return name in self.named
 
     def float(self, name: str):
-        return self._copy(name)
+        return self._constant(name)
+
+
+FLOATS = ("f16", "bf16", "f32")  # float_storage's choices
+
+
+def expected(name: str, config: dict, modules: dict[str, dict]) -> tuple[tuple[str, ...], list[int]]:
+    """The element types and shape the graph reads constant `name` as: a quantized module's part
+    from its manifest metadata (targets/openvino.py's pack), a float tensor from config.json."""
+    module, _, part = name.rpartition(".")
+    if module in modules:
+        meta = modules[module]
+        N, G, bits, sym = meta["out_features"], meta["groups"], meta["bits"], meta["sym"]
+        gs = meta["padded_in"] // G
+        width = "4" if bits == 4 else "8"
+        return {"weight": ((("i" if sym else "u") + width,), [N, G, gs]), "zeros": (("u" + width,), [N, G, 1]),
+                "scales": (FLOATS, [N, G, 1]), "perm": (("i64",), [meta["in_features"]]), "bias": (FLOATS, [N])}.get(part, ((), []))
+    H, V, inter = config["hidden_size"], config["vocab_size"], config.get("intermediate_size")
+    heads = config["num_attention_heads"]
+    D = config.get("head_dim") or H // heads
+    q, kv = heads * D, (config.get("num_key_value_heads") or heads) * D
+    linears = {"q_proj": (q, H), "k_proj": (kv, H), "v_proj": (kv, H), "o_proj": (H, q), "gate_proj": (inter, H), "up_proj": (inter, H),
+               "down_proj": (H, inter)}
+    leaf = name.split(".")
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return FLOATS, [V, H]
+    if name == "model.norm.weight" or leaf[-2:-1] in (["input_layernorm"], ["post_attention_layernorm"]):
+        return FLOATS, [H]
+    if len(leaf) >= 2 and leaf[-2] in linears:
+        out, inp = linears[leaf[-2]]
+        return FLOATS, [out, inp] if leaf[-1] == "weight" else [out]
+    return (), []
 
 
 def decoder(config: dict, modules: dict[str, dict], weights) -> object:
@@ -251,67 +300,20 @@ def decoder(config: dict, modules: dict[str, dict], weights) -> object:
     return ov.Model([result], sinks, params, "quantprep_decoder")
 
 
-# An IR's own rt_info that this code writes (ov.save_model adds the runtime's version); any other
-# key is an option for whoever runs it (openvino.genai reads runtime options from there).
-MODEL_RT_INFO = {"OpenVINO Runtime", "version"}
-READER_RT_INFO = "WeightlessCacheAttribute"
-AUTO_NAME = re.compile(r"[A-Za-z]+_[0-9]+")  # OpenVINO's name for an unnamed node or tensor: no runtime looks one up  # what OpenVINO's IR reader attaches to every constant it reads
+def rebuilt_difference(config: dict, modules: dict[str, dict], root, bin_path: Path, bin_sha256: str, scratch: Path) -> str | None:
+    """How an artifact's IR (its parsed .xml `root`, its .bin, whose sha256 the manifest gave) differs
+    from the IR this code writes from that IR's own weight constants, or None. OpenVINO never reads
+    the artifact's files here: the graph is built from bytes mapped by IRWeights, written to
+    `scratch` as prepack writes it, and compared as text and bytes."""
+    from quantprep.targets.openvino import ir_difference, saved_ir
 
-
-def graph_difference(want, got, ignore_rt_info: tuple[str, ...] = ()) -> str | None:
-    """The first way the ov.Model `got` computes other than `want`, or None: operation by operation
-    in topological order, its type, attributes, inputs, outputs (types, shapes, names) and, for a
-    constant, its bytes (inputs and outputs are found by their tensors' names, compared); then the model's rt_info (runtimes read options there) but the runtime's
-    version and `ignore_rt_info`. Names of inner operations are not compared (they do not change
-    what runs)."""
-    a, b = want.get_ordered_ops(), got.get_ordered_ops()
-    if len(a) != len(b):
-        return f"{len(b)} operations where quantprep builds {len(a)}"
-    wanted = {str(k): _rt_value(v) for k, v in want.get_rt_info().items()}
-    for key, value in got.get_rt_info().items():
-        if str(key) not in MODEL_RT_INFO | set(ignore_rt_info) and wanted.get(str(key)) != _rt_value(value):
-            return f"rt_info {str(key)[:80]!r} other than quantprep writes"
-    order = [{op.get_instance_id(): i for i, op in enumerate(ops)} for ops in (a, b)]
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        tx, ty = x.get_type_info(), y.get_type_info()
-        where = f"operation {i} ({ty.name} {y.get_friendly_name()[:80]!r})"
-        if (tx.name, tx.version_id) != (ty.name, ty.version_id):
-            return f"{where} where quantprep builds {tx.name}"
-        if x.get_attributes() != y.get_attributes():
-            return f"{where}: other attributes"
-        sources = [[(o[v.get_node().get_instance_id()], v.get_index()) for v in op.input_values()] for o, op in ((order[0], x), (order[1], y))]
-        if sources[0] != sources[1]:
-            return f"{where}: other inputs"
-        outs = [[(str(v.get_element_type()), str(v.get_partial_shape()), sorted(n for n in v.get_names() if not AUTO_NAME.fullmatch(n)))
-                 for v in op.outputs()] for op in (x, y)]
-        if outs[0] != outs[1]:
-            return f"{where}: other outputs"
-        if {str(k) for k in y.get_rt_info().keys() if not str(k).startswith(READER_RT_INFO)} - {str(k) for k in x.get_rt_info().keys()}:
-            return f"{where}: rt_info quantprep does not write"
-        if tx.name == "Constant" and not _same_bytes(x.get_tensor_view().data, y.get_tensor_view().data):
-            return f"{where}: other values"
-    return None
-
-
-def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
-    """Equal constants; a weight IRWeights took from the IR is the same memory, not compared again."""
-    same_memory = a.ctypes.data == b.ctypes.data and a.nbytes == b.nbytes and a.dtype == b.dtype and a.shape == b.shape
-    return same_memory or np.array_equal(a, b)
-
-
-def _rt_value(value) -> str:
     try:
-        return str(value.astype(str))
-    except (AttributeError, RuntimeError, TypeError):  # a nested map: its printed form
-        return str(value)
-
-
-def rebuilt_difference(config: dict, modules: dict[str, dict], model) -> str | None:
-    """How the read IR `model` differs from the graph this code builds from its weight constants, or None."""
-    try:
-        want = decoder(config, modules, IRWeights(model))
-    except KeyError as e:
-        return f"no constant {str(e.args[0])[:120]!r}, which the graph reads"
-    except RuntimeError as e:  # OpenVINO's shape checks: a constant of the wrong shape or type for its place
-        return f"a constant does not fit the graph ({str(e).strip().splitlines()[-1][:200]})"
-    return graph_difference(want, model)
+        weights = IRWeights(root, bin_path, config, modules)  # held until written: the constants share its mapped .bin
+        want = decoder(config, modules, weights)
+    except ValueError as e:
+        return str(e)
+    except RuntimeError as e:  # OpenVINO's shape checks on the graph it built here
+        return f"its constants do not fit the graph ({str(e).strip().splitlines()[-1][:200]})"
+    want_root, want_bin = saved_ir(want, scratch)
+    del want, weights
+    return ir_difference(want_root, want_bin, root, bin_sha256)
