@@ -1,7 +1,9 @@
 """What `quantprep generate` prints of an artifact it does not trust (issue 53, cases 6 and 7), through the
 real command in a child process: a chat template that fails under transformers is one line naming its
 file (as --native says it: test_generate_native.py), and a completion's control characters reach a
-terminal escaped, on every path (torch, --native, openvino), while a pipe gets the text as generated."""
+terminal escaped, on every path (torch, --native, openvino), while a pipe gets the text as generated. Outside
+completions too (review finding F9): `inspect`'s lines from a hostile manifest and the CLI's one-line
+errors reach a terminal escaped, a pipe unchanged."""
 
 import json
 import os
@@ -57,9 +59,18 @@ def generate_piped(*args: str) -> subprocess.CompletedProcess:
 
 def generate_on_terminal(*args: str) -> bytes:
     """`quantprep generate ARGS` run to success with a pseudo-terminal as its stdout: the bytes the terminal got."""
+    shown, err, code = on_terminal([*GENERATE, *args])
+    assert code == 0, err.decode()[-3000:]
+    return shown
+
+
+def on_terminal(argv: list[str], stream: str = "stdout") -> tuple[bytes, bytes, int]:
+    """`argv` run with a pseudo-terminal as its `stream` (stdout or stderr) and the other one piped:
+    (the bytes the terminal got, the other stream's, the exit code)."""
     terminal, child_end = pty.openpty()
-    with tempfile.TemporaryFile() as stderr:
-        proc = subprocess.Popen([*GENERATE, *args], stdout=child_end, stderr=stderr, cwd=REPO)
+    with tempfile.TemporaryFile() as other:
+        ends = {"stdout": child_end, "stderr": other} if stream == "stdout" else {"stdout": other, "stderr": child_end}
+        proc = subprocess.Popen(argv, **ends, cwd=REPO)
         os.close(child_end)  # the child holds the only other end: reads end when it exits
         got = bytearray()
         while True:
@@ -72,9 +83,8 @@ def generate_on_terminal(*args: str) -> bytes:
             got += chunk
         os.close(terminal)
         code = proc.wait(timeout=600)
-        stderr.seek(0)
-        assert code == 0, stderr.read().decode()[-3000:]
-    return bytes(got)
+        other.seek(0)
+        return bytes(got), other.read(), code
 
 
 def escaped(text: str) -> str:
@@ -144,3 +154,48 @@ def test_case23_a_completion_reaches_a_terminal_escaped_and_a_pipe_unchanged(art
     assert not any((ord(c) < 0x20 and c not in "\n\t") or 0x7f <= ord(c) <= 0x9f for c in text), repr(text)
     assert text.split("\n", 1)[1] == escaped(completion) + "\n", repr(text)
     assert "\\x1b]0;pwned\\x07\\x1b[2J\\x9b31m\\x0d" in text and "\\x7f\t\n" in text
+
+
+# F9: a hostile manifest's fields, in inspect's lines and in an error line, on a terminal and through a pipe
+# A field that sets the terminal's title, clears the screen and opens a hyperlink (OSC 8, ended by ESC \\)
+HOSTILE_FIELD = "\x1b]0;pwned\x07\x1b[2J\x1b]8;;https://example.invalid\x1b\\here\x1b]8;;\x1b\\\x9b31m\r"
+INSPECT = [sys.executable, "-m", "quantprep", "inspect"]
+
+
+def hostile_manifest(artifact, tmp_path, edit) -> str:
+    """A copy of the cpu artifact's manifest (all inspect reads) edited as anyone can: its directory."""
+    art = tmp_path / "art"
+    art.mkdir()
+    shutil.copy(artifact("cpu") / "manifest.json", art / "manifest.json")
+    edit_manifest(art, edit)
+    return str(art)
+
+
+def shown_text(shown: bytes) -> str:
+    """What a terminal got, as text with no control character but newline and tab in it."""
+    text = shown.decode().replace("\r\n", "\n")  # the terminal's own newline translation (ONLCR)
+    assert not any((ord(c) < 0x20 and c not in "\n\t") or 0x7f <= ord(c) <= 0x9f for c in text), repr(text)
+    return text
+
+
+def test_f9_inspect_prints_a_manifests_fields_escaped_on_a_terminal_and_unchanged_through_a_pipe(artifact, tmp_path):
+    art = hostile_manifest(artifact, tmp_path, lambda m: m.update(created=HOSTILE_FIELD, quantprep_version=HOSTILE_FIELD))
+    shown, err, code = on_terminal([*INSPECT, art])
+    assert code == 0, err.decode()[-3000:]
+    text = shown_text(shown)
+    assert f"built {escaped(HOSTILE_FIELD)} by quantprep {escaped(HOSTILE_FIELD)}\n" in text, repr(text)
+    piped = subprocess.run([*INSPECT, art], capture_output=True, cwd=REPO, timeout=600)
+    assert piped.returncode == 0 and f"built {HOSTILE_FIELD} by quantprep {HOSTILE_FIELD}\n" in piped.stdout.decode(), piped
+    as_json = on_terminal([*INSPECT, art, "--json"])[0].decode().replace("\r\n", "\n")  # json.dumps escapes: as it was
+    assert json.loads(as_json)["created"] == HOSTILE_FIELD
+
+
+def test_f9_an_error_line_quoting_hostile_text_is_escaped_on_a_terminal_and_unchanged_through_a_pipe(artifact, tmp_path):
+    art = hostile_manifest(artifact, tmp_path, lambda m: m.update({HOSTILE_FIELD: 1}))  # read_manifest names unknown fields
+    shown, out, code = on_terminal([*INSPECT, art], stream="stderr")
+    assert code == 2 and out == b"", out
+    text = shown_text(shown)
+    assert text.startswith("quantprep: error: ") and text.count("\n") == 1, repr(text)
+    assert f"unknown field(s) {escaped(HOSTILE_FIELD)};" in text, repr(text)
+    piped = subprocess.run([*INSPECT, art], capture_output=True, cwd=REPO, timeout=600)
+    assert piped.returncode == 2 and f"unknown field(s) {HOSTILE_FIELD};" in piped.stderr.decode(), piped

@@ -4,13 +4,16 @@ in a child process on 127.0.0.1, one per artifact for the whole module.
 case 21 (the review's case 5): one client must not hold the server that serves everyone. A request
 carrying its own generation_config, a body or max_tokens past the bounds, n > 1: refused in one
 answer. A client that goes away, streaming or not, frees the server for the next client within
-seconds; past the waiting queue's bound a request is 503.
+seconds; past the waiting queue's bound a request is 503. Slow clients (review finding F5): bodies
+being read hold at most MAX_BODIES bytes together (past them 503 at once), and a body not read whole
+within BODY_S is 408, its connection dropped; the server answers others afterwards.
 case 19 (case 2's serve half): a chat template that fails, an openvino artifact's nested 20,000 deep
 (openvino.genai's C++ Jinja recurses without a bound), is a one-line 400, and the server keeps
 serving.
 """
 
 import json
+import select
 import socket
 import sys
 import time
@@ -18,7 +21,7 @@ import time
 import pytest
 from conftest import TINY_LLAMA, add_chat_tokenizer, free_port, serve
 
-from quantprep.tools.openai_server import MAX_BODY, MAX_NEW_TOKENS, MAX_WAITING
+from quantprep.tools.openai_server import BODY_S, MAX_BODIES, MAX_BODY, MAX_NEW_TOKENS, MAX_WAITING
 
 # Wide enough that a 2,000-token request runs far longer than FREED_S on any machine (a minute on 2
 # cores), and without an end-of-sequence id to stop it early: a server that kept generating for a
@@ -172,6 +175,76 @@ def test_case21_the_waiting_queue_answers_503_past_its_bound(torch_server):
         for conn in held:
             conn.close()
     answers_soon(art, client)  # the waiting ones, their clients gone, never ran
+
+
+def partial(port: int, sent: int, declared: int = MAX_BODY) -> socket.socket:
+    """A chat request whose headers declare `declared` body bytes, of which it sends `sent` (spaces), then
+    stalls: a slow client, as the review's repro (F5) sent them."""
+    conn = socket.create_connection(("127.0.0.1", port), timeout=FREED_S)
+    conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (declared, b" " * sent))
+    return conn
+
+
+def budget() -> list[int]:
+    """Partial bodies that together fill MAX_BODIES: each 64 KiB short of the MAX_BODY it declares (as
+    the review's repro), the last the rest."""
+    share = MAX_BODY - (64 << 10)
+    return [share] * (MAX_BODIES // share) + [MAX_BODIES % share]
+
+
+def answered(conn: socket.socket, within: float) -> bytes:
+    """What the server answered on `conn` within `within` seconds (b"" if nothing), read until it closed
+    the connection or went quiet."""
+    got, end = b"", time.monotonic() + within
+    while (left := end - time.monotonic()) > 0 and select.select([conn], [], [], left)[0]:
+        part = conn.recv(65536)
+        if not part:
+            return got
+        got += part
+        end = min(end, time.monotonic() + 1)  # the rest of an answer follows at once
+    return got
+
+
+def test_f5_partial_bodies_past_the_budget_are_503_at_once_and_the_server_answers_after(torch_server):
+    art, port, client = torch_server
+    held = []
+    try:
+        for sent in budget():
+            held.append(partial(port, sent))
+            assert answered(held[-1], 0.3) == b"", "refused within the budget"
+        for _ in range(4):  # past the budget: refused at their first bytes, the connection dropped
+            conn = partial(port, 1024)
+            try:
+                got = answered(conn, 5)
+            finally:
+                conn.close()
+            assert got.startswith(b"HTTP/1.1 503") and b"connection: close" in got.lower(), got[:300]
+        status, body = post(port, "/v1/chat/completions", chat(art, max_tokens=2), timeout=5)  # a small body too
+        assert status == 503 and "request bodies" in body["error"], body
+    finally:
+        for conn in held:
+            conn.close()
+    answers_soon(art, client)  # the bodies whose clients left no longer count
+
+
+def test_f5_a_body_that_stalls_is_408_within_the_deadline_and_frees_its_budget(torch_server):
+    art, port, client = torch_server
+    t0 = time.monotonic()
+    stalled = [partial(port, sent) for sent in budget()]  # all of it, stalled
+    try:
+        for conn in stalled:
+            got = answered(conn, BODY_S + 5 - (time.monotonic() - t0))
+            assert got.startswith(b"HTTP/1.1 408") and b"connection: close" in got.lower(), got[:300]
+            conn.settimeout(5)
+            assert conn.recv(1) == b"", "the connection stays open"
+        took = time.monotonic() - t0
+        assert BODY_S - 1 <= took <= BODY_S + 5, took
+    finally:
+        for conn in stalled:
+            conn.close()
+    status, body = post(port, "/v1/chat/completions", chat(art, max_tokens=2), timeout=FREED_S)  # answered, not 503
+    assert status == 200 and body["usage"]["completion_tokens"] == 2, body
 
 
 def test_case19_serve_a_torch_artifacts_template_that_fails_is_a_400_in_one_line(torch_server):

@@ -10,6 +10,10 @@ for both backends, before anything runs (the constants below are their one home)
   /reset are 403;
 - a body over MAX_BODY bytes is 413, read no further; a field the schema does not name is 422
   (`generation_config`, and with it a client's own token counts, is one), and so is n other than 1;
+- slow clients hold bounded memory: the bodies being read, all connections together, hold at most
+  MAX_BODIES bytes, and a request whose body would take more is 503 at once; a body not read whole
+  within BODY_S seconds is 408; both drop the connection. uvicorn answers 503 past MAX_CONNECTIONS
+  open connections (its limit_concurrency) and closes a keep-alive connection idle for KEEP_ALIVE_S;
 - messages (MAX_MESSAGES), characters (MAX_TEXT) and max_tokens (MAX_NEW_TOKENS) are bounded
   (422), and the prompt's tokens and max_tokens must fit the model's context (400);
 - the chat template renders in jinja2's sandbox, off the event loop; one that fails is a one-line
@@ -40,6 +44,10 @@ from pydantic import BaseModel, ConfigDict, Field  # module level: FastAPI resol
 from quantprep.errors import ArtifactError, QuantprepError
 
 MAX_BODY = 4 << 20  # bytes of a request body
+MAX_BODIES = 8 * MAX_BODY  # bytes of the request bodies being read (slow clients'), every connection's together
+BODY_S = 10  # seconds to read a whole request body, from its headers
+MAX_CONNECTIONS = 64  # open connections (uvicorn's limit_concurrency): past them a request is 503
+KEEP_ALIVE_S = 5  # seconds an idle keep-alive connection stays open (uvicorn's timeout_keep_alive)
 MAX_MESSAGES = 256
 MAX_TEXT = 200_000  # characters in all of a request's messages, or its prompt
 MAX_NEW_TOKENS = 4096
@@ -234,28 +242,53 @@ class OpenVINOBackend:
 
 class BoundedBody:
     """ASGI middleware: a request's body is read here, at most MAX_BODY bytes, before the route parses
-    it. A Content-Length over the bound, or a chunked body that grows past it, is answered 413 at once."""
+    it. A Content-Length over the bound, or a chunked body that grows past it, is answered 413 at once.
+    The bodies being read hold at most MAX_BODIES bytes together, counted as they arrive, until each is
+    read whole: a request whose body would take more is 503 at once, and a body not read whole within
+    BODY_S seconds is 408; both drop the connection (its client may still be sending). One instance
+    per app, on one event loop: the count needs no lock."""
 
     def __init__(self, app):
         self.app = app
+        self.reading = 0  # bytes the bodies being read hold, every connection's together
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         size = dict(scope["headers"]).get(b"content-length")
         if size is not None and (not size.isdigit() or int(size) > MAX_BODY):
-            return await self.too_large(scope, receive, send)
-        parts, total, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left before sending it all
-                return
-            parts.append(message.get("body", b""))
-            total += len(parts[-1])
-            if total > MAX_BODY:
-                return await self.too_large(scope, receive, send)
-            more = message.get("more_body", False)
-        body, given = b"".join(parts), False
+            return await self.refuse(scope, receive, send, 413)
+        held = 0  # bytes of this body read so far: its share of self.reading
+
+        async def read():
+            """The body; or the status refusing it; or None: the client left before sending it all."""
+            nonlocal held
+            parts, more = [], True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return None
+                parts.append(message.get("body", b""))
+                if held + len(parts[-1]) > MAX_BODY:
+                    return 413
+                if self.reading + len(parts[-1]) > MAX_BODIES:
+                    return 503
+                self.reading, held = self.reading + len(parts[-1]), held + len(parts[-1])
+                more = message.get("more_body", False)
+            return b"".join(parts)
+
+        try:
+            async with asyncio.timeout(BODY_S):
+                body = await read()
+        except TimeoutError:
+            body = 408
+        finally:
+            self.reading -= held
+        if body is None:
+            return
+        if isinstance(body, int):
+            return await self.refuse(scope, receive, send, body)
+        given = False
 
         async def replay():  # the body once, then the connection's own messages (its disconnect)
             nonlocal given
@@ -267,10 +300,15 @@ class BoundedBody:
         await self.app(scope, replay, send)
 
     @staticmethod
-    async def too_large(scope, receive, send):
+    async def refuse(scope, receive, send, status: int):
+        """A body refused, the rest of it unread: 413 keeps the connection, 503 and 408 close it."""
         from starlette.responses import JSONResponse
 
-        await JSONResponse({"error": f"request body over {MAX_BODY} bytes"}, status_code=413)(scope, receive, send)
+        error = {413: f"request body over {MAX_BODY} bytes",
+                 503: f"the request bodies being read would pass {MAX_BODIES} bytes; retry later",
+                 408: f"the request body did not arrive within {BODY_S} s"}[status]
+        headers = {"Connection": "close"} if status != 413 else None
+        await JSONResponse({"error": error}, status_code=status, headers=headers)(scope, receive, send)
 
 
 class IncrementalText:
@@ -466,7 +504,8 @@ def run(backend, host: str, port: int, warmup: bool = True, ready=None) -> None:
             "warmup": worker.submit(backend.warm).result() if warmup else "none"}
     stopping = threading.Event()
     server = uvicorn.Server(uvicorn.Config(build_app(backend, stopping, worker), host=host, port=port, log_level="info",
-                                           timeout_graceful_shutdown=3))
+                                           timeout_graceful_shutdown=3, limit_concurrency=MAX_CONNECTIONS,
+                                           timeout_keep_alive=KEEP_ALIVE_S))
     thread = threading.Thread(target=server.run, daemon=True)  # off the main thread, uvicorn leaves the signals to us
     thread.start()
     stop = threading.Event()
