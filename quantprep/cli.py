@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from quantprep.errors import ArtifactError, QuantprepError
-from quantprep.format.experts import count_experts, expert_linear
+from quantprep.format.expert_names import count_experts, expert_linear
 
 TRUST_HELP = ("run the artifact's kcache/ (compiled code) although it was not warmed here by you; "
               "only for artifacts from a source you trust (also QUANTPREP_TRUST_KCACHE=1)")
@@ -166,17 +166,21 @@ def cmd_inspect(args) -> int:
         return 0
     t, q = m["target"], m["quant"]
     size = sum(f["size"] for f in m["files"].values())
-    print(f"artifact   {args.dir}")
-    print(f"source     {m['source'].get('id') or 'a local GPTQ checkpoint'} (sha256 {m['source']['sha256'][:16]}...)")
-    print(f"quant      {q['bits']}-bit, group {q['group_size']}, desc_act={q['desc_act']}, sym={q['sym']}, from {q['checkpoint_format']}")
-    print(f"target     {t['name']} ({', '.join(t['kernels'].values())}), layout v{t['layout_version']}, act {t['act_dtype']}")
-    print(f"compat     {', '.join(f'{k}={v}' for k, v in m['compat'].items())}")
-    print(f"modules    {len(m['modules'])} quantized linears, act-order on {sum(x['act_order'] for x in m['modules'].values())}")
+    lines = [
+        f"artifact   {args.dir}",
+        f"source     {m['source'].get('id') or 'a local GPTQ checkpoint'} (sha256 {m['source']['sha256'][:16]}...)",
+        f"quant      {q['bits']}-bit, group {q['group_size']}, desc_act={q['desc_act']}, sym={q['sym']}, from {q['checkpoint_format']}",
+        f"target     {t['name']} ({', '.join(t['kernels'].values())}), layout v{t['layout_version']}, act {t['act_dtype']}",
+        f"compat     {', '.join(f'{k}={v}' for k, v in m['compat'].items())}",
+        f"modules    {len(m['modules'])} quantized linears, act-order on {sum(x['act_order'] for x in m['modules'].values())}",
+    ]
     if (experts := count_experts(m["modules"]))["experts"]:
-        print(f"experts    {_experts_line(experts)}")
-    print(f"files      {len(m['files'])}, {size / 2**20:.1f} MiB; built {m['created']} by quantprep {m['quantprep_version']}")
+        lines.append(f"experts    {_experts_line(experts)}")
+    lines.append(f"files      {len(m['files'])}, {size / 2**20:.1f} MiB; built {m['created']} by quantprep {m['quantprep_version']}")
     for e in m.get("eval", {}).values():
-        print(f"eval       {_eval_line(e)}")
+        lines.append(f"eval       {_eval_line(e)}")
+    # the manifest is the artifact's: on a terminal its control characters print escaped (terminal_safe)
+    print(_for_stdout("\n".join(lines)))
     return 0
 
 
@@ -224,7 +228,7 @@ def cmd_verify(args) -> int:
                      f"{max((r['rel_err'] for r in rows), default=0):.2e} over {len(rows)} runs{how}")
     if report["skipped"]:
         lines.append(f"  {report['skipped']}")
-    _print_json_or(args, report, "\n".join(lines))
+    _print_json_or(args, report, _for_stdout("\n".join(lines)))  # layer names are the manifest's
     if report["numeric"] == "failed":
         raise QuantprepError(report["error"])
     if report["numeric"] == "skipped" and not args.allow_skip:
@@ -340,6 +344,18 @@ TERMINAL_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 def terminal_safe(text: str) -> str:
     """`text` with each terminal control character written as Python writes it in a string (ESC as \\x1b)."""
     return TERMINAL_CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def _for_stdout(text: str) -> str:
+    """Human-readable output quoting an artifact (inspect, verify): terminal_safe on a terminal, as it is
+    piped or redirected. --json needs nothing: json.dumps escapes every control character."""
+    return terminal_safe(text) if sys.stdout.isatty() else text
+
+
+def _print_error(text: str) -> None:
+    """main's one-line error on stderr. Errors quote what they refuse (a manifest's field names, an IR's layer
+    types, a server's answer): on a terminal their control characters print escaped."""
+    print(f"quantprep: error: {terminal_safe(text) if sys.stderr.isatty() else text}", file=sys.stderr)
 
 
 def _print_generated(args, result: dict) -> int:
@@ -602,11 +618,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except QuantprepError as e:
-        print(f"quantprep: error: {e}", file=sys.stderr)
+        _print_error(str(e))
         return 2
     except OSError as e:  # permission, disk full, read-only file system: the environment, not a bug
         where = f"{e.filename}: " if e.filename else ""
-        print(f"quantprep: error: {where}{e.strerror or e}; check the path's permissions and free space", file=sys.stderr)
+        _print_error(f"{where}{e.strerror or e}; check the path's permissions and free space")
         return 2
     except KeyboardInterrupt:
         print("quantprep: interrupted", file=sys.stderr)

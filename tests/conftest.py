@@ -30,8 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 CALIB = (REPO / "quantprep" / "build" / "calibration.txt").read_text()
 
 
-def make_tiny_float_model(out: Path, seed: int = 0) -> Path:
-    """A 2-layer Qwen2 with a word-level tokenizer built from the calibration texts."""
+def make_tiny_float_model(out: Path, seed: int = 0, model_type: str = "qwen2", **config) -> Path:
+    """A 2-layer Qwen2 (or `model_type`, the sizes below unless `config` overrides them) with a
+    word-level tokenizer built from the calibration texts."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -40,9 +41,9 @@ def make_tiny_float_model(out: Path, seed: int = 0) -> Path:
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>", pad_token="<eos>")
-    cfg = AutoConfig.for_model("qwen2", vocab_size=len(vocab), hidden_size=128, intermediate_size=320,
-                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                               max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=1, pad_token_id=1)
+    sizes = dict(vocab_size=len(vocab), hidden_size=128, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=1, pad_token_id=1)
+    cfg = AutoConfig.for_model(model_type, **{**sizes, **config})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(out)

@@ -13,8 +13,11 @@ from tqdm import tqdm
 
 from quantprep._io.staging import stage_reached
 from quantprep.build.lm_head import QUANTIZED_BY, head_weight_key, round_head
-from quantprep.build.source import GPTQCheckpoint, GPTQLayer
+from quantprep.build.source import GPTQCheckpoint, GPTQLayer, float32_tensors
+from quantprep.errors import SourceError
+from quantprep.format.expert_names import expert_linear
 from quantprep.format.gptq import PrepackLayer, unpack_cols
+from quantprep.runtime.fused import IN_MODEL, in_model
 
 
 def act_order_perm(g_idx: torch.Tensor) -> torch.Tensor | None:
@@ -55,16 +58,22 @@ def can_fuse(layers: list[GPTQLayer]) -> bool:
 
 
 PROBE_ROWS = 4
+# Every expert is probed (calibration may have routed it no token: gptqmodel then rounds it to
+# nearest, and no logits test reaches an expert no text chooses), with one row: probes.safetensors
+# then holds (K + N) float32 per expert module: 157 MB for Qwen3-30B-A3B's 6144 experts, 1% of its weights.
+EXPERT_PROBE_ROWS = 1
 
 
 def probe_layer_names(names: list[str]) -> set[str]:
+    """The first, middle and last module, and every expert's modules."""
     names = sorted(names)
-    return {names[0], names[len(names) // 2], names[-1]}
+    return {names[0], names[len(names) // 2], names[-1]} | {n for n in names if expert_linear(n)}
 
 
 def make_probe(layer: PrepackLayer, seed: int = 0) -> dict[str, torch.Tensor]:
     """A fresh random input and the dense float32 reference output for one layer."""
-    x = torch.randn(PROBE_ROWS, layer.in_features, generator=torch.Generator().manual_seed(seed))
+    rows = EXPERT_PROBE_ROWS if expert_linear(layer.name) else PROBE_ROWS
+    x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(seed))
     y = layer.reference_matmul(x)
     if layer.bias is not None:
         y = y + layer.bias.float()
@@ -77,12 +86,16 @@ def make_probe(layer: PrepackLayer, seed: int = 0) -> dict[str, torch.Tensor]:
 FUSIONS = {("q_proj", "k_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_proj"): "gate_up_proj"}
 
 
-def fusion_plan(names: list[str], fuse: bool = True) -> list[tuple[str, list[str]]]:
-    """[(module name, [source layer names])]: a fused entry lists its members in output order."""
+def fusion_plan(names: list[str], fuse: bool = True, model_type: str | None = None) -> list[tuple[str, list[str]]]:
+    """[(module name, [source layer names])]: a fused entry lists its members in output order.
+    Members of a Linear the model itself has fused (runtime/fused.py IN_MODEL, by `model_type`) are
+    planned as that Linear, in the model's order, whatever `fuse` says: the model has no others."""
     present, groups = set(names), {}
-    for name in names if fuse else []:
+    own = {members: child for child, members in IN_MODEL.get(model_type or "", {}).items()}
+    fusions = {**{m: c for m, c in FUSIONS.items() if fuse and c not in own.values()}, **own}
+    for name in names:
         parent, _, child = name.rpartition(".")
-        for members, fused_child in FUSIONS.items():
+        for members, fused_child in fusions.items():
             full = [f"{parent}.{c}" for c in members]
             if child == members[0] and all(m in present for m in full):
                 groups.update({m: (f"{parent}.{fused_child}", full) for m in full})
@@ -95,6 +108,12 @@ def fusion_plan(names: list[str], fuse: bool = True) -> list[tuple[str, list[str
     return plan
 
 
+def model_fusion_problem(model_type: str | None, name: str, members: list[str]) -> str:
+    return (f"tensors {', '.join(members)}: the {model_type} model has them as one Linear, {name}, but their act-order "
+            "(g_idx), groups or input sizes differ, so they cannot be concatenated exactly; re-quantize the model "
+            "(gptqmodel gives them one g_idx: they read the same input)")
+
+
 def prepack_stream(ckpt: GPTQCheckpoint, packers: list[tuple[object, torch.dtype]], emit, progress: bool = True,
                    fuse: bool = True, lm_head: str = "float") -> tuple[list[dict[str, dict]], dict[str, torch.Tensor]]:
     """Prepack every layer for each (target, act dtype) in `packers` in one pass over the source:
@@ -105,7 +124,7 @@ def prepack_stream(ckpt: GPTQCheckpoint, packers: list[tuple[object, torch.dtype
     manifest metadata per packer, verify probes)."""
     modules: list[dict[str, dict]] = [{} for _ in packers]
     probes: dict[str, torch.Tensor] = {}
-    plan = fusion_plan(list(ckpt.layers), fuse)
+    plan = fusion_plan(list(ckpt.layers), fuse, ckpt.model_config.get("model_type"))
     probe_names = probe_layer_names([name for name, _ in plan])
     head_key = head_weight_key(ckpt) if lm_head != "float" else None  # a head it cannot round fails before any work
     names = ", ".join(t.name for t, _ in packers)
@@ -114,10 +133,12 @@ def prepack_stream(ckpt: GPTQCheckpoint, packers: list[tuple[object, torch.dtype
         if len(layers) > 1 and can_fuse(layers):
             fused = {"members": [m.rpartition(".")[2] for m in members], "sizes": [x.out_features for x in layers]}
             layers = [prepare_layers(name, layers)]  # the packed sources go once unpacked
+        elif len(layers) > 1 and in_model(ckpt.model_config.get("model_type"), name.rpartition(".")[2]):
+            raise SourceError(model_fusion_problem(ckpt.model_config.get("model_type"), name, members))
         # else not fusable here (different act-order or groups): the layers stay separate
         for j, layer in enumerate(layers):
             unpacked = layer if fused else prepare_layer(layer)
-            if name in probe_names and j == 0:
+            if name in probe_names and (j == 0 or expert_linear(name)):  # an expert's unfused gate and up: both
                 probes.update(make_probe(unpacked))
                 stage_reached("prepack")
             for i, (target, act_dtype) in enumerate(packers):
@@ -137,12 +158,14 @@ def prepack_stream(ckpt: GPTQCheckpoint, packers: list[tuple[object, torch.dtype
             emit(i, {f"lm_head.{part}": t.contiguous() for part, t in packed.items()})
             modules[i]["lm_head"] = dict(meta, quantized_by=QUANTIZED_BY[lm_head])
         del head
+    float32 = float32_tensors(ckpt)
     for key in ckpt.other_tensors:
         if key in skip:
             continue
-        # Float weights are stored in the activation dtype so loading is a zero-copy mmap; large ones
-        # are read and converted block by block as their shard is written (StoredRows).
-        for i, t in enumerate(ckpt.other_tensors.read_converted(key, [act_dtype for _, act_dtype in packers])):
+        # Float weights are stored in the activation dtype so loading is a zero-copy mmap (those the model
+        # keeps in float32: so); large ones are read and converted block by block as their shard is written (StoredRows).
+        dtypes = [torch.float32 if key in float32 else act_dtype for _, act_dtype in packers]
+        for i, t in enumerate(ckpt.other_tensors.read_converted(key, dtypes)):
             emit(i, {key: t})
     return modules, probes
 

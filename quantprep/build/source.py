@@ -22,6 +22,7 @@ from quantprep._io.background import in_thread
 from quantprep._io.jsonfile import read_json_object
 from quantprep.errors import SourceError
 from quantprep.format.artifact import SIDE_FILES, refuse_code, torch_dtypes
+from quantprep.format.expert_names import PROJECTIONS as EXPERT_PROJECTIONS
 from quantprep.format.gptq import SUPPORTED_BITS
 
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -410,7 +411,13 @@ def check_against_model(ckpt: GPTQCheckpoint) -> None:
     config.__dict__.pop("quantization_config", None)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    fused_members = check_fused_in_model(ckpt, model, config.model_type)
+    expert_layers = check_experts_in_model(ckpt, model, config.model_type)
     for name, (in_features, out_features, has_layer_bias) in ckpt.layer_sizes.items():
+        if name in fused_members:
+            continue
+        if name in expert_layers:
+            continue
         try:
             module = model.get_submodule(name)
         except AttributeError:
@@ -424,6 +431,85 @@ def check_against_model(ckpt: GPTQCheckpoint) -> None:
         if has_bias != has_layer_bias:
             problem = "missing, but the model's module has a bias" if has_bias else "present, but the model's module has no bias"
             raise SourceError(f"tensor {name}.bias: {problem}; re-export or re-quantize the checkpoint")
+
+
+def check_fused_in_model(ckpt: GPTQCheckpoint, model, model_type: str) -> set[str]:
+    """Layers stored apart that the model has as one Linear (runtime/fused.py IN_MODEL: Phi-3's and
+    GLM-4's gate_up_proj), checked as that Linear: the same K, their N adding up to its, a bias where
+    it has one, and one act-order (prepack concatenates them, exact only then). Returns those layers."""
+    from quantprep.build.prepack import can_fuse, fusion_plan, model_fusion_problem
+
+    members_checked: set[str] = set()
+    for name, members in fusion_plan(list(ckpt.layer_sizes), fuse=False, model_type=model_type):
+        if len(members) == 1:
+            continue
+        sizes = [ckpt.layer_sizes[m] for m in members]
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise SourceError(f"tensor {members[0]}.qweight: the {model_type} model has no module {name}; the checkpoint "
+                              "does not match its config.json") from None
+        want = (sizes[0][0], sum(n for _, n, _ in sizes), any(b for _, _, b in sizes))
+        have = (getattr(module, "in_features", None), getattr(module, "out_features", None), getattr(module, "bias", None) is not None)
+        if want != have:
+            raise SourceError(f"tensors {', '.join(members)}: {want[0]}x{want[1]} together{' with a bias' * want[2]}, the {model_type} "
+                              f"model's {name} is {have[0]}x{have[1]}{' with a bias' * have[2]}; the checkpoint does not match its config.json")
+        if not can_fuse([ckpt.layers.check(m) for m in members]):  # g_idx, groups, K: qweight is not read
+            raise SourceError(model_fusion_problem(model_type, name, members))
+        members_checked.update(members)
+    return members_checked
+
+
+def float32_tensors(ckpt: GPTQCheckpoint) -> set[str]:
+    """Float tensors of the checkpoint that the model's own code holds in float32 whatever dtype it is
+    built in (DeepSeek's router weight and e_score_correction_bias, which choose the experts): the
+    artifact stores them so, not in the activation dtype, as load's model expects them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(ckpt.path, trust_remote_code=False)
+    config.__dict__.pop("quantization_config", None)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, trust_remote_code=False)
+    return {name for name, t in model.state_dict(keep_vars=True).items() if t.dtype == torch.float32} & set(ckpt.other_tensors.names)
+
+
+def check_experts_in_model(ckpt: GPTQCheckpoint, model, model_type: str) -> set[str]:
+    """Layers that are experts' projections (format/expert_names.py), checked against the model's experts
+    module, whose 3-D tensors give every expert's sizes: each expert index is one of the module's,
+    each projection of that size, none with a bias, and every expert has all of them (the runtime's
+    experts module has no float ones to fall back on). Returns those layers."""
+    from quantprep.runtime.experts import experts_layout, stacked_expert
+
+    by_experts: dict[str, dict[tuple[int, str], str]] = {}
+    for name in ckpt.layer_sizes:
+        if (e := stacked_expert(model, name)) is not None and e.projection in EXPERT_PROJECTIONS:
+            by_experts.setdefault(e.experts, {})[(e.index, e.projection)] = name
+    for experts_name, layers in by_experts.items():
+        first = next(iter(layers.values()))
+        try:
+            E, H, inter = experts_layout(model.get_submodule(experts_name))
+        except AttributeError:
+            raise SourceError(f"tensor {first}.qweight: the {model_type} model has no module {experts_name}; the checkpoint "
+                              "does not match its config.json") from None
+        except ValueError as e:
+            raise SourceError(f"tensor {first}.qweight: {e}; quantprep cannot run these experts quantized") from None
+        sizes = {"gate_proj": (H, inter), "up_proj": (H, inter), "down_proj": (inter, H)}
+        for (index, projection), name in sorted(layers.items()):
+            K, N, has_bias = ckpt.layer_sizes[name]
+            if index >= E:
+                raise SourceError(f"tensor {name}.qweight: expert {index}, but the {model_type} model's {experts_name} has {E} "
+                                  "experts; the checkpoint does not match its config.json")
+            if (K, N) != sizes[projection]:
+                raise SourceError(f"tensor {name}.qweight: {K}x{N}, the {model_type} model's experts' {projection} is "
+                                  f"{sizes[projection][0]}x{sizes[projection][1]}; the checkpoint does not match its config.json")
+            if has_bias:
+                raise SourceError(f"tensor {name}.bias: present, but the {model_type} model's experts have no bias; re-export or "
+                                  "re-quantize the checkpoint")
+        missing = [f"{experts_name}.{e}.{p}" for e in range(E) for p in EXPERT_PROJECTIONS if (e, p) not in layers]
+        if missing:
+            raise SourceError(f"tensor {missing[0]}.qweight: missing ({len(missing)} of the {len(EXPERT_PROJECTIONS) * E} expert "
+                              f"projections of {experts_name}); every expert must be quantized: re-quantize the checkpoint")
+    return {name for layers in by_experts.values() for name in layers.values()}
 
 
 def is_gptq_dir(path: Path) -> bool:

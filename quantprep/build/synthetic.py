@@ -57,13 +57,15 @@ def random_gptq_tensors(K: int, N: int, bits: int, group_size: int, sym: bool, a
 def write_random_checkpoint(out: Path, model_config: dict, bits: int = 4, group_size: int = 128,
                             desc_act: bool = True, sym: bool = True, seed: int = 0, lm_head: bool = False,
                             shared_g_idx: bool = True, v1: bool = True) -> Path:
-    """A GPTQ checkpoint dir for a Llama/Qwen2-style config, with random codes (v1 format, or v2: `v1=False`).
+    """A GPTQ checkpoint dir for a Llama/Qwen2-style config (a mixture of experts: one quantized Linear
+    per expert projection), with random codes (v1 format, or v2: `v1=False`).
     lm_head=True quantizes lm_head too (GPTQModel's `lm_head=True`), untying it from the embedding.
     shared_g_idx: q/k/v (and gate/up) get one g_idx, as in GPTQModel's checkpoints (they are
     quantized from the same input's Hessian); False gives each its own."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from quantprep.build.prepack import FUSIONS
+    from quantprep.format.expert_names import expert_linear
 
     g = torch.Generator().manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
@@ -71,19 +73,22 @@ def write_random_checkpoint(out: Path, model_config: dict, bits: int = 4, group_
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(cfg)
     tensors: dict[str, torch.Tensor] = {}
-    quantized = {n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear) and (lm_head or n != "lm_head")}
+    quantized = {n: (m.in_features, m.out_features, m.bias is not None) for n, m in skeleton.named_modules()
+                 if isinstance(m, torch.nn.Linear) and (lm_head or n != "lm_head")}
+    experts = expert_linears(skeleton)
+    quantized.update(experts)
     shared: dict[tuple[str, str], torch.Tensor] = {}
     for name in sorted(quantized):
-        mod = skeleton.get_submodule(name)
-        layer = random_gptq_tensors(mod.in_features, mod.out_features, bits, group_size, sym, desc_act,
-                                    v1=v1, bias=mod.bias is not None, generator=g)
+        in_features, out_features, bias = quantized[name]
+        layer = random_gptq_tensors(in_features, out_features, bits, group_size, sym, desc_act, v1=v1, bias=bias, generator=g)
         parent, _, child = name.rpartition(".")
         group = next((fused for members, fused in FUSIONS.items() if child in members), None)
         if shared_g_idx and group:
             layer["g_idx"] = shared.setdefault((parent, group), layer["g_idx"]).clone()
         tensors.update({f"{name}.{k}": v for k, v in layer.items()})
-    for name, p in skeleton.named_parameters():
-        if name.rsplit(".", 1)[0] in quantized:
+    experts_modules = {expert_linear(name).experts for name in experts}
+    for name, p in skeleton.state_dict(keep_vars=True).items():  # buffers too: DeepSeek-V3's e_score_correction_bias
+        if name.rsplit(".", 1)[0] in quantized or name.rsplit(".", 1)[0] in experts_modules:
             continue
         if name.endswith("norm.weight") or "layernorm" in name:
             tensors[name] = torch.ones(p.shape, dtype=torch.float16)
@@ -99,6 +104,23 @@ def write_random_checkpoint(out: Path, model_config: dict, bits: int = 4, group_
     cfg_json["torch_dtype"] = "float16"
     (out / "config.json").write_text(json.dumps(cfg_json, indent=2))
     (out / "quantize_config.json").write_text(json.dumps(qcfg, indent=2))
+    return out
+
+
+def expert_linears(skeleton: torch.nn.Module) -> dict[str, tuple[int, int, bool]]:
+    """Each expert projection of the model's experts modules (runtime/experts.py), as gptqmodel quantizes
+    them, one Linear each (format/expert_names.py names): name -> (in_features, out_features, bias)."""
+    from quantprep.format.expert_names import PROJECTIONS
+    from quantprep.runtime.experts import experts_layout
+
+    out = {}
+    for name, module in skeleton.named_modules():
+        try:
+            E, H, inter = experts_layout(module)
+        except ValueError:
+            continue
+        sizes = {"gate_proj": (H, inter), "up_proj": (H, inter), "down_proj": (inter, H)}
+        out.update({f"{name}.{e}.{p}": (*sizes[p], False) for e in range(E) for p in PROJECTIONS})
     return out
 
 

@@ -274,5 +274,10 @@ def _decoder_layers(model) -> list:
 
 
 def decoder_mlps(model) -> list:
-    """Each decoder layer's MLP: what compile_regions and the compiled MLP packages (aot.py) compile."""
-    return [layer.mlp for layer in _decoder_layers(model) if getattr(layer, "mlp", None) is not None]
+    """Each decoder layer's MLP: what compile_regions and the compiled MLP packages (aot.py) compile.
+    Not a mixture of experts: the experts it runs depend on the data (runtime/experts.py), which
+    export cannot capture and torch.compile breaks its graph at; it runs eager."""
+    from quantprep.runtime.experts import QuantizedExperts
+
+    return [layer.mlp for layer in _decoder_layers(model) if getattr(layer, "mlp", None) is not None
+            and not any(isinstance(m, QuantizedExperts) for m in layer.mlp.modules())]

@@ -62,3 +62,21 @@ def install(parent: nn.Module, fused_name: str, fused: PackedLinear, members: li
     parent.add_module(fused_name, fused)
     for i, member in enumerate(members):
         setattr(parent, member, FusedMember(group, i, fused.in_features))
+
+
+# Models whose own modeling code has one Linear where GPTQ checkpoints store its members apart
+# (gptqmodel 7.7's defuser splits the model's gate_up_proj into gate_proj and up_proj to quantize
+# them, and writes them so): model_type -> {the model's fused Linear: its members, in the order the
+# model's forward splits its output}. Read from transformers 5's modeling files: Phi3MLP and
+# Glm4MLP chunk gate_up_proj as [gate; up], Phi3Attention slices qkv_proj as [q; k; v] (gptqmodel
+# quantizes Phi-3's qkv_proj whole; a checkpoint with q/k/v apart is fused the same way). The
+# prepacked fused module replaces the model's Linear itself: no members, no split at run time.
+IN_MODEL = {
+    "phi3": {"gate_up_proj": ("gate_proj", "up_proj"), "qkv_proj": ("q_proj", "k_proj", "v_proj")},
+    "glm4": {"gate_up_proj": ("gate_proj", "up_proj")},
+}
+
+
+def in_model(model_type: str | None, fused_child: str) -> tuple[str, ...] | None:
+    """The members, in the model's order, when this model type holds `fused_child` as one Linear."""
+    return IN_MODEL.get(model_type or "", {}).get(fused_child)

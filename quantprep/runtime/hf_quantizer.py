@@ -31,7 +31,16 @@ from quantprep.distribution.policy import check_signature, signature_policy
 from quantprep.distribution.signing import configured_key
 from quantprep.errors import ArtifactError, ArtifactMismatch
 from quantprep.format.artifact import WEIGHTS_INDEX, torch_dtypes
-from quantprep.runtime.load import activate_kcache, check_tensors, finish, install_modules, open_artifact, tied_names, untie_quantized_head
+from quantprep.runtime.load import (
+    activate_kcache,
+    check_tensors,
+    finish,
+    install_modules,
+    loaded_dtype,
+    open_artifact,
+    tied_names,
+    untie_quantized_head,
+)
 
 METHOD = "quantprep"
 # Options for the load of one artifact directory (load_options): how `quantprep serve` passes its
@@ -140,7 +149,7 @@ class QuantprepQuantizer(HfQuantizer):
                                 f"{art.manifest['target']['name']} ({art.manifest['target']['act_dtype']}); the artifact is inconsistent: rebuild it")
         untie_quantized_head(model.config, art.manifest)
         install_modules(model, path, art)
-        tensors, where = {}, {}
+        tensors, where, held = {}, {}, model.state_dict(keep_vars=True)
         for shard in art.manifest["shards"]:
             try:
                 with safe_open(path / shard, "pt") as f:
@@ -149,8 +158,7 @@ class QuantprepQuantizer(HfQuantizer):
                         dt = torch_dtypes().get(meta.get_dtype())
                         if dt is None:
                             raise ArtifactError(f"{path / shard}: tensor {name} has dtype {meta.get_dtype()}; the artifact is corrupt: rebuild it")
-                        tensors[name] = (self.dtype if dt.is_floating_point and self.dtype != art.packed_dtype else dt,
-                                         tuple(meta.get_shape()))
+                        tensors[name] = (loaded_dtype(held.get(name), dt, self.dtype, art.packed_dtype), tuple(meta.get_shape()))
                         where[name] = shard
             except ArtifactError:
                 raise

@@ -28,6 +28,8 @@ from quantprep.runtime import cpu_attention, cpu_layers, plan
 from quantprep.runtime.aot import compile_regions, prefetch_runtime
 from quantprep.runtime.aot import install as install_packages
 from quantprep.runtime.checked import checked_manifest
+from quantprep.runtime.experts import check_experts_installed, install_experts
+from quantprep.runtime.fused import in_model
 from quantprep.runtime.fused import install as install_fused
 from quantprep.runtime.kcache import MEGACACHE, PLAN, activate, scoped_env, xpu_driver_version, xpu_primitive_env
 from quantprep.targets import Target, act_dtype_problem, get_target
@@ -211,12 +213,16 @@ def untie_quantized_head(config, manifest: dict) -> None:
 
 
 def install_modules(model, path: Path, art: OpenedArtifact) -> None:
-    """Swap the model's Linears for the target's modules the manifest lists (sizes and biases checked)."""
+    """Swap the model's Linears for the target's modules the manifest lists (sizes and biases checked);
+    a layer's experts, first, for a QuantizedExperts whose slots this fills (runtime/experts.py)."""
     config, target, dtype = model.config, art.target, art.dtype
+    install_experts(model, path, art.manifest["modules"])
     for name, meta in art.manifest["modules"].items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         fused = meta.get("fused")
+        if fused and fused_in_model(path, config, name, fused, meta["out_features"]):
+            fused = None  # the model's own fused Linear: the prepacked module replaces it whole, no members to serve
         members, sizes = (fused["members"], fused["sizes"]) if fused else ([child], [meta["out_features"]])
         biases = [_check_replaces(path, config, f"{parent_name}.{member}" if parent_name else member, meta["in_features"], size, model)
                   for member, size in zip(members, sizes, strict=True)]
@@ -230,6 +236,28 @@ def install_modules(model, path: Path, art: OpenedArtifact) -> None:
             install_fused(parent, child, module, members, sizes)
         else:
             setattr(parent, child, module)
+    check_experts_installed(model, path)
+
+
+def fused_in_model(path: Path, config, name: str, fused: dict, out_features: int) -> bool:
+    """Whether the fused module `name` is one the model itself has (runtime/fused.py IN_MODEL), its
+    members then in the model's order and their sizes adding up (else the artifact is refused)."""
+    own = in_model(config.model_type, name.rpartition(".")[2])
+    if own is None:
+        return False
+    if list(fused["members"]) != list(own) or sum(fused["sizes"]) != out_features:
+        raise ArtifactError(f"{path}: fused module {name}: members {fused['members']} of sizes {fused['sizes']}, but the "
+                            f"{config.model_type} model's {name} is {list(own)} adding up to {out_features}; rebuild the artifact")
+    return True
+
+
+def loaded_dtype(held: torch.Tensor | None, stored: torch.dtype, dtype: torch.dtype, packed: torch.dtype) -> torch.dtype:
+    """The dtype a stored tensor loads in: a float one in the activation dtype asked for, where that is
+    not the artifact's, unless the model's code holds it in float32 (`held`: the model's tensor;
+    DeepSeek's router, which the build stored so: build/source.py float32_tensors)."""
+    if not stored.is_floating_point or dtype == packed:
+        return stored
+    return torch.float32 if held is not None and held.dtype == torch.float32 else dtype
 
 
 def check_tensors(path: Path, model, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], skip: set[str] = frozenset(),
@@ -277,6 +305,18 @@ def apply_plan(model, path: Path, art: OpenedArtifact, kcache_status: dict) -> N
         warnings.warn(f"{path}: kernel plan not used: {e}", stacklevel=3)
 
 
+def report_c(model, path: Path) -> None:
+    """A CPU model's `quantprep_c`: how many modules run quantprep's C here, by kind (cpu_layers.c_modules).
+    One warning when quantprep has C for some of them and none runs it: its libraries did not build or
+    load (targets/native.py), so torch's slower ops run; not when QUANTPREP_NATIVE=0 asked for that."""
+    from quantprep.targets import native
+
+    model.quantprep_c = counts = cpu_layers.c_modules(model)
+    if not any(counts.values()) and not native.turned_off() and cpu_layers.expects_c(model):
+        warnings.warn(f"{path}: none of this model's modules run quantprep's C kernels, which did not build or load here "
+                      f"({native.unavailable_reason()}); torch's slower ops run instead", stacklevel=4)
+
+
 def finish(model, path: Path, art: OpenedArtifact, kcache_status: dict, compile: bool, warmup: bool, prefetch=None):
     """After the weights are in: generation config, compile, the warmed buckets, warm-up, status."""
     from transformers import GenerationConfig
@@ -290,6 +330,8 @@ def finish(model, path: Path, art: OpenedArtifact, kcache_status: dict, compile:
     manifest = art.manifest
     check_modules(path, model)
     apply_plan(model, path, art, kcache_status)  # before compile: compiled regions trace the planned paths
+    if art.device.type == "cpu":
+        report_c(model, path)  # after the plan: it decides which linears' paths are C
     # the prefill lengths warm ran: quantprep.tools.serving pads prompts to them
     model.quantprep_buckets = usable_shapes(model, manifest.get("kcache", manifest.get("serving", {})).get("shapes", DEFAULT_SHAPES))
     # A used kcache's cache directories are set while this model compiles and runs (its forward,
@@ -391,7 +433,8 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
         except Exception as e:
             raise ArtifactError(f"{path / shard}: cannot read safetensors file ({e}); the artifact is corrupt: rebuild it") from None
     if dtype != art.packed_dtype:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        held = model.state_dict(keep_vars=True)
+        state = {k: v.to(loaded_dtype(held.get(k), v.dtype, dtype, art.packed_dtype)) for k, v in state.items()}
     check_tensors(path, model, {k: (v.dtype, tuple(v.shape)) for k, v in state.items()}, skip=tied_names(model))
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()

@@ -17,6 +17,7 @@ dequantized reference only the kernels' error is measured (quantization error is
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -27,6 +28,7 @@ import torch
 
 from quantprep.errors import QuantprepError
 from quantprep.format.artifact import read_checked, refuse_code, republish
+from quantprep.runtime.experts import routed_tokens
 
 HELDOUT_FILE = Path(__file__).with_name("heldout.txt")
 DEFAULT_CTX = 512
@@ -104,8 +106,10 @@ def dequantized_model(gptq_dir: Path, dtype: torch.dtype = torch.float32):
     """The GPTQ checkpoint with every quantized weight dequantized to a dense float Linear."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from quantprep.build.prepack import prepare_layer
+    from quantprep.build.prepack import fusion_plan, prepare_layers
     from quantprep.build.source import read_checkpoint
+    from quantprep.format.expert_names import PROJECTIONS as EXPERT_PROJECTIONS
+    from quantprep.runtime.experts import expert_weight, stacked_expert
 
     ckpt = read_checkpoint(gptq_dir)
     config = AutoConfig.from_pretrained(gptq_dir, trust_remote_code=False)
@@ -113,8 +117,8 @@ def dequantized_model(gptq_dir: Path, dtype: torch.dtype = torch.float32):
     if "lm_head" in ckpt.layers:
         config.tie_word_embeddings = False
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
-    params = dict(model.named_parameters())
-    filled = set()
+    params = {**dict(model.named_buffers()), **dict(model.named_parameters())}  # buffers too: DeepSeek's e_score_correction_bias
+    filled, expert_slices = set(), {}
 
     def put(name: str, t: torch.Tensor) -> None:  # one tensor at a time: memory is the model plus one layer
         if name not in params or params[name].shape != t.shape:
@@ -126,11 +130,19 @@ def dequantized_model(gptq_dir: Path, dtype: torch.dtype = torch.float32):
     with torch.no_grad():
         for key in ckpt.other_tensors:
             put(key, ckpt.other_tensors[key])
-        for name in ckpt.layers:
-            layer = ckpt.layers[name]
-            put(f"{name}.weight", prepare_layer(layer).dequantize().T)
+        # layers the model has as one Linear (Phi-3's gate_up_proj: runtime/fused.py IN_MODEL) fill it, in its order
+        for name, members in fusion_plan(list(ckpt.layers), fuse=False, model_type=config.model_type):
+            layer = prepare_layers(name, [ckpt.layers[m] for m in members])
+            if (e := stacked_expert(model, name)) is not None:  # an expert's projection: its slice of the model's 3-D experts tensors
+                expert_weight(model.get_submodule(e.experts), e.index, e.projection).copy_(layer.dequantize().T)
+                expert_slices[e.experts] = expert_slices.get(e.experts, 0) + 1
+                continue
+            put(f"{name}.weight", layer.dequantize().T)
             if layer.bias is not None:
                 put(f"{name}.bias", layer.bias)
+        for experts, n in expert_slices.items():  # filled when every expert's every projection was
+            if n == len(EXPERT_PROJECTIONS) * model.get_submodule(experts).num_experts:
+                filled.update({f"{experts}.gate_up_proj", f"{experts}.down_proj"})
     model.tie_weights()  # a tied lm_head is the embedding's parameter: not listed below
     missing = {n for n, _ in model.named_parameters()} - filled
     if missing:
@@ -202,10 +214,12 @@ def evaluate(path: str | os.PathLike, reference: str | os.PathLike | None = None
         print(f"eval {path} ({target} on {shown}) vs the {kind} reference {ref_path}: {len(windows)} windows of {ctx} tokens",
               file=sys.stderr, flush=True)
     t0, parts = time.perf_counter(), []
-    for i, w in enumerate(windows):
-        parts.append(compare_window(model, ref, w.to(device)))
-        if progress and (i + 1) % 10 == 0:
-            print(f"  {i + 1}/{len(windows)} windows, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    # a mixture of experts' text reaches some of its experts: the result says how many (the rest are only verify's probes)
+    with routed_tokens(model) if isinstance(model, torch.nn.Module) else contextlib.nullcontext({}) as routed:
+        for i, w in enumerate(windows):
+            parts.append(compare_window(model, ref, w.to(device)))
+            if progress and (i + 1) % 10 == 0:
+                print(f"  {i + 1}/{len(windows)} windows, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     stats = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     half = len(parts) // 2
     halves = [_ppl(torch.cat([p["nll"] for p in ps])) for ps in (parts[:half], parts[half:]) if ps]
@@ -223,6 +237,9 @@ def evaluate(path: str | os.PathLike, reference: str | os.PathLike | None = None
         "halves_ppl": halves,
         "s": round(time.perf_counter() - t0, 1),
     }
+    if routed:
+        result["experts"] = {"experts": sum(c.numel() for c in routed.values()), "routed": sum(int((c > 0).sum()) for c in routed.values()),
+                             "moe_layers": len(routed)}
     result["ppl_ratio"] = result["ppl"] / result["reference"]["ppl"]
     result["kld_values"] = stats["kld"]  # for plot(); not stored, not printed
     if store:

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from quantprep.errors import ArtifactError
 from quantprep.format.artifact import PROBES_FILE, read_checked
+from quantprep.format.expert_names import count_experts, expert_linear
 from quantprep.format.verified import hash_and_mark
 from quantprep.runtime.load import check_tensors, make_module
 
@@ -38,6 +39,9 @@ def run_probes(path: Path, manifest: dict, target, device: str | None = None) ->
     rows = []
     with safe_open(path / PROBES_FILE, framework="pt") as probes:
         names = sorted({k.rsplit(".", 1)[0] for k in probes.keys()})
+        if unprobed := sorted(set(filter(expert_linear, manifest["modules"])) - set(names)):
+            raise ArtifactError(f"{path / PROBES_FILE}: no probe for expert module {unprobed[0]} ({len(unprobed)} unprobed); every "
+                                "expert is probed at build: rebuild the artifact")
         shard_handles = [safe_open(path / s, framework="pt", device=device) for s in manifest["shards"]]
         keys = [set(h.keys()) for h in shard_handles]
         for name in names:
@@ -80,7 +84,7 @@ def run_openvino_probes(path: Path, manifest: dict) -> list[dict]:
 
     check_files(path, manifest)
     core = ov.Core()
-    model = checked_ir(path, manifest)
+    model = checked_ir(path, manifest, marked=False)
     tol, rows = REL_TOL["float32"], []
     with safe_open(path / PROBES_FILE, framework="pt") as probes:
         for name in sorted({k.rsplit(".", 1)[0] for k in probes.keys()}):
@@ -145,6 +149,8 @@ def verify_artifact(path: Path, strict: bool = True) -> dict:
     else:
         report["probes"] = run_probes(path, manifest, target, "cpu" if emulate else None)
     report["emulated"] = emulate
+    if (experts := count_experts(manifest["modules"]))["experts"]:
+        report["experts"] = dict(experts, probed=count_experts({r["layer"] for r in report["probes"]})["experts"])
     bad = [r for r in report["probes"] if not r["ok"]]
     report["numeric"] = "failed" if bad else "passed"
     if bad:

@@ -1,0 +1,348 @@
+"""Mixtures of experts (Qwen3-MoE, Mixtral, DeepSeek-V2, DeepSeek-V3) on the cpu, xpu and cuda targets.
+
+Each model is tiny and random (hidden 64, 2 layers, 4 or 8 experts, seeded, a word-level tokenizer),
+quantized by the real gptqmodel (int4, group 32, act-order), which writes one quantized Linear per
+expert, and prepacked for every target. Their logits at the last prompt position and one decode
+step are compared with the same checkpoint dequantized into transformers' own float32 model (its
+3-D experts tensors: tools/eval.py), and DeepSeek-V3's with GPTQModel's runtime. Off their devices
+the xpu artifacts run the XPU kernel's emulator and the cuda ones the CPU path of CudaInt4Linear
+(tinygemm's copy of the codes at up to 16 rows, the dequantize path's copy above); on a GPU
+`test_cuda_on_gpu` runs the real kernels (random GPTQ codes, no gptqmodel there), skipped without one
+(run on an H200 with the device tool: 4 passed).
+
+Time on 2 shared cores: about 70 s for the file, most of it gptqmodel (about 10 s a model) and
+GPTQModel's runtime (about 25 s); the random-checkpoint tests take milliseconds to a second.
+
+DeepSeek-V3's router is given one expert no token can reach (e_score_correction_bias -1e4):
+gptqmodel rounds it to nearest, no logits test can see it, and its probe is what checks it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import dense_reference_model, gptqmodel_run, make_tiny_float_model, quantize_tiny, rel_err, relist, top1
+from safetensors.torch import load_file, save_file
+
+import quantprep
+from quantprep.build.pipeline import build_artifacts, prepack
+from quantprep.errors import ArtifactError, SourceError
+from quantprep.format.artifact import read_manifest
+from quantprep.runtime.experts import QuantizedExperts
+from quantprep.tools.verify import verify_artifact
+
+# initializer_range 0.1, not transformers' 0.02: at 0.02 an expert's output is a few percent of the residual and
+# SiLU nearly linear, so even swapping every expert's gate and up moved the logits 0.4-3% (at 0.1: 13-60%)
+SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+             initializer_range=0.1)
+MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
+MODELS = {
+    "qwen3_moe": dict(head_dim=16, intermediate_size=96, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                      norm_topk_prob=True),  # every layer sparse: gptqmodel 7.7 refuses mlp_only_layers (test_mlp_only_layers)
+    "mixtral": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
+    "deepseek_v2": dict(MLA, q_lora_rank=None, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+                        num_experts_per_tok=2, first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=2, topk_group=1,
+                        routed_scaling_factor=16.0),  # DeepSeek-V2's (its default, 1.0, is V2-Lite's)
+    "deepseek_v3": dict(MLA, q_lora_rank=32, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+                        num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True,
+                        routed_scaling_factor=2.5),
+}
+UNROUTED = "model.layers.1.mlp.experts.7"  # DeepSeek-V3's expert that no token reaches
+TARGETS = ("cpu", "xpu", "cuda")  # each at its default activation dtype: bfloat16, float16 (emulated), bfloat16 (CPU path)
+# (relative error of the logits, share of top-1 agreements over every prompt position and the decode
+# step) against the float32 dense reference, per activation dtype. Measured: bf16 0.9-1.8e-2 (transformers'
+# own bf16 model of the same dequantized weights: 1.0-2.3e-2), top-1 0.94-1.0 on these random logits;
+# fp16 0.9-2.3e-3 (its: 1.2-2.8e-3), 1.0; float32 below 1.4e-6, 1.0.
+TOLERANCE = {"bfloat16": (3e-2, 0.9), "float16": (5e-3, 0.95), "float32": (1e-5, 1.0)}
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """arch -> its directory: float/, gptq/, one artifact per target and cpu-float32/; each built the first time it is asked for."""
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            root = tmp_path_factory.mktemp(arch)
+            make_tiny_float_model(root / "float", model_type=arch, **{**SIZES, **MODELS[arch]})
+            if arch == "deepseek_v3":
+                weights = load_file(root / "float" / "model.safetensors")
+                weights[f"{UNROUTED.rsplit('.', 2)[0]}.gate.e_score_correction_bias"][-1] = -1e4
+                save_file(weights, root / "float" / "model.safetensors", metadata={"format": "pt"})
+            quantize_tiny(root / "float", root / "gptq", bits=4, group_size=32, desc_act=True, sym=True)
+            build_artifacts(root / "gptq", {"path": str(root / "gptq")}, list(TARGETS), lambda t: root / t, progress=False)
+            prepack(root / "gptq", "cpu", root / "cpu-float32", "float32")
+            built[arch] = root
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """arch's checkpoint dequantized into transformers' float32 model, built once."""
+    models = {}
+
+    def get(gptq: Path):
+        if gptq not in models:
+            models[gptq] = dense_reference_model(gptq, torch.float32)
+        return models[gptq]
+
+    return get
+
+
+PROMPTS = torch.randint(2, 680, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+@torch.no_grad()
+def last_and_decode(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits of every prompt position, of the last, of one decode step after it) for PROMPTS, on the
+    CPU; the decode step feeds token 5 to both models (the same input whatever either predicts)."""
+    ids = PROMPTS.to(next(model.parameters()).device) % model.config.vocab_size
+    out = model(input_ids=ids, use_cache=True)
+    # past_key_values: transformers 5.24 reads it as `cache` (with a warning), 5.17 (the GPU machine's) knows no other
+    step = model(input_ids=torch.full_like(ids[:, :1], 5), past_key_values=out.past_key_values, use_cache=True)
+    return out.logits.float().cpu(), out.logits[:, -1].float().cpu(), step.logits[:, -1].float().cpu()
+
+
+@contextlib.contextmanager
+def routing(model, calls: list, replay: bool):
+    """Each experts module's (top_k_index, top_k_weights), call by call in model order: recorded from
+    `model` into `calls`, or replayed from them into `model` in place of its router's."""
+    def hook(module, args, kwargs):
+        if not replay:
+            calls.append((args[1].clone(), args[2].clone()))
+            return None
+        index, weights = calls.pop(0)
+        return (args[0], index.to(args[1].device), weights.to(args[2].device, args[2].dtype)), kwargs
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules() if type(m).__name__.endswith("Experts")]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+    assert not replay or not calls
+
+
+def check_logits(model, ref_model, dtype: str, what: str) -> None:
+    """`model`'s logits (last position, decode step) within TOLERANCE[dtype] of the float32 `ref_model`'s.
+    Half-precision activations can flip a near-tied top-k (measured: Mixtral's cpu artifact in bf16
+    sent 1 of 48 prompt tokens to another expert, moving its logits by 7e-2, beyond any kernel's
+    error), so then the reference takes the experts `model`'s router chose; in float32 it routes on its
+    own. And the experts must matter: without them the logits move 10x the bf16 tolerance."""
+    tol, agree = TOLERANCE[dtype]
+    chosen = []
+    with routing(model, chosen, replay=False):
+        got = last_and_decode(model)
+    with routing(ref_model, chosen if dtype != "float32" else [], replay=dtype != "float32"):
+        ref = last_and_decode(ref_model)
+    for name, a, b in zip(("last position", "decode step"), got[1:], ref[1:], strict=True):
+        assert rel_err(a, b) <= tol, f"{what} {name}: rel err {rel_err(a, b):.2e} > {tol:.0e}"
+    assert top1(torch.cat([got[0].flatten(0, 1), got[2]]), torch.cat([ref[0].flatten(0, 1), ref[2]])) >= agree, what
+    chosen = []
+    with routing(ref_model, chosen, replay=False):
+        last_and_decode(ref_model)
+    with routing(ref_model, [(index, torch.zeros_like(w)) for index, w in chosen], replay=True):
+        assert rel_err(last_and_decode(ref_model)[1], ref[1]) >= 10 * TOLERANCE["bfloat16"][0], f"{what}: the experts hardly matter"
+
+
+@pytest.mark.parametrize("target", [*TARGETS, "cpu-float32"])
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_logits_match_the_dense_reference(moe, reference, arch, target):
+    root = moe(arch)
+    model = quantprep.load(root / target, device="cpu")
+    assert sum(isinstance(m, QuantizedExperts) for m in model.modules()) == (1 if arch.startswith("deepseek") else 2)  # first_k_dense_replace=1
+    check_logits(model, reference(root / "gptq"), read_manifest(root / target)["target"]["act_dtype"], f"{arch} {target}")
+
+
+def test_deepseek_v3_matches_gptqmodel(moe, tmp_path):
+    """The dense reference's reading of the experts (which half of gate_up_proj is gate) against
+    GPTQModel's own runtime on the same checkpoint (its TORCH backend, float16)."""
+    root = moe("deepseek_v3")
+    theirs = gptqmodel_run(root / "gptq", PROMPTS, tmp_path, new_tokens=1)["logits"]
+    with torch.no_grad():
+        ours = quantprep.load(root / "cpu-float32")(input_ids=PROMPTS).logits.float()
+    assert rel_err(ours[:, -1], theirs[:, -1]) <= 5e-3  # GPTQModel's float16 (measured 5e-4)
+    assert top1(ours, theirs) >= 0.95
+
+
+def test_decode_runs_only_the_experts_hit(moe, monkeypatch):
+    """One decode token of batch 1 runs its top-k experts, once each, not all of them."""
+    model = quantprep.load(moe("deepseek_v3") / "cpu")
+    calls = []
+    run = QuantizedExperts.expert
+    monkeypatch.setattr(QuantizedExperts, "expert", lambda self, e, x: calls.append((e, x.shape[0])) or run(self, e, x))
+    with torch.no_grad():
+        out = model(input_ids=PROMPTS[:1], use_cache=True)
+        calls.clear()
+        model(input_ids=torch.tensor([[5]]), past_key_values=out.past_key_values, use_cache=True)
+    k = model.config.num_experts_per_tok
+    assert len(calls) == k and len({e for e, _ in calls}) == k and all(rows == 1 for _, rows in calls), calls
+
+
+def test_compiled_regions_leave_the_experts_eager(moe):
+    """torch.compile and the compiled MLP packages (warm --compile, aot.py) take the dense MLPs: the
+    experts a MoE layer runs depend on the data, which export cannot capture (warm would fail)."""
+    from quantprep.runtime.aot import decoder_mlps
+
+    model = quantprep.load(moe("deepseek_v3") / "cpu")
+    assert decoder_mlps(model) == [model.model.layers[0].mlp]  # first_k_dense_replace=1: layer 0 is dense
+
+
+def test_every_expert_is_probed_and_checked(moe, copy_of, capsys):
+    """The expert calibration never reached was rounded to nearest (no act-order) and the others
+    act-ordered, each by its own g_idx; verify probes all of them on every target; a wrong code in
+    the unreached expert changes no logits (no token reaches it) and fails verify, naming it."""
+    from quantprep.cli import main
+
+    root = moe("deepseek_v3")
+    modules = read_manifest(root / "cpu")["modules"]
+    experts = [f"model.layers.1.mlp.experts.{e}" for e in range(8)]
+    assert [modules[f"{e}.gate_up_proj"]["act_order"] for e in experts] == [True] * 7 + [False]
+    for target in TARGETS:
+        report = verify_artifact(root / target)
+        assert report["experts"] == {"moe_layers": 1, "experts": 8, "linears": 16, "probed": 8}, target
+        assert {r["layer"] for r in report["probes"]} >= {f"{e}.{p}" for e in experts for p in ("gate_up_proj", "down_proj")}
+    assert main(["inspect", str(root / "cpu")]) == 0
+    assert "experts    8 in 1 MoE layers, 16 of the quantized linears" in capsys.readouterr().out
+    assert main(["verify", str(root / "cpu")]) == 0
+    assert "experts: 8 of 8 in 1 MoE layers, 16 of the quantized linears, probed" in capsys.readouterr().out
+
+    art = copy_of(root / "cpu")
+    before = last_and_decode(quantprep.load(art))
+    shard = read_manifest(art)["shards"][0]
+    tensors = load_file(art / shard)
+    key = f"{UNROUTED}.down_proj.qweight"
+    tensors[key] = tensors[key] ^ 0x11  # one bit of every code of every byte: another weight, same layout
+    save_file(tensors, art / shard, metadata={"format": "pt"})
+    relist(art, shard)
+    after = last_and_decode(quantprep.load(art))
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    with pytest.raises(ArtifactError, match=rf"layer {UNROUTED}\.down_proj at 1 rows differs from the dense reference"):
+        verify_artifact(art)
+
+
+def test_eval_counts_the_experts_its_text_reached(moe, capsys):
+    from quantprep.cli import _eval_line
+    from quantprep.tools.eval import evaluate
+
+    root = moe("deepseek_v3")
+    r = evaluate(root / "cpu-float32", reference=root / "gptq", ctx=32, max_tokens=512, store=False, progress=False)
+    assert r["experts"] == {"experts": 8, "routed": 7, "moe_layers": 1}  # all but the unreachable one
+    assert r["kld"]["mean"] < 1e-6 and r["top1_agree"] == 1.0
+    assert _eval_line(r).endswith(", 7 of 8 experts routed to")
+
+
+def test_from_pretrained_loads_the_same_model(moe):
+    from transformers import AutoModelForCausalLM
+
+    art = moe("qwen3_moe") / "cpu"
+    theirs = AutoModelForCausalLM.from_pretrained(art)
+    ours = quantprep.load(art)
+    assert sum(isinstance(m, QuantizedExperts) for m in theirs.modules()) == 2
+    for a, b in zip(last_and_decode(ours), last_and_decode(theirs), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_deepseek_router_stays_float32(moe):
+    """DeepSeek's router weight and e_score_correction_bias, which choose the experts, are float32 in
+    the model's code: the bf16 artifact stores them so (-1e4 is -9984 in bf16), and a load in another
+    dtype keeps them, through quantprep.load and from_pretrained alike."""
+    from transformers import AutoModelForCausalLM
+
+    art = moe("deepseek_v3") / "cpu"
+    stored = load_file(art / read_manifest(art)["shards"][0])
+    router = "model.layers.1.mlp.gate"
+    assert stored[f"{router}.weight"].dtype == torch.float32 and stored["model.norm.weight"].dtype == torch.bfloat16
+    assert stored[f"{router}.e_score_correction_bias"][-1].item() == -1e4
+    ours, theirs = quantprep.load(art, dtype=torch.float16), AutoModelForCausalLM.from_pretrained(art, dtype=torch.float16)
+    assert ours.get_submodule(router).e_score_correction_bias.dtype == theirs.get_submodule(router).weight.dtype == torch.float32
+    assert torch.equal(last_and_decode(ours)[0], last_and_decode(theirs)[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the cuda target's CPU path runs in the tests above)")
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_cuda_on_gpu(arch, tmp_path):
+    """The cuda artifacts on the GPU: tinygemm at decode, dequantize + cuBLAS for the prompt. Random
+    GPTQ codes (build/synthetic.py), so it runs where gptqmodel is not installed, such as the GPU machine."""
+    from quantprep.build.synthetic import write_random_checkpoint
+
+    gptq = write_random_checkpoint(tmp_path / "gptq", dict(SIZES, **MODELS[arch], model_type=arch, vocab_size=256), group_size=32)
+    prepack(gptq, "cuda", tmp_path / "cuda")
+    check_logits(quantprep.load(tmp_path / "cuda"), dense_reference_model(gptq), "bfloat16", f"{arch} cuda on the GPU")
+
+
+# --- random GPTQ checkpoints (build/synthetic.py: milliseconds, no gptqmodel): layouts and refusals ---
+
+QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                 num_experts_per_tok=2, mlp_only_layers=[1], decoder_sparse_step=1, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def random_moe(tmp_path_factory) -> Path:
+    from quantprep.build.synthetic import write_random_checkpoint
+
+    return write_random_checkpoint(tmp_path_factory.mktemp("random-moe") / "gptq", QWEN3_MOE, group_size=32)
+
+
+def test_mlp_only_layers_stay_dense(random_moe, tmp_path):
+    """Qwen3-MoE's mlp_only_layers: transformers' own choice of which layers are sparse, kept."""
+    prepack(random_moe, "cpu", tmp_path / "art", "float32")
+    model = quantprep.load(tmp_path / "art")
+    assert [type(layer.mlp.experts).__name__ if hasattr(layer.mlp, "experts") else type(layer.mlp).__name__
+            for layer in model.model.layers] == ["QuantizedExperts", "Qwen3MoeMLP", "QuantizedExperts"]
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert rel_err(model(input_ids=ids).logits, dense_reference_model(random_moe)(input_ids=ids).logits) <= 1e-4
+
+
+def _one_line(e) -> str:
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_checkpoint_refusals(random_moe, tmp_path):
+    """A checkpoint missing an expert, or with one of another size, fails prepack in one line."""
+    gptq = tmp_path / "gptq"
+    shutil.copytree(random_moe, gptq)
+    weights = load_file(gptq / "model.safetensors")
+    missing = {k: v for k, v in weights.items() if not k.startswith("model.layers.2.mlp.experts.3.up_proj.")}
+    save_file(missing, gptq / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(SourceError) as e:
+        prepack(gptq, "cpu", tmp_path / "a")
+    assert "tensor model.layers.2.mlp.experts.3.up_proj.qweight: missing (1 of the 12 expert projections" in _one_line(e)
+
+    config = json.loads((gptq / "config.json").read_text())
+    save_file(weights, gptq / "model.safetensors", metadata={"format": "pt"})
+    (gptq / "config.json").write_text(json.dumps(dict(config, moe_intermediate_size=64)))
+    with pytest.raises(SourceError) as e:
+        prepack(gptq, "cpu", tmp_path / "b")
+    assert "tensor model.layers.0.mlp.experts.0.down_proj.qweight: 32x64, the qwen3_moe model's experts' down_proj is 64x64" in _one_line(e)
+
+
+def test_artifact_refusals(random_moe, tmp_path):
+    """An artifact whose manifest lost an expert, or whose config.json has fewer experts, fails load in one line."""
+    from conftest import edit_manifest
+
+    prepack(random_moe, "cpu", tmp_path / "art")
+    art = tmp_path / "lost"
+    shutil.copytree(tmp_path / "art", art)
+    edit_manifest(art, lambda m: m["modules"].pop("model.layers.0.mlp.experts.2.down_proj"))
+    with pytest.raises(ArtifactError) as e:
+        quantprep.load(art)
+    assert "module model.layers.0.mlp.experts.2.down_proj is missing from manifest.json" in _one_line(e)
+
+    art = tmp_path / "fewer"
+    shutil.copytree(tmp_path / "art", art)
+    (art / "config.json").write_text(json.dumps(dict(json.loads((art / "config.json").read_text()), num_local_experts=3)))  # num_experts
+    relist(art, "config.json")
+    with pytest.raises(ArtifactError) as e:
+        quantprep.load(art)
+    assert "is expert 3, the qwen3_moe model's model.layers.0.mlp.experts has 3" in _one_line(e)
