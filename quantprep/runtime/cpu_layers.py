@@ -36,8 +36,8 @@ from torch.nn.modules import module as torch_module
 from quantprep.runtime import cpu_attention
 from quantprep.runtime.fused import FusedMember
 from quantprep.targets import native
-from quantprep.targets.common import SLOW_HALF_GEMM
-from quantprep.targets.cpu import CpuInt4Linear, eager, native_int4_a8
+from quantprep.targets.common import SLOW_HALF_GEMM, PackedLinear
+from quantprep.targets.cpu import CpuInt4Linear, eager, native_dequantizer, native_int4_a8
 from quantprep.targets.cpu_c import LAYERS_SOURCE, DecodeLayerArgs, QuantLinearArgs, layers_functions
 
 
@@ -480,3 +480,47 @@ def use(model: nn.Module) -> int:
     if model.dtype != torch.bfloat16 or library() is None:
         return 0
     return sum(replace(m) is not None for m in list(model.modules()))
+
+
+def c_paths(linear: PackedLinear) -> set[str]:
+    """The paths a quantized linear may run that are quantprep's C, built here or not: int4_a8 and
+    int8_a8, and CpuInt4Linear's dense paths (the native dequantizer's tiles). It may run its plan's
+    paths up to plan_max_m rows and its fixed rule's above: one switch, from its kernel to a dense
+    path at DEQUANT_MIN_M, so the rule's two ends are all it picks."""
+    if not linear.paths():
+        return set()
+    picked = {p for _, p in linear.plan} | {linear.default_path(m) for m in (linear.plan_max_m + 1, 1 << 30)}
+    return {p for p in picked if p in ("int4_a8", "int8_a8") or (isinstance(linear, CpuInt4Linear) and linear.native_dense(p))}
+
+
+def expects_c(model: nn.Module) -> bool:
+    """Whether quantprep has C for some of a CPU model's modules, built here or not: a bfloat16 model's
+    attention, norms, MLPs and float lm_head (use, cpu_attention.use), or a quantized linear's path."""
+    return model.dtype == torch.bfloat16 or any(c_paths(m) for m in model.modules() if isinstance(m, PackedLinear))
+
+
+def c_modules(model: nn.Module) -> dict[str, int]:
+    """How many of a CPU model's modules run quantprep's C here, by kind (load sets it as model.quantprep_c):
+    quantized linears with a C path (c_paths; an a8 path is in a plan only where it built), the layers
+    whose decode attention is the "quantprep_cpu" kernel, RMSNorms, gated MLPs, decoder layers whose four
+    projections run int4_a8 at one row (one decode_layer call), and float Linears (the lm_head)."""
+    counts = dict.fromkeys(("quantized_linears", "attention", "norms", "mlps", "decoder_layers", "float_linears"), 0)
+    if model.config._attn_implementation == cpu_attention.NAME:
+        counts["attention"] = model.config.num_hidden_layers
+    dequantizer = native_dequantizer() is not None
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            paths = c_paths(m)
+            counts["quantized_linears"] += bool(paths - {"dequant", "dequant_f32"} or (paths and dequantizer))
+        elif isinstance(m, CpuDecoderLayer):  # the classes below exist only where their library built (use)
+            attn, mlp = m._modules["self_attn"]._modules, m._modules["mlp"]._modules
+            projections = (attn.get("qkv_proj"), attn.get("o_proj"), mlp.get("gate_up_proj"), mlp.get("down_proj"))
+            counts["decoder_layers"] += cpu_attention.kernel() is not None and \
+                all(p is not None and quant_linear_args(p) is not None for p in projections)
+        elif isinstance(m, CpuRMSNorm):
+            counts["norms"] += 1
+        elif isinstance(m, CpuGatedMLP):
+            counts["mlps"] += 1
+        elif isinstance(m, CpuLinear):
+            counts["float_linears"] += 1
+    return counts

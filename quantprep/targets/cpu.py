@@ -487,10 +487,13 @@ class CpuInt4Linear(PackedLinear):
         return torch.float32 if path == "dequant_f32" else self.act_dtype
 
     def tiles(self, path: str) -> bool:
-        """Whether `path` runs as tiled_matmul: a dense path, the native dequantizer, real data and
-        no autograd (which would keep each tile for backward)."""
-        return path in ("dequant", "dequant_f32") and eager(self.qweight) and not torch.is_grad_enabled() and \
-            self.dense_dtype(path) in (torch.bfloat16, torch.float32) and native_dequantizer() is not None
+        """Whether `path` runs as tiled_matmul: a dense path the native dequantizer writes, real data
+        and no autograd (which would keep each tile for backward), and the dequantizer built."""
+        return self.native_dense(path) and eager(self.qweight) and not torch.is_grad_enabled() and native_dequantizer() is not None
+
+    def native_dense(self, path: str) -> bool:
+        """Whether `path` is a dense path in a dtype the native dequantizer writes (tiles: where it built)."""
+        return path in ("dequant", "dequant_f32") and self.dense_dtype(path) in (torch.bfloat16, torch.float32)
 
     def forward_split(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         """A fused projection's members written straight into their own outputs on the tiled

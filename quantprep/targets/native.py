@@ -63,17 +63,27 @@ def torch_openmp() -> str | None:
     return "libgomp.so.1"
 
 
+def cache_dir() -> Path:
+    """Where this user's compiled libraries are kept (the module docstring)."""
+    return user_dir(settings.NATIVE_DIR, "cache", "native")
+
+
+def turned_off() -> bool:
+    """QUANTPREP_NATIVE=0: the user's choice of tensor ops, so nothing is compiled, loaded or warned about."""
+    return os.environ.get(settings.NATIVE) == "0"
+
+
 @functools.cache
 def library(source: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """`source` compiled with FLAGS + flags as a shared library (cached, see above), or None: no
     compiler, the variable set, a cache directory that is not this user's alone, a compile that
     failed or hung, or a library that did not load."""
     cc = _compiler()
-    if cc is None or os.environ.get(settings.NATIVE) == "0":
+    if cc is None or turned_off():
         return None
     digest = hashlib.sha256("\0".join([source, cc[1], *FLAGS, *flags, cpuinfo("flags") or ""]).encode()).hexdigest()[:32]
     try:
-        root = private_dir(user_dir(settings.NATIVE_DIR, "cache", "native"))
+        root = private_dir(cache_dir())
         lib = root / f"{digest}.so"
         if not lib.exists():
             with tempfile.TemporaryDirectory(prefix="build-", dir=root) as tmp:
@@ -90,6 +100,22 @@ def library(source: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         return ctypes.CDLL(str(lib))  # ctypes lets go of the GIL during each call
     except (ArtifactError, OSError, subprocess.SubprocessError):
         return None
+
+
+def unavailable_reason() -> str:
+    """Why `library` returns None here, and what to do, as far as one can tell without compiling
+    (for load's warning)."""
+    if turned_off():
+        return f"{settings.NATIVE}=0"
+    if _compiler() is None:
+        return "no C compiler: put `cc` on PATH"
+    try:
+        root = private_dir(cache_dir())
+    except ArtifactError as e:  # names the directory and what to do
+        return str(e)
+    except OSError as e:
+        return f"{cache_dir()}: cannot be created ({e.strerror or e}); point {settings.NATIVE_DIR} at a directory of this user's"
+    return f"compiling with `{_compiler()[0]}` or loading the library in {root} failed; remove {root} to compile again"
 
 
 def library_with_torch_openmp(source: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
