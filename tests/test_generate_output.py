@@ -178,7 +178,7 @@ def shown_text(shown: bytes) -> str:
     return text
 
 
-def test_f9_inspect_prints_a_manifests_fields_escaped_on_a_terminal_and_unchanged_through_a_pipe(artifact, tmp_path):
+def test_case23_inspect_prints_a_manifests_fields_escaped_on_a_terminal_and_unchanged_through_a_pipe(artifact, tmp_path):
     art = hostile_manifest(artifact, tmp_path, lambda m: m.update(created=HOSTILE_FIELD, quantprep_version=HOSTILE_FIELD))
     shown, err, code = on_terminal([*INSPECT, art])
     assert code == 0, err.decode()[-3000:]
@@ -190,7 +190,7 @@ def test_f9_inspect_prints_a_manifests_fields_escaped_on_a_terminal_and_unchange
     assert json.loads(as_json)["created"] == HOSTILE_FIELD
 
 
-def test_f9_an_error_line_quoting_hostile_text_is_escaped_on_a_terminal_and_unchanged_through_a_pipe(artifact, tmp_path):
+def test_case23_an_error_line_quoting_hostile_text_is_escaped_on_a_terminal_and_unchanged_through_a_pipe(artifact, tmp_path):
     art = hostile_manifest(artifact, tmp_path, lambda m: m.update({HOSTILE_FIELD: 1}))  # read_manifest names unknown fields
     shown, out, code = on_terminal([*INSPECT, art], stream="stderr")
     assert code == 2 and out == b"", out

@@ -206,7 +206,7 @@ def answered(conn: socket.socket, within: float) -> bytes:
     return got
 
 
-def test_f5_partial_bodies_past_the_budget_are_503_at_once_and_the_server_answers_after(torch_server):
+def test_case21_partial_bodies_past_the_budget_are_503_at_once_and_the_server_answers_after(torch_server):
     art, port, client = torch_server
     held = []
     try:
@@ -228,7 +228,7 @@ def test_f5_partial_bodies_past_the_budget_are_503_at_once_and_the_server_answer
     answers_soon(art, client)  # the bodies whose clients left no longer count
 
 
-def test_f5_a_body_that_stalls_is_408_within_the_deadline_and_frees_its_budget(torch_server):
+def test_case21_a_body_that_stalls_is_408_within_the_deadline_and_frees_its_budget(torch_server):
     art, port, client = torch_server
     t0 = time.monotonic()
     stalled = [partial(port, sent) for sent in budget()]  # all of it, stalled
