@@ -200,8 +200,10 @@ def _replace_with_graph(art, name: str, build, constant_of) -> None:
 
 def peak_rss_and_result(*argv: str) -> tuple[int, int, str]:
     """A quantprep command in a child process: (exit code or -signal, its peak RSS in MiB, stderr)."""
-    code = ("import resource, sys\nfrom quantprep.cli import main\nrc = main(sys.argv[1:])\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)\nsys.exit(rc)")
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork and exec, so a child of a large pytest
+    # would report pytest's own peak
+    code = ("import re, sys\nfrom quantprep.cli import main\nrc = main(sys.argv[1:])\n"
+            "print(int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) // 1024)\nsys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300)
     return proc.returncode, int(proc.stdout.split()[-1]) if proc.stdout.strip() else -1, proc.stderr
 
