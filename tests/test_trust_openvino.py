@@ -302,3 +302,12 @@ def test_case20_a_config_dimension_past_any_model_is_one_line(art, capsys):
     relist(art, "config.json")
     assert main(["generate", str(art), "--prompt", PROMPT]) == 2
     assert "head_dim" in one_line(capsys.readouterr().err)
+
+
+def test_case20_a_module_the_manifest_drops_and_the_ir_lacks_is_one_line(art, capsys):
+    from conftest import edit_manifest
+
+    _edit_xml(art, "openvino_model.xml", 'name="model.layers.0.mlp.down_proj.weight"', 'name="renamed"')
+    edit_manifest(art, lambda m: m["modules"].pop("model.layers.0.mlp.down_proj"))
+    assert main(["generate", str(art), "--prompt", PROMPT]) == 2
+    assert "model.layers.0.mlp.down_proj.weight" in one_line(capsys.readouterr().err)

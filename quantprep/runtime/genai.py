@@ -7,8 +7,8 @@ hashes, signature, compatibility key). What comes back is `OpenVINOModel`, a thi
 only, and only when an openvino artifact is loaded.
 
 An artifact carries data, never a program (docs/security.md). Its graph runs only after it
-compared equal to the graph quantprep builds from the IR's own weights (`checked_ir`), read by
-OpenVINO's IR frontend alone. Its tokenizer and detokenizer IR never run here: text becomes ids and
+compared equal, as text and bytes, to the IR quantprep writes from that IR's own weights, before
+OpenVINO reads it, and then by OpenVINO's IR frontend alone (`checked_ir`). Its tokenizer and detokenizer IR never run here: text becomes ids and
 ids text through `runtime/tokenizer.py` (the hashed tokenizer.json, the chat template rendered in
 quantprep's sandbox), and openvino.genai is given ids, from a private directory that holds links to
 the model's IR only (`pipeline`).

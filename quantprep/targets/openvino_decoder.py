@@ -216,7 +216,7 @@ def decoder(config: dict, modules: dict[str, dict], weights) -> object:
                 y = ops.matmul(x, const_f32(f"{name}.weight"), False, True)
                 outs.append(ops.add(y, const_f32(f"{name}.bias")) if weights.has_float(f"{name}.bias") else y)
             else:
-                raise KeyError(f"{name}.weight")
+                raise ValueError(f"no constant {name + '.weight'!r}, which the graph reads")
         return outs
 
     def rms(x, name: str):
