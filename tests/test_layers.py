@@ -27,7 +27,7 @@ PACKAGE = REPO / "quantprep"
 LAYERS = {"_io": 0, "errors": 0, "settings": 0, "version": 0, "format": 1, "targets": 2, "distribution": 3,
           "runtime": 4, "build": 5, "tools": 6, "cli": 7, "__init__": 7, "__main__": 7, "pipelines": 0}
 # third-party packages that only some layers or modules may import, and which (a layer, or layer/module)
-OPENVINO = ("targets/openvino", "targets/openvino_decoder", "build/openvino_ir", "runtime/genai", "tools/verify", "tools/selftest", "tools/openai_server")
+OPENVINO = ("targets/openvino", "runtime/openvino_graph", "build/openvino_ir", "runtime/genai", "tools/verify", "tools/selftest", "tools/openai_server")
 ONLY_IN = {"gptqmodel": ("build",), "openvino": OPENVINO, "openvino_genai": ("runtime/genai", "tools/openai_server"),
            "openvino_tokenizers": ("build/openvino_ir",)}
 

@@ -1,5 +1,5 @@
-"""The openvino target's artifact: the decoder IR (targets/openvino_decoder.py builds the graph)
-around the GPTQ integers, and the tokenizer IR openvino-tokenizers converts from the source's
+"""The openvino target's artifact: the decoder IR (runtime/openvino_graph.py makes the graph from
+transformers' modeling code) around the GPTQ integers, and the tokenizer IR openvino-tokenizers converts from the source's
 tokenizer, for runtimes that read the directory as it is (openvino.genai, OVMS). quantprep's own
 load never runs either as it comes (runtime/genai.py).
 """
@@ -13,20 +13,11 @@ import torch
 from quantprep._io.jsonfile import read_json_object
 from quantprep.errors import SourceError
 from quantprep.format.artifact import OPENVINO_MODEL, OPENVINO_TOKENIZERS, ArtifactWriter, sha256_file
-from quantprep.targets.openvino_decoder import TensorWeights, decoder
+from quantprep.runtime.openvino_graph import TensorWeights, export
 
 # The tokenizer IR's rt_info that only records who converted it
 CONVERTER_RT_INFO = ("openvino_tokenizers_version", "openvino_version", "transformers_version", "tokenizers_version",
                      "original_tokenizer_class")
-
-
-def model_config(ckpt) -> dict:
-    """config.json as read, with tie_word_embeddings as transformers resolves it (its default differs by model type)."""
-    from transformers import AutoConfig
-
-    config = read_config(ckpt.path)
-    tied = AutoConfig.from_pretrained(ckpt.path, trust_remote_code=False).tie_word_embeddings
-    return dict(config, tie_word_embeddings=bool(tied) and "lm_head" not in ckpt.layers)
 
 
 def check_floats(ckpt) -> None:
@@ -40,9 +31,10 @@ def check_floats(ckpt) -> None:
         config.tie_word_embeddings = False
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    quantized_parents = {layer.rpartition(".")[0] for layer in ckpt.layers} | {layer.rsplit(".", 2)[0] for layer in ckpt.layers}
     for name, param in model.named_parameters():  # a tied lm_head is the embedding's: not listed
-        if name.rpartition(".")[0] in ckpt.layers:
-            continue
+        if name.rpartition(".")[0] in ckpt.layers or name.rpartition(".")[0] in quantized_parents:
+            continue  # a quantized Linear's, or a layer's experts' (3-D tensors the checkpoint holds as one Linear per expert)
         if name not in ckpt.other_tensors:
             raise SourceError(f"tensor {name}: missing from the checkpoint, which the {config.model_type} model of its config.json "
                               "needs; re-export or re-quantize it")
@@ -134,7 +126,13 @@ class OpenVINOWriter(ArtifactWriter):
         modules = manifest["modules"]
         quantized = {k: v for k, v in self.held.items() if k.rpartition(".")[0] in modules}
         self.held = {}
-        model = decoder(model_config(self.ckpt), modules, TensorWeights(modules, quantized, self.ckpt.other_tensors))
+        config = read_config(self.ckpt.path)  # as load's check reads it: the same graph from the same data
+        try:
+            model = export(config, modules, TensorWeights(modules, quantized, self.ckpt.other_tensors))
+        except Exception as e:  # the trace and the conversion raise many kinds for a model they cannot take
+            raise SourceError(f"{self.ckpt.path / 'config.json'}: OpenVINO cannot convert this {config.get('model_type')} model "
+                              f"({type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}); "
+                              "build the cpu target for it") from None
         ov.save_model(model, self.tmp / OPENVINO_MODEL, compress_to_fp16=False)
         del model, quantized
         write_tokenizers(self.ckpt.path, self.tmp)

@@ -248,11 +248,12 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
     check_against_model(ckpt)
     if "openvino" in targets:
         from quantprep.build.openvino_ir import check_floats, check_tokenizer, read_config
-        from quantprep.targets.openvino_decoder import check_supported
+        from quantprep.runtime.openvino_graph import traced_problem
 
         if problem := get_target("openvino").runtime_problem():
             raise RecipeError(f"target openvino: {problem}")
-        check_supported(read_config(ckpt.path), ckpt.path / "config.json", SourceError)
+        if problem := traced_problem(read_config(ckpt.path)):
+            raise SourceError(f"{ckpt.path / 'config.json'}: {problem}; build the cpu target for this model")
         check_floats(ckpt)
         check_tokenizer(ckpt.path)
     dtypes = [getattr(torch, act_dtype) if act_dtype else t.default_act_dtype for t in resolved]

@@ -262,7 +262,7 @@ def read_ir(path: Path, name: str = OPENVINO_MODEL, extension: str | None = None
 def checked_ir(path: Path, manifest: dict, marked: bool = True):
     """The artifact's model IR, read by OpenVINO only once it equals, as text and bytes, the IR
     quantprep writes from that IR's own weight constants and the artifact's config.json
-    (targets/openvino_decoder.py); else one line. Checked once per user for the same manifest,
+    (runtime/openvino_graph.py); else one line. Checked once per user for the same manifest,
     quantprep and OpenVINO (a mark beside the hash marks, format/verified.py); `marked=False`: every time (verify)."""
     import hashlib
     import json
@@ -272,8 +272,8 @@ def checked_ir(path: Path, manifest: dict, marked: bool = True):
     from quantprep._io.jsonfile import read_json_object
     from quantprep._io.userdirs import private_dir
     from quantprep.format.verified import marks_dir
+    from quantprep.runtime.openvino_graph import rebuilt_difference
     from quantprep.targets.openvino import ir_tree
-    from quantprep.targets.openvino_decoder import check_supported, rebuilt_difference
     from quantprep.version import __version__
 
     files = manifest["files"]
@@ -286,17 +286,13 @@ def checked_ir(path: Path, manifest: dict, marked: bool = True):
         mark = None
     if not marked or mark is None or not mark.is_file():
         config = read_json_object(path / "config.json", ArtifactError, "rebuild the artifact")
-        check_supported(config, path / "config.json", ArtifactError)
         try:
             root = ir_tree((path / OPENVINO_MODEL).read_bytes())
         except ValueError as e:
             raise ArtifactError(f"{path / OPENVINO_MODEL}: not OpenVINO IR ({e}); rebuild the artifact") from None
-        modules = manifest["modules"]
-        # the head the graph reads: quantized, else a float lm_head written beside the embedding, else tied
-        tied = "lm_head" not in modules and not any(layer.get("name") == "lm_head.weight" for layer in root.iter("layer"))
         with tempfile.TemporaryDirectory(prefix="quantprep-ir-") as scratch:
-            difference = rebuilt_difference(dict(config, tie_word_embeddings=tied), modules, root, path / OPENVINO_WEIGHTS,
-                                            files[OPENVINO_WEIGHTS]["sha256"], Path(scratch))
+            difference = rebuilt_difference(config, manifest["modules"], root, path / OPENVINO_WEIGHTS, files[OPENVINO_WEIGHTS]["sha256"],
+                                            Path(scratch))
         if difference:
             raise ArtifactError(f"{path / OPENVINO_MODEL}: not the IR quantprep writes from its weights and config.json "
                                 f"({difference}); rebuild the artifact with `quantprep prepack`")

@@ -139,6 +139,20 @@ def constants(tensors: dict[str, torch.Tensor], meta: dict, name: str) -> dict:
     return out
 
 
+def float_constant(t: torch.Tensor, name: str):
+    """A Constant named `name` holding `t` in the narrowest float type that holds it exactly."""
+    import openvino as ov
+
+    t = float_storage(t)
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits, relabelled
+        data = ov.Tensor(np.ascontiguousarray(t.view(torch.int16).numpy()).view(np.uint16), ov.Shape(list(t.shape)), ov.Type.bf16)
+    else:
+        data = ov.Tensor(np.ascontiguousarray(t.numpy()))
+    c = ov.op.Constant(data, shared_memory=False)
+    c.set_friendly_name(name)
+    return c
+
+
 def ir_constants(model, name: str) -> dict:
     """A module's constants found again in a read IR (verify), by the names `constants` gave them."""
     wanted = {f"{name}.{part}": part for part in PARTS}

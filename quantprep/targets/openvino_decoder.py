@@ -99,6 +99,9 @@ class TensorWeights:
     def has_float(self, name: str) -> bool:
         return name in self.floats
 
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.floats[name]
+
     def float(self, name: str):
         """A Constant in the narrowest float type that holds the tensor exactly, named `name`."""
         import openvino as ov

@@ -1,0 +1,447 @@
+"""The openvino target's graph, made from transformers' own modeling code: the model traced with
+torch.jit.trace and converted by OpenVINO's PyTorch frontend, with quantprep's subgraph for each
+quantized module.
+
+How (the same at prepack and at load's check, from the same data):
+1. transformers builds the model of config.json, its parameters on the meta device; each quantized
+   module of the manifest is replaced by a `GraphLinear` (fused projections through runtime/fused.py,
+   a layer's experts through runtime/experts.py's QuantizedExperts), the float tensors are loaded.
+2. The model is traced with its KV cache as inputs and outputs. OpenVINO's frontend replaces each
+   GraphLinear call by one node (a ModuleExtension), which our ConversionExtension writes as
+   targets/openvino.py's `linear`: the codes kept compressed, act-order a Gather of the activation
+   (the frontend never reads g_idx, and we never hand it one). A QuantizedExperts call becomes one
+   node too, written as every expert's projections on its routed tokens (`experts`).
+3. optimum-intel's stateful recipe (its exporters/openvino/stateful.py, which cannot be installed
+   beside gptqmodel): a Gather by beam_idx on each cache input, then OpenVINO's make-stateful
+   transformation turns the cache inputs and outputs into state, initialised empty.
+4. Float constants are stored in the narrowest of f16, bf16, f32 that holds them exactly, and every
+   node gets a name made from what it is (so that the IR written again compares equal).
+
+The result is what openvino.genai's LLMPipeline expects: inputs input_ids, attention_mask,
+position_ids, beam_idx; output logits; the cache as state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from quantprep.runtime.experts import QuantizedExperts, check_experts_installed, install_experts
+from quantprep.runtime.fused import in_model
+from quantprep.runtime.fused import install as install_fused
+from quantprep.targets.openvino import PARTS, constants
+
+LINEAR_OP, EXPERTS_OP = "quantprep::linear", "quantprep::experts"
+
+
+class GraphLinear(nn.Module):
+    """Stands in for one quantized module of the manifest while the model is traced: its output is
+    only a shape (zeros); the converted graph computes it (`linear`)."""
+
+    bias = None
+
+    def __init__(self, index: int, meta: dict):
+        super().__init__()
+        self.index, self.in_features, self.out_features = index, meta["in_features"], meta["out_features"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(*x.shape[:-1], self.out_features)
+
+    def forward_split(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        return [t.contiguous() for t in torch.split(self(x), sizes, -1)]
+
+
+# RoPE whose frequencies the model's forward picks by the sequence length, in Python: a trace keeps
+# the choice made for its example, which is wrong past the original context
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def traced_problem(config: dict) -> str | None:
+    """What in config.json a traced graph would not follow (named), or None."""
+    for field in ("rope_scaling", "rope_parameters"):
+        params = config.get(field) or {}
+        for p in (params.values() if isinstance(params, dict) and all(isinstance(v, dict) for v in params.values()) and params else [params]):
+            kind = p.get("rope_type", p.get("type")) if isinstance(p, dict) else None
+            if kind in LENGTH_DEPENDENT_ROPE:
+                return (f"{field}.rope_type={kind!r}: its frequencies change with the sequence length, which one traced graph "
+                        "does not follow")
+    return None
+
+
+def skeleton(config: dict, modules: dict[str, dict]) -> tuple[nn.Module, list[str]]:
+    """transformers' model of `config` on the meta device, each module of `modules` replaced by a
+    GraphLinear; the names in GraphLinear index order."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantprep.runtime.load import params_on_meta
+
+    if problem := traced_problem(config):
+        raise ValueError(problem)
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    hf = AutoConfig.for_model(**config)
+    if "lm_head" in modules:
+        hf.tie_word_embeddings = False
+    with params_on_meta():
+        try:
+            model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32, trust_remote_code=False, attn_implementation="sdpa")
+        except ValueError:  # a model without an SDPA path (Gemma 2's soft-capping): its eager attention
+            model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32, trust_remote_code=False, attn_implementation="eager")
+    install_experts(model, "<config.json>", modules)
+    names = list(modules)
+    for index, name in enumerate(names):
+        meta = modules[name]
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        module, fused = GraphLinear(index, meta), meta.get("fused")
+        if fused and in_model(hf.model_type, child) is None:
+            install_fused(parent, child, module, fused["members"], fused["sizes"])
+        else:
+            setattr(parent, child, module)
+    check_experts_installed(model, "<config.json>")
+    return model.eval(), names
+
+
+def load_floats(model: nn.Module, weights) -> None:
+    """The model's tensors that `weights` holds (its parameters, and buffers it stores such as
+    DeepSeek's e_score_correction_bias), as float32: the graph computes in f32."""
+    wanted = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items() if weights.has_float(name)}
+    model.load_state_dict({name: weights.tensor(name, shape).float() for name, shape in wanted.items()}, strict=False, assign=True)
+    model.tie_weights()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.device.type == "meta":  # not stored: OpenVINO's conversion drops a norm of ones, a bias of zeros
+            initialized(model, name)
+            model.tie_weights()
+
+
+def initialized(model: nn.Module, name: str) -> None:
+    """Tensor `name` as transformers initializes it, where that is not random (a norm's ones, a
+    bias's zeros): the value whose multiply or add the conversion removed, so the graph made again
+    from an IR without it is the same. Anything else raises ValueError."""
+    import copy
+
+    owner_name, _, leaf = name.rpartition(".")
+    owner = copy.deepcopy(model.get_submodule(owner_name)).to_empty(device="cpu")
+    values = []
+    for seed in (0, 1):  # a random initialization differs between seeds
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model._init_weights(owner)
+        values.append(getattr(owner, leaf).detach().clone())
+    if not torch.equal(*values):
+        raise ValueError(f"no tensor {name!r}, which the {model.config.model_type} model needs")
+    owner_module = model.get_submodule(owner_name)
+    if isinstance(getattr(owner_module, leaf), nn.Parameter):
+        setattr(owner_module, leaf, nn.Parameter(values[0], requires_grad=False))
+    else:
+        owner_module.register_buffer(leaf, values[0])
+
+
+class WithCache(nn.Module):
+    """The model as a function of tensors: (input_ids, attention_mask, position_ids, past keys and
+    values per layer) -> (logits, present keys and values per layer)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids, *past):
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        cache = DynamicCache()  # every layer whole, sliding-window ones too: the mask applies the window
+        for i in range(len(past) // 2):
+            layer = DynamicLayer()  # filled as its lazy_initialization + update would, without concatenating an empty tensor
+            layer.keys, layer.values, layer.device, layer.is_initialized = past[2 * i], past[2 * i + 1], past[2 * i].device, True
+            cache.layers.append(layer)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=True)
+        present = []
+        for layer in out.cache.layers:
+            present += [layer.keys, layer.values]
+        return (out.logits, *present)
+
+
+def _i64(values):
+    import openvino.opset13 as ops
+
+    return ops.constant(np.array(values, dtype=np.int64))
+
+
+def expert_subgraph(x, tokens_mask, weights_in, linear_of, expert, intermediate: int, act: str):
+    """Output [T, H] of one expert on the tokens routed to it: NonZero picks the (token, slot) pairs
+    of `tokens_mask` [T, k], the expert runs on those rows only (none at all: an empty matmul), each
+    row weighted by its routing weight; the rows are then scattered back into place as [T, H]."""
+    import openvino.opset13 as ops
+
+    pairs = ops.non_zero(tokens_mask, "i64")  # [2, n]
+    tokens = ops.gather(pairs, _i64(0), _i64(0))  # [n]
+    routed = ops.gather_nd(weights_in, ops.transpose(pairs, _i64([1, 0])))  # [n]
+    rows = ops.gather(x, tokens, _i64(0))
+    gate_up = expert.get("gate_up_proj")
+    if gate_up is not None:
+        y = linear_of(gate_up, rows)
+        gate, up = ops.variadic_split(y, _i64(-1), _i64([intermediate, intermediate])).outputs()
+    else:
+        gate, up = linear_of(expert["gate_proj"], rows), linear_of(expert["up_proj"], rows)
+    h = ops.multiply(ops.swish(gate) if act == "silu" else ops.gelu(gate), up)
+    y = ops.multiply(linear_of(expert["down_proj"], h), ops.unsqueeze(routed, _i64(-1)))
+    return tokens, y
+
+
+class TensorWeights:
+    """The graph's constants from tensors (prepack): `quantized`, `<module>.<part>` tensors from the
+    target's pack; `floats`, the checkpoint's other tensors (name -> tensor)."""
+
+    def __init__(self, modules: dict[str, dict], quantized: dict[str, torch.Tensor], floats):
+        self.modules, self.quantized, self.floats = modules, quantized, floats
+
+    def module(self, name: str) -> dict:
+        prefix = name + "."
+        parts = {key[len(prefix):]: t for key, t in self.quantized.items() if key.rpartition(".")[0] == name}
+        return constants(parts, self.modules[name], name)
+
+    def has_float(self, name: str) -> bool:
+        return name in self.floats
+
+    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.floats[name]
+
+
+class IRWeights:
+    """The graph's weight constants from an artifact's IR files, without OpenVINO reading them: each
+    Const layer found by name in the parsed .xml, its element type and shape pinned by what the
+    manifest and config.json say the graph reads (`expected`), its bytes mapped from the .bin within
+    bounds. A constant that is missing or does not fit raises ValueError, naming it. (Its element
+    type and shape, checked first, bound what is read: a constant may hold no more than the model
+    needs.)"""
+
+    def __init__(self, root, bin_path: Path, modules: dict[str, dict]):
+        self.named = {layer.get("name"): layer for layer in root.iter("layer") if layer.get("type") == "Const"}
+        self.bin = np.memmap(bin_path, dtype=np.uint8, mode="r") if Path(bin_path).stat().st_size else np.zeros(0, np.uint8)
+        self.modules = modules
+
+    def _constant(self, name: str, types: tuple[str, ...], want: list[int]):
+        import openvino as ov
+
+        layer = self.named.get(name)
+        data = None if layer is None else layer.find("data")
+        if data is None:
+            raise ValueError(f"no constant {name!r}, which the graph reads")
+        kind, shape = data.get("element_type"), [int(d) for d in data.get("shape", "").split(",") if d.strip() and d.strip().isdigit()]
+        if kind not in types or shape != want:
+            raise ValueError(f"constant {name!r} is {kind} {shape}, where the graph reads {'/'.join(types)} {want}")
+        offset, size = int(data.get("offset", -1)), int(data.get("size", -1))
+        element = getattr(ov.Type, kind)  # one of `expected`'s names, which are OpenVINO's
+        if offset < 0 or size != (int(np.prod(shape, dtype=np.int64)) * element.bitwidth + 7) // 8 or offset + size > len(self.bin):
+            raise ValueError(f"constant {name!r}: offset {offset} and size {size} do not fit its {kind} {shape} in the .bin")
+        c = ov.op.Constant(ov.Tensor(np.ascontiguousarray(self.bin[offset:offset + size]), ov.Shape(shape), element), shared_memory=True)
+        c.set_friendly_name(name)
+        return c
+
+    def module(self, name: str) -> dict:
+        return {part: self._constant(f"{name}.{part}", *expected(name, part, self.modules[name]))
+                for part in PARTS if f"{name}.{part}" in self.named}
+
+    def has_float(self, name: str) -> bool:
+        return name in self.named
+
+    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The float tensor `name` of the model's `shape`, as stored in the IR (narrow_floats)."""
+        c = self._constant(name, FLOATS, list(shape))
+        data = torch.from_numpy(c.get_data().copy()) if c.get_element_type().get_type_name() != "bf16" else \
+            torch.from_numpy(np.frombuffer(c.get_data().tobytes(), np.int16).copy()).view(torch.bfloat16)
+        return data.reshape(shape)
+
+
+FLOATS = ("f16", "bf16", "f32")  # float_storage's choices
+
+
+def expected(module: str, part: str, meta: dict) -> tuple[tuple[str, ...], list[int]]:
+    """The element types and shape the graph reads a quantized module's constant `part` as, from its
+    manifest metadata (targets/openvino.py's pack)."""
+    N, G, bits, sym = meta["out_features"], meta["groups"], meta["bits"], meta["sym"]
+    gs = meta["padded_in"] // G
+    width = "4" if bits == 4 else "8"
+    return {"weight": ((("i" if sym else "u") + width,), [N, G, gs]), "zeros": (("u" + width,), [N, G, 1]),
+            "scales": (FLOATS, [N, G, 1]), "perm": (("i64",), [meta["in_features"]]), "bias": (FLOATS, [N])}[part]
+
+
+def export(config: dict, modules: dict[str, dict], weights) -> object:
+    """The stateful decoder as an ov.Model; `weights` (TensorWeights or IRWeights) gives each quantized module's constants and the float tensors."""
+    import openvino as ov
+    import openvino.opset13 as ops
+    import openvino.opset15 as opset15
+    from openvino.frontend.pytorch import ConversionExtension, ModuleExtension
+
+    from quantprep.targets.openvino import linear
+
+    model, names = skeleton(config, modules)
+    load_floats(model, weights)
+    experts = [m for m in model.modules() if isinstance(m, QuantizedExperts)]
+    for i, m in enumerate(experts):
+        m.graph_index = i
+
+    def linear_of(module: GraphLinear, x):
+        name = names[module.index]
+        return linear(x, weights.module(name), modules[name])
+
+    def convert_linear(context):
+        module = graph_linears[int(context.get_values_from_const_input(1))]
+        return [linear_of(module, context.get_input(0)).output(0)]
+
+    def convert_experts(context):
+        m = experts[int(context.get_values_from_const_input(3))]
+        x, index, routing = context.get_input(0), context.get_input(1), context.get_input(2)
+        shape = ops.shape_of(x, "i64")
+        x = ops.reshape(x, _i64([-1, m.hidden_dim]), False)
+        out = ops.broadcast(ops.constant(np.float32(0)), ops.shape_of(x, "i64"))
+        for e in range(m.num_experts):
+            parts = {k: v for k, v in m._modules[str(e)]._modules.items() if isinstance(v, GraphLinear)}
+            mask = ops.equal(index, ops.convert(ops.constant(np.int64(e)), index.get_element_type()))
+            tokens, y = expert_subgraph(x, mask, routing, linear_of, parts, m.intermediate_dim, "silu")
+            out = opset15.scatter_nd_update(out, ops.unsqueeze(tokens, _i64(-1)), y, "sum")
+        return [ops.reshape(out, shape, False).output(0)]
+
+    graph_linears = {m.index: m for m in model.modules() if isinstance(m, GraphLinear)}
+    extensions = [
+        ModuleExtension(GraphLinear, LINEAR_OP, evaluate=lambda m, x, index: m(x), convert=lambda m, op, x: op(x, torch.tensor(m.index))),
+        ModuleExtension(QuantizedExperts, EXPERTS_OP, evaluate=lambda m, h, i, w, index: torch.zeros_like(h),
+                        convert=lambda m, op, h, i, w: op(h, i, w, torch.tensor(m.graph_index))),
+        ConversionExtension(LINEAR_OP, convert_linear), ConversionExtension(EXPERTS_OP, convert_experts),
+    ]
+    wrapped = WithCache(model)
+    with torch.no_grad(), quiet():
+        example = example_inputs(model)
+        converted = ov.convert_model(wrapped, example_input=example, extension=extensions)
+    del wrapped, model
+    return stateful(narrow_floats(converted), [tuple(t.shape) for t in example[3:]])
+
+
+TRACED_PREFIX = "self.model."  # the frontend names a constant from a module tensor by its path from WithCache
+
+
+def narrow_floats(model):
+    """Each float32 constant the frontend made from one of the model's tensors, named as that tensor
+    and stored in the narrowest float type that holds it exactly (targets/openvino.float_constant):
+    checkpoints keep their floats in f16 or bf16, and the IR need not hold them twice as large."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from quantprep.targets.openvino import float_constant
+
+    for op in model.get_ordered_ops():
+        name = op.get_friendly_name()
+        if op.get_type_name() != "Constant" or op.get_element_type() != ov.Type.f32 or not name.startswith(TRACED_PREFIX):
+            continue
+        c = float_constant(torch.from_numpy(op.get_data().copy()), name[len(TRACED_PREFIX):])
+        narrow = c if c.get_element_type() == ov.Type.f32 else ops.convert(c, ov.Type.f32)
+        for consumer in op.output(0).get_target_inputs():
+            consumer.replace_source_output(narrow.output(0))
+    return model
+
+
+@contextlib.contextmanager
+def quiet():
+    """No warnings from the trace: it warns of every Python branch on a tensor in transformers'
+    modeling (the choices it keeps are the ones every input takes: traced_problem refuses the rest),
+    and of its own deprecation."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def example_inputs(model: nn.Module) -> tuple[torch.Tensor, ...]:
+    """A batch of 2 sequences of 3 new tokens after 2 cached ones: no dimension is 1, so the
+    trace specializes none of them."""
+    batch, new, cached = 2, 3, 2
+    ids = torch.ones(batch, cached, dtype=torch.int64)
+    with torch.no_grad():
+        present = WithCache(model)(ids, torch.ones(batch, cached, dtype=torch.int64), torch.arange(cached).expand(batch, -1))[1:]
+    past = tuple(torch.zeros(t.shape) for t in present)
+    positions = torch.arange(cached, cached + new).expand(batch, -1)
+    return (torch.ones(batch, new, dtype=torch.int64), torch.ones(batch, cached + new, dtype=torch.int64), positions, *past)
+
+
+def stateful(model, cache_shapes: list[tuple[int, ...]]):
+    """optimum-intel's recipe: inputs and outputs named as genai reads them, a Gather by beam_idx on
+    each cache input, the cache inputs and outputs made state, each state initialised empty for the
+    batch of input_ids. `cache_shapes`: each cache input's [batch, heads, tokens, head size] as traced."""
+    import openvino as ov
+    import openvino.opset13 as ops
+    from openvino._offline_transformations import apply_make_stateful_transformation
+
+    caches = len(cache_shapes)
+    inputs = ["input_ids", "attention_mask", "position_ids"] + [f"past_key_values.{i // 2}.{('key', 'value')[i % 2]}" for i in range(caches)]
+    outputs = ["logits"] + [f"present.{i // 2}.{('key', 'value')[i % 2]}" for i in range(caches)]
+    for port, name in zip(model.inputs, inputs, strict=True):
+        port.get_tensor().set_names({name})
+    for port, name in zip(model.outputs, outputs, strict=True):
+        port.get_tensor().set_names({name})
+    beam_idx = ops.parameter([-1], ov.Type.i32, name="beam_idx")
+    beam_idx.output(0).get_tensor().set_names({"beam_idx"})
+    for parameter, (_, heads, _, size) in zip(model.get_parameters()[3:], cache_shapes, strict=True):
+        parameter.set_partial_shape(ov.PartialShape([-1, heads, -1, size]))  # the state's fixed dimensions
+        consumers = parameter.output(0).get_target_inputs()
+        reordered = ops.gather(parameter, beam_idx, _i64(0))
+        for consumer in consumers:
+            consumer.replace_source_output(reordered.output(0))
+    model.add_parameters([beam_idx])
+    model.validate_nodes_and_infer_types()
+    apply_make_stateful_transformation(model, dict(zip(inputs[3:], outputs[1:], strict=True)))
+    batch = ops.gather(ops.shape_of(model.input("input_ids"), "i64"), _i64([0]), _i64(0))
+    for op in model.get_ops():
+        if op.get_type_name() == "ReadValue":
+            dims = [batch] + [_i64([d.get_length() if d.is_static else 0]) for d in list(op.get_output_partial_shape(0))[1:]]
+            op.set_arguments([ops.broadcast(ops.constant(np.float32(0)), ops.concat(dims, 0))])
+    model.validate_nodes_and_infer_types()
+    model.set_friendly_name("quantprep_decoder")  # else a per-process counter's
+    return model
+
+
+# --- the check at load: the artifact's IR against the one this code makes from the IR's own data ---
+
+def size_problem(config: dict) -> str | None:
+    """A size in config.json past any model (MAX_SIZE), named, or None: transformers would build,
+    and the trace run, whatever sizes the config gives."""
+    from quantprep.format.model_config import MAX_SIZE
+
+    for key, value in config.items():
+        sized = key.endswith(("_size", "_dim", "_rank", "_heads", "_layers", "_experts")) or key.startswith(("num_", "n_"))
+        if sized and value is not None and (type(value) is not int or not 0 <= value <= MAX_SIZE):
+            return f"{key}={value!r} is not a size up to {MAX_SIZE}"
+    return None
+
+
+def rebuilt_difference(config: dict, modules: dict[str, dict], root, bin_path: Path, bin_sha256: str, scratch: Path) -> str | None:
+    """How an artifact's IR (its parsed .xml `root`, its .bin, whose sha256 the manifest gave) differs
+    from the IR this code makes from the artifact's config.json, manifest and that IR's own constants,
+    or None. OpenVINO never reads the artifact's files here: the constants are mapped by IRWeights,
+    the graph is made (`export`), written to `scratch` as prepack writes it, and compared as text and bytes."""
+    from quantprep.targets.openvino import ir_difference, saved_ir
+
+    if problem := size_problem(config):
+        return problem
+    from openvino._pyopenvino import OpConversionFailure
+
+    try:
+        weights = IRWeights(root, bin_path, modules)  # held until written: the constants share its mapped .bin
+        for name in modules:
+            weights.module(name)  # each module's constants there, of its type and shape, before the trace reads them
+        want = export(config, modules, weights)
+    except ValueError as e:  # a constant missing or of another type or shape; a config transformers refuses
+        return str(e).strip().splitlines()[0][:300]
+    except (RuntimeError, OpConversionFailure) as e:  # OpenVINO's checks on the graph it made here
+        return f"its constants do not fit the graph ({str(e).strip().splitlines()[-1][:200]})"
+    want_root, want_bin = saved_ir(want, scratch)
+    del want, weights
+    return ir_difference(want_root, want_bin, root, bin_sha256)
