@@ -92,12 +92,21 @@ def test_falls_back_to_sdpa(case):
     T = 2 if case == "two tokens" else 1
     dtype = torch.float32 if case == "float32" else torch.bfloat16
     q, k, v = (torch.randn(1, n, t, 32, generator=g).to(dtype) for n, t in ((4, T), (2, 9), (2, 9)))
-    mask = torch.ones(1, 1, T, 9, dtype=torch.bool) if case == "mask" else None
+    mask = torch.ones(1, 1, T, 9, dtype=torch.bool).index_fill(-1, torch.tensor([0]), False) if case == "mask" else None  # hides a key
     assert not cpu_attention.runs_here(q, k, v, mask, 0.0, {"softcap": 30.0} if case == "softcap" else {})
     if case != "softcap":  # transformers' SDPA refuses a softcap itself
         ours, _ = cpu_attention.attention(Attention(), q, k, v, mask)
         theirs, _ = sdpa_attention_forward(Attention(), q, k, v, mask)
         assert torch.equal(ours, theirs)
+
+
+def test_a_mask_that_hides_no_key_is_none():
+    """A sliding window's mask at decode, whose cache holds only the window: every key through, the kernel's result."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, n, t, 32, generator=g).to(torch.bfloat16) for n, t in ((4, 1), (2, 9), (2, 9)))
+    mask = torch.ones(1, 1, 1, 9, dtype=torch.bool)
+    assert cpu_attention.runs_here(q, k, v, mask, 0.0, {}) and not cpu_attention.runs_here(q, k, v, mask[..., 1:], 0.0, {})
+    assert torch.equal(cpu_attention.attention(Attention(), q, k, v, mask)[0], cpu_attention.attention(Attention(), q, k, v, None)[0])
 
 
 def profiled_step(model, ids, past) -> tuple[torch.Tensor, int]:

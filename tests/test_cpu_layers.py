@@ -189,7 +189,7 @@ class Counting:
         self.lib, self.calls = lib, {"rms_norm": 0, "silu_mul": 0, "rotary": 0, "gemv_bf16": 0, "decode_layer": 0}
 
     def __getattr__(self, name):
-        self.calls[name] += 1
+        self.calls[name] = self.calls.get(name, 0) + 1
         return getattr(self.lib, name)
 
 

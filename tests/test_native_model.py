@@ -104,7 +104,9 @@ def test_what_it_cannot_run_is_refused_with_one_line(tmp_path):
             ({"rope_scaling": [1], "rope_parameters": None}, None, ArtifactError, "rope_scaling"),
             ({"tie_word_embeddings": 1}, None, ArtifactError, "tie_word_embeddings"),
             ({"rms_norm_eps": 10 ** 400}, None, ArtifactError, "rms_norm_eps"),
-            ({"num_hidden_layers": 1}, None, ArtifactMismatch, "model.layers.1"),  # the manifest's second layer: refused, not dropped
+            ({"num_hidden_layers": 1, "layer_types": ["full_attention"]}, None, ArtifactMismatch,
+             "model.layers.1"),  # the manifest's second layer: refused, not dropped
+            ({"num_hidden_layers": 1}, None, ArtifactError, "layer_types"),  # two kinds for one layer: transformers refuses it
             ({}, fused(["q_proj", "v_proj", "k_proj"]), ArtifactMismatch, "fused"),  # C reads q, k, v in order
             ({}, lambda m: m["modules"][qkv].update(bias=False), ArtifactError, "bias"),  # a Qwen2's q/k/v have one
             ({}, lambda m: m["modules"][qkv].update(padded_in=float(m["modules"][qkv]["padded_in"])), ArtifactError, qkv)]:

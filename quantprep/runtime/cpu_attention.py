@@ -6,8 +6,9 @@ bfloat16 KV cache once per head and accumulates in float32, as SDPA does.
 
 It is transformers' attention function "quantprep_cpu" (AttentionInterface), which a bfloat16
 artifact loaded on the CPU uses in place of "sdpa": one query token with no mask (decode without
-padding) runs here, everything else (runs_here) goes to transformers' sdpa_attention_forward
-unchanged. Masks are built as for "sdpa".
+padding), or a mask that hides no key (a sliding window's, whose cache holds only the window), runs
+here, everything else (runs_here) goes to transformers' sdpa_attention_forward unchanged. Masks are
+built as for "sdpa".
 
 The KV cache: transformers' DynamicLayer concatenates each layer's whole cache with the new token's
 keys and values at every token, a copy that grows with the context (BENCHMARKS.md, "CPU decode
@@ -43,10 +44,10 @@ def kernel() -> ctypes._CFuncPtr | None:
 def runs_here(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
               dropout: float, kwargs: dict) -> bool:
     """Whether the C kernel computes what sdpa_attention_forward would for these inputs (to bfloat16
-    rounding: both sum in float32): one token, no mask, no dropout, softcap, sinks or position bias,
-    eager bfloat16 CPU tensors with dense rows, no autograd."""
+    rounding: both sum in float32): one token, no mask or one that hides no key, no dropout, softcap,
+    sinks or position bias, eager bfloat16 CPU tensors with dense rows, no autograd."""
     B, H, T, D = query.shape
-    return (T == 1 and attention_mask is None and dropout == 0.0
+    return (T == 1 and dropout == 0.0
             and all(eager(t) and t.device.type == "cpu" for t in (query, key, value))
             and query.dtype == torch.bfloat16 and key.dtype == query.dtype and value.dtype == query.dtype
             and key.shape[0] == B and key.shape[1] > 0 and H % key.shape[1] == 0 and key.shape[3] == D
@@ -54,7 +55,14 @@ def runs_here(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, atten
             and query.stride(3) == key.stride(3) == value.stride(3) == 1
             and all(kwargs.get(k) is None for k in ("softcap", "s_aux", "sinks", "position_bias"))
             and not kwargs.get("output_attentions", False)
-            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)))
+            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
+            and (attention_mask is None or hides_no_key(attention_mask, key)))  # last: a tensor op
+
+
+def hides_no_key(mask: torch.Tensor, key: torch.Tensor) -> bool:
+    """A boolean mask over the key's rows (sdpa_mask's) that lets every row through: the same as none."""
+    return mask.dtype is torch.bool and eager(mask) and mask.device.type == "cpu" and mask.dim() == 4 and \
+        mask.shape[-1] == key.shape[2] and bool(mask.all())
 
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

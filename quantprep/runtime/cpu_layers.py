@@ -15,7 +15,7 @@ bias-free bfloat16 Linear modules of a bfloat16 CPU model for subclasses of them
 CpuGatedMLP, CpuDecodeAttention, CpuDecoderLayer and CpuLinear: each module keeps its parameters,
 submodules, hooks and tied weights, isinstance checks still hold, and its forward runs C where it
 computes the same (`runs_here`: eager bfloat16 CPU rows, no autograd; attention: one token of a
-"quantprep_cpu" model, no mask or sliding window; no hooks on fused members) and the replaced
+"quantprep_cpu" model; no hooks on fused members) and the replaced
 class's own forward everywhere else (torch.compile, export, other dtypes, prefill's attention, a
 Linear's several rows where torch has a bfloat16 GEMM kernel). Where a decode token's four
 projections run int4_a8, a decoder layer is one C call (decode_layer) that makes its modules' C
@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import inspect
+import sys
 import threading
 
 import torch
@@ -34,6 +35,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from quantprep.runtime import cpu_attention
+from quantprep.runtime.architectures import ARCHITECTURES, Architecture
 from quantprep.runtime.fused import FusedMember
 from quantprep.targets import native
 from quantprep.targets.common import SLOW_HALF_GEMM, PackedLinear
@@ -61,9 +63,13 @@ def runs_here(x: torch.Tensor, weight: torch.Tensor | None = None, weight_shape:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
         return False
-    return weight is None or (type(weight) in (torch.Tensor, nn.Parameter) and weight.dtype is torch.bfloat16 and
-                              weight.device.type == "cpu" and weight.is_contiguous() and
-                              weight.shape == (weight_shape or x.shape[-1:]))
+    return weight is None or weight_runs_here(weight, weight_shape or x.shape[-1:])
+
+
+def weight_runs_here(weight: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """Whether C may read a layer's weight of `shape`: a plain bfloat16 CPU tensor or parameter, contiguous, no autograd."""
+    return type(weight) in (torch.Tensor, nn.Parameter) and weight.dtype is torch.bfloat16 and weight.device.type == "cpu" and \
+        weight.is_contiguous() and weight.shape == shape and not (torch.is_grad_enabled() and weight.requires_grad)
 
 
 class Replacement(nn.Module):
@@ -130,19 +136,32 @@ class CpuGatedMLP(Replacement):
 
 
 class CpuDecodeAttention(Replacement):
-    """transformers' Llama/Qwen2 attention, whose q/k/v quantprep fused into qkv_proj, with one decode
-    token in fewer steps: the fused matmul, the rotary embedding in C in place on its output, the
-    cache's own update, the decode kernel (cpu_attention), o_proj. What is not one token of a
-    "quantprep_cpu" model without a mask or a sliding window takes the replaced class's forward."""
+    """transformers' attention of an architecture of runtime/architectures.py (Llama's, Qwen2's, Qwen3's,
+    Mistral's), whose q/k/v quantprep fused into qkv_proj, with one decode token in fewer steps: the
+    fused matmul, Qwen3's q/k norms and the rotary embedding in C in place on its output, the cache's
+    own update, the attention function (cpu_attention: its kernel, or SDPA where the mask hides keys),
+    o_proj. A sliding window is the mask's and the cache's, as in the replaced forward (the window it
+    passes, SDPA's and the kernel's do not read). What is not one token of a "quantprep_cpu" model
+    takes the replaced class's forward."""
+
+    def architecture(self) -> Architecture:
+        return attention_architecture(self.replaced)  # a replaced class is one is_fused_decode_attention took
+
+    def norms_as_built(self) -> bool:
+        """Qwen3's q_norm and k_norm as use() replaced them, weights of head_dim that C reads, no hooks or forward of their own."""
+        norms = [self._modules.get(n) for n in ("q_norm", "k_norm")]
+        return all(isinstance(m, Replacement) and type(m) is replacement_class(CpuRMSNorm, m.replaced) and "forward" not in vars(m)
+                   and not (m._forward_hooks or m._forward_pre_hooks) and (w := m._parameters.get("weight")) is not None
+                   and weight_runs_here(w, (self.head_dim,)) for m in norms)
 
     def decodes_as_built(self) -> bool:
         """This module's own conditions for the decode steps (its inputs': decodes_here): not training,
-        no sliding window, the "quantprep_cpu" attention, q/k/v fused as load built them."""
-        return not self.training and getattr(self, "sliding_window", None) is None and \
-            self.config._attn_implementation == cpu_attention.NAME and fused_as_built(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        the "quantprep_cpu" attention, q/k/v fused as load built them, Qwen3's norms as built."""
+        return not self.training and self.config._attn_implementation == cpu_attention.NAME and \
+            fused_as_built(self, "qkv_proj", ("q_proj", "k_proj", "v_proj")) and (not self.architecture().qk_norm or self.norms_as_built())
 
     def decodes_here(self, x: torch.Tensor, position_embeddings, attention_mask, cache, kwargs: dict) -> bool:
-        if attention_mask is not None or cache is None or position_embeddings is None or x.dim() != 3 or x.shape[1] != 1 or \
+        if cache is None or position_embeddings is None or x.dim() != 3 or x.shape[1] != 1 or \
                 kwargs.get("output_attentions") or not runs_here(x) or not self.decodes_as_built():
             return False
         cos, sin = position_embeddings
@@ -155,13 +174,17 @@ class CpuDecodeAttention(Replacement):
         B, D = hidden_states.shape[0], self.head_dim
         q_size, kv_size = self.qkv_proj.parts[0], self.qkv_proj.parts[1]
         qkv = self.qkv_proj(hidden_states).contiguous()  # [B, 1, q + 2 kv]
+        if self.architecture().qk_norm:  # as q_norm(q.view(..., D)), k_norm(k.view(..., D)): the same C, per head
+            qn, kn = self.q_norm, self.k_norm
+            lib.qk_norm(qkv.data_ptr(), qkv.shape[-1], B, q_size // D, kv_size // D, D, qn.weight.data_ptr(), kn.weight.data_ptr(),
+                        qn.variance_epsilon, kn.variance_epsilon)
         cos, sin = position_embeddings
         lib.rotary(qkv.data_ptr(), qkv.shape[-1], B, (q_size + kv_size) // D, D, cos.data_ptr(), sin.data_ptr())
         q = qkv[..., :q_size].view(B, 1, -1, D).transpose(1, 2)
         k = qkv[..., q_size:q_size + kv_size].view(B, 1, -1, D).transpose(1, 2)
         v = qkv[..., q_size + kv_size:].view(B, 1, -1, D).transpose(1, 2)
         k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
-        out, _ = cpu_attention.attention(self, q, k, v, None, scaling=self.scaling)
+        out, _ = cpu_attention.attention(self, q, k, v, attention_mask, scaling=self.scaling)
         return self.o_proj(out.reshape(B, 1, q_size)), None
 
 
@@ -180,10 +203,11 @@ def quant_linear_args(linear: nn.Module) -> QuantLinearArgs | None:
 
 
 ATTENTION_MEMBERS, MLP_MEMBERS = ("qkv_proj", "o_proj", "q_proj", "k_proj", "v_proj"), ("gate_up_proj", "down_proj", "gate_proj", "up_proj")
+QK_NORMS = ("q_norm", "k_norm")  # Qwen3's (Architecture.qk_norm)
 
 
 class CpuDecoderLayer(Replacement):
-    """transformers' Llama/Qwen2 decoder layer. At one decode token of a layer whose norms, attention and
+    """transformers' Llama-style decoder layer (is_decoder_layer). At one decode token of a layer whose norms, attention and
     MLP are this file's and whose four projections run int4_a8 at one row (a plan's choice, after
     `warm --int8-activations`), the whole layer is one C call (decode_layer): the calls those modules'
     forwards make, in their order, without Python between them. Everything else (prefill, batches,
@@ -265,8 +289,9 @@ class CpuDecoderLayer(Replacement):
         attn, mlp = mods.get("self_attn"), mods.get("mlp")
         norms = (mods.get("input_layernorm"), mods.get("post_attention_layernorm"))
         a, am, mm = vars(attn) if attn is not None else {}, getattr(attn, "_modules", {}), getattr(mlp, "_modules", {})
+        norms += tuple(map(am.get, QK_NORMS))
         members = (attn, mlp, *norms, *map(am.get, ATTENTION_MEMBERS), *map(mm.get, MLP_MEMBERS))
-        out = [*members, *map(type, members), *(a.get(k) for k in ("training", "sliding_window", "layer_idx", "scaling", "head_dim")),
+        out = [*members, *map(type, members), *(a.get(k) for k in ("training", "layer_idx", "scaling", "head_dim")),
                getattr(a.get("config"), "_attn_implementation", None)]
         for m in members:
             if m is not None:
@@ -293,12 +318,14 @@ class CpuDecoderLayer(Replacement):
         replaced = ((attn, CpuDecodeAttention), (mlp, CpuGatedMLP), (norm1, CpuRMSNorm), (norm2, CpuRMSNorm))
         if not all(isinstance(m, Replacement) and type(m) is replacement_class(base, m.replaced) for m, base in replaced):
             return None  # another class (a subclass, a parametrization's) may compute something else
-        members = [attn, mlp, norm1, norm2, *(attn._modules.get(m) for m in ATTENTION_MEMBERS), *(mlp._modules.get(m) for m in MLP_MEMBERS)]
-        weights = [norm._parameters.get("weight") for norm in (norm1, norm2)]  # read once: C and the state get the same tensors
+        qk = [attn._modules.get(m) for m in QK_NORMS] if attn.architecture().qk_norm else []
+        members = [attn, mlp, norm1, norm2, *qk, *(attn._modules.get(m) for m in ATTENTION_MEMBERS), *(mlp._modules.get(m) for m in MLP_MEMBERS)]
+        weights = [norm._parameters.get("weight") for norm in (norm1, norm2, *qk)]  # read once: C and the state get the same tensors
         projections = [attn._modules.get(m) for m in ("qkv_proj", "o_proj")] + [mlp._modules.get(m) for m in ("gate_up_proj", "down_proj")]
         if None in members or any("forward" in vars(m) or m._forward_hooks or m._forward_pre_hooks for m in members) or \
                 not attn.decodes_as_built() or not fused_as_built(mlp, "gate_up_proj", ("gate_proj", "up_proj")) or \
-                not all(w is not None and runs_here(x, w) for w in weights):
+                not all(w is not None and runs_here(x, w) for w in weights[:2]) or \
+                not all(w is not None and weight_runs_here(w, (attn.head_dim,)) for w in weights[2:]):
             return None
         buffers = [dict(m._buffers) for m in projections]
         tensors = [*weights, *(t for b in buffers for t in b.values() if t is not None)]
@@ -317,9 +344,15 @@ class CpuDecoderLayer(Replacement):
                 any(m._buffers.get(k) is not t for m, b in zip(projections, buffers, strict=True) for k, t in b.items()) or \
                 [t.data_ptr() for t in tensors] != addresses:
             return None  # sizes C's buffers are not made for, or tensors replaced or moved while this ran
-        args = DecodeLayerArgs(ctypes.cast(native_int4_a8(), ctypes.c_void_p).value, ctypes.cast(attention, ctypes.c_void_p).value,
-                               weights[0].data_ptr(), weights[1].data_ptr(), norm1.variance_epsilon, norm2.variance_epsilon,
-                               attn.scaling, hidden, q_size // D, kv_size // D, D, inter, *linears)
+        args = DecodeLayerArgs(int4_a8=ctypes.cast(native_int4_a8(), ctypes.c_void_p).value,
+                               attention=ctypes.cast(attention, ctypes.c_void_p).value, norm1=weights[0].data_ptr(),
+                               norm2=weights[1].data_ptr(), eps1=norm1.variance_epsilon, eps2=norm2.variance_epsilon, scaling=attn.scaling,
+                               hidden=hidden, heads=q_size // D, kv_heads=kv_size // D, head_dim=D, intermediate=inter,
+                               window=0,  # no mask (decode_args): every key the cache holds, as the attention then sees them
+                               qkv=linears[0], o=linears[1], gate_up=linears[2], down=linears[3])
+        if qk:  # else NULL: no norms
+            args.q_norm, args.k_norm, args.q_eps, args.k_eps = weights[2].data_ptr(), weights[3].data_ptr(), \
+                qk[0].variance_epsilon, qk[1].variance_epsilon
         return args, attn.layer_idx, kept
 
 
@@ -416,13 +449,29 @@ def is_fused_silu_mlp(module: nn.Module) -> bool:
         len(getattr(fused, "parts", ())) == 2 and fused.parts[0] == fused.parts[1]
 
 
-def is_fused_decode_attention(module: nn.Module) -> bool:
-    """Llama's or Qwen2's attention (forward and rotary embedding instruction for instruction) with
-    q/k/v fused into qkv_proj in that order and a head size the kernels take."""
-    from transformers.models.llama import modeling_llama
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+@functools.cache
+def attention_architecture(cls: type) -> Architecture | None:
+    """The architecture (runtime/architectures.py) whose transformers attention has cls's forward,
+    instruction for instruction, or None: the code decides what it computes, not the class's name."""
+    import transformers
 
-    if not any(same_forward(module, c) for c in (modeling_llama.LlamaAttention, Qwen2Attention)):
+    for arch in ARCHITECTURES.values():
+        modeling = sys.modules[getattr(transformers, arch.causal_lm).__module__]  # the model class's module, imported by the getattr
+        if same_code(cls.forward, getattr(modeling, arch.causal_lm.removesuffix("ForCausalLM") + "Attention").forward):
+            return arch
+    return None
+
+
+def is_fused_decode_attention(module: nn.Module) -> bool:
+    """The attention of an architecture of runtime/architectures.py (forward and rotary embedding
+    instruction for instruction) with q/k/v fused into qkv_proj in that order, a head size the kernels
+    take, and Qwen3's q_norm and k_norm RMSNorms."""
+    from transformers.models.llama import modeling_llama
+
+    if (arch := attention_architecture(type(module))) is None:
+        return False
+    norms = [module._modules.get(n) for n in ("q_norm", "k_norm")]
+    if arch.qk_norm and not all(isinstance(m, CpuRMSNorm) or (m is not None and is_rms_norm(m)) for m in norms):
         return False
     rotary = inspect.unwrap(type(module).forward).__globals__
     if not all(callable(rotary.get(f)) and same_code(rotary[f], getattr(modeling_llama, f)) for f in ("apply_rotary_pos_emb", "rotate_half")):
@@ -434,7 +483,7 @@ def is_fused_decode_attention(module: nn.Module) -> bool:
 
 
 def is_decoder_layer(module: nn.Module) -> bool:
-    """Llama's or Qwen2's decoder layer (forward instruction for instruction), with its four members."""
+    """Llama's decoder layer (forward instruction for instruction: Qwen2's, Qwen3's and Mistral's too), with its four members."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     return same_forward(module, LlamaDecoderLayer) and \
@@ -474,7 +523,7 @@ def replace(module: nn.Module) -> nn.Module | None:
 
 
 def use(model: nn.Module) -> int:
-    """Give the RMSNorm, fused SiLU MLP, fused Llama/Qwen2 attention, Llama/Qwen2 decoder layer and dense
+    """Give the RMSNorm, fused SiLU MLP, fused attention and decoder layer (runtime/architectures.py) and dense
     bfloat16 Linear modules of a bfloat16 CPU model their C forwards (replace); how many (0: another
     dtype or no C compiler)."""
     if model.dtype != torch.bfloat16 or library() is None:

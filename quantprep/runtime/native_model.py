@@ -1,4 +1,4 @@
-"""A cpu artifact's Llama or Qwen2 decoder run by quantprep's C kernels alone: no torch, no transformers.
+"""A cpu artifact's Llama, Qwen2, Qwen3 or Mistral decoder run by quantprep's C kernels alone: no torch, no transformers.
 
 From a fresh process most of the time to a first token is importing torch and transformers'
 modeling code, not the artifact's work (BENCHMARKS.md, "llama.cpp, the CPU anchor"). This runtime
@@ -10,10 +10,11 @@ compares it with quantprep.load's model). The lm_head runs on the last position 
 a bfloat16 head (or the tied embedding), int8_a8 for `--lm-head int8`, int4_a8 for `--lm-head int4`.
 
 It runs a cpu artifact packed for bfloat16 activations whose config.json transformers reads as a
-Llama or a Qwen2 (its model_type; SiLU MLP, default rotary embedding, no sliding window; every other
-key one it reads or one that changes nothing: Config), on a CPU whose int4_a8 reads the artifact's
-pack layout (AVX2 and FMA: 32 columns; AVX512-VNNI and VBMI: 64). Anything else is refused with
-ArtifactMismatch saying why; quantprep.load runs it.
+Llama, Qwen2, Qwen3 or Mistral (its model_type: runtime/architectures.py; SiLU MLP, default rotary
+embedding, full or sliding-window attention; every other key one it reads or one that changes
+nothing: Config), on a CPU whose int4_a8 reads the artifact's pack layout (AVX2 and FMA: 32 columns;
+AVX512-VNNI and VBMI: 64). Anything else is refused with ArtifactMismatch saying why; quantprep.load
+runs it, and without torch the openvino target (docs/openvino.md) where it builds the model.
 
     model = native_model.load("artifacts/qwen2.5-coder-1.5b/cpu")
     tokens = model.generate([9707, 11, 1879], max_new_tokens=16)  # greedy
@@ -32,6 +33,7 @@ from quantprep._io.jsonfile import read_json_object
 from quantprep.distribution.signing import configured_key
 from quantprep.errors import ArtifactError, ArtifactMismatch
 from quantprep.format import safetensors_numpy
+from quantprep.runtime.architectures import ANY, ARCHITECTURES, Architecture
 from quantprep.runtime.checked import checked_manifest
 from quantprep.targets import cpu_c, native
 
@@ -82,15 +84,14 @@ def refuse_config(path: Path, key: str, value, why: str) -> ArtifactMismatch:
     def bounded(text: str, limit: int) -> str:
         return text if len(text) <= limit else text[:limit] + "..."
     key, shown = bounded(key if key.isprintable() else repr(key), 100), bounded(repr(value), 200)
-    return ArtifactMismatch(f"{path / 'config.json'}: {key}={shown}: {why}; `quantprep generate --native` implements Llama and Qwen2 "
-                            "decoders only (SiLU, the default rotary embedding, full attention): run this model with `quantprep generate` "
-                            "without --native (quantprep.load, transformers' model)")
+    return ArtifactMismatch(f"{path / 'config.json'}: {key}={shown}: {why}; `quantprep generate --native` implements Llama, Qwen2, "
+                            "Qwen3 and Mistral decoders only (SiLU, the default rotary embedding, full or sliding-window attention): "
+                            "run this model with `quantprep generate` without --native (quantprep.load, transformers' model), or "
+                            "without torch as an openvino artifact (`--target openvino`; docs/openvino.md says which models it builds)")
 
 
 # transformers builds the model a config.json's model_type names (AutoConfig's class, then
-# AutoModelForCausalLM's), whatever its `architectures` say. The two this runtime implements:
-CAUSAL_LM = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # as transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-ANY = object()  # a neutral key's value when none changes the logits quantprep.load's model computes
+# AutoModelForCausalLM's), whatever its `architectures` say: this runtime implements ARCHITECTURES'.
 # Every config.json key accepted but not read, with the values that change nothing this runtime
 # computes (ANY: whatever). Any other key is refused: transformers' shared code reads keys that no
 # config class declares (is_causal, attention_chunk_size, per_layer_config, attn_implementation, ...).
@@ -105,23 +106,13 @@ NEUTRAL_KEYS = {
     "id2label": ANY, "label2id": ANY, "num_labels": ANY, "problem_type": ANY,  # classification heads, not a causal LM's
     "output_attentions": (False,), "output_hidden_states": (False,), "return_dict": (True,),  # what forward returns
     "chunk_size_feed_forward": (0,), "is_encoder_decoder": (False,),
-    "use_sliding_window": (False,),  # Qwen2's switch for its sliding layers
+    "use_sliding_window": (False,),  # Qwen2's and Qwen3's switch for their sliding layers (read there)
     "is_llama_config": ANY, "rope_interleaved": (False,), "transformers.js_config": ANY,  # nanotron's exports (SmolLM2's Hub config): unread
 }
-MODEL_NEUTRAL_KEYS = {
-    "llama": {"pretraining_tp": ANY,  # transformers 5's Llama does not read it
-              "sliding_window": (None,)},  # transformers' cache would keep only that many tokens
-    "qwen2": {"sliding_window": ANY, "max_window_layers": ANY},  # they make sliding layers only with use_sliding_window
-}
-# The keys Config reads, each checked below.
+# The keys Config reads for every model_type, each checked below (Architecture.read: a model_type's own).
 READ_KEYS = {"model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps", "hidden_act",
-             "tie_word_embeddings", "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "layer_types"}
-MODEL_READ_KEYS = {"llama": {"attention_bias", "mlp_bias"}, "qwen2": set()}  # Qwen2's q/k/v always have a bias, o_proj none
-DEFAULTS = {  # LlamaConfig's and Qwen2Config's, for keys a config.json may leave out
-    "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None},  # None: num_attention_heads
-    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
-}
+             "tie_word_embeddings", "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor"}
 FULL_ATTENTION = ("full_attention", "attention")  # the second: a legacy name transformers reads as the first
 ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}  # what the default rotary embedding's dict holds
 
@@ -151,21 +142,24 @@ def rotary(c: dict, where: Path, fix: str) -> tuple[str, dict]:
 class Config:
     """The model config.json describes, read as transformers reads it and refused (ArtifactMismatch,
     one line naming the key) where it is not exactly a model this runtime computes: transformers
-    builds the class its model_type names, Llama or Qwen2 here, and every key must be one this
+    builds the class its model_type names, one of ARCHITECTURES here, and every key must be one this
     runtime reads or one that changes nothing it computes (NEUTRAL_KEYS, at its neutral values).
-    Malformed values are ArtifactError. `bias`: which projections have one (Qwen2: q/k/v; Llama:
-    attention_bias, mlp_bias), as transformers builds them."""
+    Malformed values are ArtifactError. `bias`: which projections have one, `qk_norm`: whether the
+    attention has q_norm and k_norm, `windows`: each layer's sliding window or None, as transformers
+    builds them (Architecture)."""
 
     def __init__(self, path: Path):
         where, fix = path / "config.json", "the artifact is corrupt: rebuild it"
         c = read_json_object(where, ArtifactError, fix)
         model_type = c.get("model_type")
-        if not isinstance(model_type, str) or model_type not in CAUSAL_LM:
-            raise refuse_config(path, "model_type", model_type, "transformers builds this model's class from it, not Llama's or Qwen2's")
-        if c.get("architectures") not in (None, [CAUSAL_LM[model_type]]):
+        if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
+            raise refuse_config(path, "model_type", model_type, "transformers builds this model's class from it, not one of "
+                                                                "Llama's, Qwen2's, Qwen3's or Mistral's")
+        arch = ARCHITECTURES[model_type]
+        if c.get("architectures") not in (None, [arch.causal_lm]):
             raise refuse_config(path, "architectures", c.get("architectures"),
-                                f"not {[CAUSAL_LM[model_type]]!r}, the class transformers builds for model_type {model_type!r}")
-        read, neutral_keys = READ_KEYS | MODEL_READ_KEYS[model_type], NEUTRAL_KEYS | MODEL_NEUTRAL_KEYS[model_type]
+                                f"not {[arch.causal_lm]!r}, the class transformers builds for model_type {model_type!r}")
+        read, neutral_keys = READ_KEYS | arch.read, NEUTRAL_KEYS | arch.neutral
         for key, value in c.items():
             if key in read:
                 continue
@@ -190,22 +184,18 @@ class Config:
                 raise ArtifactError(f"{where}: {key} is {v!r}, not a positive number; {fix}")
             return x
 
-        defaults = DEFAULTS[model_type]
+        defaults = arch.defaults
         self.hidden, self.layers, self.heads = size("hidden_size"), size("num_hidden_layers"), size("num_attention_heads")
         kv_heads = c.get("num_key_value_heads", defaults["num_key_value_heads"])  # an explicit null: num_attention_heads
         self.kv_heads, self.intermediate, self.vocab = size("num_key_value_heads", kv_heads or self.heads), size("intermediate_size"), size("vocab_size")
-        self.head_dim = size("head_dim", self.hidden // self.heads)
+        self.head_dim = size("head_dim", c.get("head_dim", defaults["head_dim"]) or self.hidden // self.heads)
         context = c.get("max_position_embeddings", defaults["max_position_embeddings"])
         if type(context) is not int or context <= 0:
             raise ArtifactError(f"{where}: max_position_embeddings is {context!r}, not a size; {fix}")
         self.context = min(context, MAX_SIZE)  # the positions it was trained for
         if self.heads % self.kv_heads or self.head_dim % 16 or self.head_dim > cpu_c.MAX_HEAD_DIM or self.hidden % 32:
             raise refuse(path, f"{self.heads} heads of {self.head_dim} over {self.kv_heads} key/value heads, hidden size {self.hidden}")
-        layer_types = c.get("layer_types")
-        if not isinstance(layer_types, list | None):
-            raise ArtifactError(f"{where}: layer_types {layer_types!r} is not a list as transformers reads it; {fix}")
-        if any(kind not in FULL_ATTENTION for kind in layer_types or []):  # (transformers refuses a list of another length)
-            raise refuse_config(path, "layer_types", layer_types, "it runs full-attention layers only")
+        self.windows = layer_windows(c, arch, self.layers, path)
         key, rope = rotary(c, where, fix)
         if any(isinstance(v, dict) for v in rope.values()):
             raise refuse_config(path, key, c.get(key), "it runs one rotary embedding for every layer, not one per layer type")
@@ -217,13 +207,38 @@ class Config:
         if rope.get("partial_rotary_factor", 1.0) != 1.0:  # transformers 5's default one ignores it; another version may not
             raise refuse_config(path, "partial_rotary_factor", rope["partial_rotary_factor"], "it rotates whole heads")
         self.rope_theta, self.eps = number("rope_theta", rope["rope_theta"]), number("rms_norm_eps", c.get("rms_norm_eps", 1e-6))
-        self.tied = c.get("tie_word_embeddings", False)
-        qwen2 = model_type == "qwen2"
-        attention_bias, mlp_bias = (True, False) if qwen2 else (c.get("attention_bias", False), c.get("mlp_bias", False))
-        if type(attention_bias) is not bool or type(mlp_bias) is not bool:
-            raise ArtifactError(f"{where}: attention_bias {attention_bias!r} or mlp_bias {mlp_bias!r} is not true or false; {fix}")
-        self.bias = {"self_attn.qkv_proj": attention_bias, "self_attn.o_proj": attention_bias and not qwen2,
-                     "mlp.gate_up_proj": mlp_bias, "mlp.down_proj": mlp_bias}
+        self.tied, self.qk_norm, self.bias = c.get("tie_word_embeddings", False), arch.qk_norm, {}
+        for module, rule in (("self_attn.qkv_proj", arch.qkv_bias), ("self_attn.o_proj", arch.o_bias),
+                             ("mlp.gate_up_proj", arch.mlp_bias), ("mlp.down_proj", arch.mlp_bias)):
+            self.bias[module] = c.get(rule, False) if isinstance(rule, str) else rule  # a key's value, or the class's constant
+            if type(self.bias[module]) is not bool:
+                raise ArtifactError(f"{where}: {rule} {self.bias[module]!r} is not true or false; {fix}")
+
+
+def layer_windows(c: dict, arch: Architecture, layers: int, path: Path) -> list[int | None]:
+    """Each layer's sliding window (None: it attends to every earlier token), as transformers builds them
+    (Architecture.window: the config class's __post_init__ and the attention's sliding_window)."""
+    where, fix = path / "config.json", "the artifact is corrupt: rebuild it"
+    layer_types, window = c.get("layer_types"), c.get("sliding_window", arch.defaults.get("sliding_window"))
+    if not isinstance(layer_types, list | None) or len(layer_types or [None] * layers) != layers:  # transformers refuses it
+        raise ArtifactError(f"{where}: layer_types {layer_types!r} is not a list of {layers} as transformers reads it; {fix}")
+    if window is not None and (type(window) is not int or window <= 0):
+        raise ArtifactError(f"{where}: sliding_window is {window!r}, not a size or null; {fix}")
+    if arch.window == "every":
+        return [window] * layers
+    if arch.window == "layer_types":
+        use, first = c.get("use_sliding_window", False), c.get("max_window_layers", 28)
+        if type(use) is not bool or type(first) is not int:
+            raise ArtifactError(f"{where}: use_sliding_window {use!r} or max_window_layers {first!r} is not a bool or an integer; {fix}")
+        window = window if use else None
+        if layer_types is None:
+            layer_types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)]
+        if window is None and "sliding_attention" in layer_types:  # transformers' cache then fails
+            raise refuse_config(path, "layer_types", c.get("layer_types"), "a sliding layer without use_sliding_window has no window")
+    sliding = ("sliding_attention",) if arch.window == "layer_types" else ()  # with FULL_ATTENTION, the layers transformers builds here
+    if any(kind not in FULL_ATTENTION + sliding for kind in layer_types or []):
+        raise refuse_config(path, "layer_types", c.get("layer_types"), f"it runs {' and '.join(('full_attention', *sliding))} layers only")
+    return [window if kind == "sliding_attention" else None for kind in layer_types or [None] * layers]
 
 
 class Weights:
@@ -280,15 +295,21 @@ class NativeModel:
         for i in range(c.layers):
             p = f"model.layers.{i}."
             norms = [self.weights.take(f"{p}{n}.weight", "BF16", (c.hidden,)) for n in ("input_layernorm", "post_attention_layernorm")]
+            qk = [self.weights.take(f"{p}self_attn.{n}.weight", "BF16", (c.head_dim,)).ctypes.data if c.qk_norm else None
+                  for n in ("q_norm", "k_norm")]
             linears = [self.quant_linear(modules, f"{p}{name}", k, n, parts)
                        for name, k, n, parts in (("self_attn.qkv_proj", c.hidden, q + 2 * kv, [q, kv, kv]),
                                                  ("self_attn.o_proj", q, c.hidden, None),
                                                  ("mlp.gate_up_proj", c.hidden, 2 * c.intermediate, [c.intermediate] * 2),
                                                  ("mlp.down_proj", c.intermediate, c.hidden, None))]
             self.layers.append(cpu_c.DecodeLayerArgs(
-                ctypes.cast(self.int4_a8, ctypes.c_void_p).value, ctypes.cast(cpu_c.attention_function(attention), ctypes.c_void_p).value,
-                norms[0].ctypes.data, norms[1].ctypes.data, c.eps, c.eps, c.head_dim ** -0.5,
-                c.hidden, c.heads, c.kv_heads, c.head_dim, c.intermediate, *linears))
+                int4_a8=ctypes.cast(self.int4_a8, ctypes.c_void_p).value,
+                attention=ctypes.cast(cpu_c.attention_function(attention), ctypes.c_void_p).value,
+                norm1=norms[0].ctypes.data, norm2=norms[1].ctypes.data, q_norm=qk[0], k_norm=qk[1],
+                eps1=c.eps, eps2=c.eps, q_eps=c.eps, k_eps=c.eps, scaling=c.head_dim ** -0.5, hidden=c.hidden, heads=c.heads,
+                kv_heads=c.kv_heads, head_dim=c.head_dim, intermediate=c.intermediate,
+                window=min(c.windows[i] or 0, 1 << 62),  # 0: none; past any position this process reaches, the same
+                qkv=linears[0], o=linears[1], gate_up=linears[2], down=linears[3]))
         self.head = self.lm_head(modules)
         self.weights.check_all_taken()
         half = np.arange(0, c.head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(c.head_dim)

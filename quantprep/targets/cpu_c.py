@@ -503,22 +503,33 @@ int gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t N, int6
     return -2;
 #endif
 }
-/* y[r] = bf16(w * bf16(x[r] / sqrt(mean(x[r]^2) + eps))) for rows of n bfloat16 values; row strides in elements. */
+/* yr = bf16(w * bf16(xr / sqrt(mean(xr^2) + eps))) for one row of n bfloat16 values (yr may be xr). */
+static inline void rms_norm_row(const uint16_t *xr, const uint16_t *w, uint16_t *yr, int64_t n, float eps) {
+    float part[16] = {0};  /* 16 partial sums: the compiler vectorizes them */
+    int64_t d = 0;
+    for (; d + 16 <= n; d += 16)
+        for (int j = 0; j < 16; j++) { float v = from_bf16(xr[d + j]); part[j] += v * v; }
+    for (; d < n; d++) { float v = from_bf16(xr[d]); part[0] += v * v; }
+    float sum = 0.0f;
+    for (int j = 0; j < 16; j++) sum += part[j];
+    float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    for (d = 0; d < n; d++) yr[d] = to_bf16(from_bf16(w[d]) * from_bf16(to_bf16(from_bf16(xr[d]) * inv)));
+}
+/* rms_norm_row over rows of n values; row strides in elements. */
 void rms_norm(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t ldy, int64_t rows, int64_t n, float eps) {
     #pragma omp parallel for schedule(static) if (rows > 1)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *xr = x + r * ldx;
-        float part[16] = {0};  /* 16 partial sums: the compiler vectorizes them */
-        int64_t d = 0;
-        for (; d + 16 <= n; d += 16)
-            for (int j = 0; j < 16; j++) { float v = from_bf16(xr[d + j]); part[j] += v * v; }
-        for (; d < n; d++) { float v = from_bf16(xr[d]); part[0] += v * v; }
-        float sum = 0.0f;
-        for (int j = 0; j < 16; j++) sum += part[j];
-        float inv = 1.0f / sqrtf(sum / (float)n + eps);
-        uint16_t *yr = y + r * ldy;
-        for (d = 0; d < n; d++) yr[d] = to_bf16(from_bf16(w[d]) * from_bf16(to_bf16(from_bf16(xr[d]) * inv)));
-    }
+    for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * ldx, w, y + r * ldy, n, eps);
+}
+/* Qwen3's q_norm and k_norm: rms_norm_row in place on each query head (weight q_w) and key head (k_w)
+   at the start of each fused q/k/v row, as the modules' norms of the heads' view, before the rotary embedding. */
+void qk_norm(uint16_t *qkv, int64_t ld, int64_t rows, int64_t heads, int64_t kv_heads, int64_t D, const uint16_t *q_w,
+             const uint16_t *k_w, float q_eps, float k_eps) {
+    #pragma omp parallel for schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            uint16_t *x = qkv + r * ld + h * D;
+            rms_norm_row(x, h < heads ? q_w : k_w, x, D, h < heads ? q_eps : k_eps);
+        }
 }
 /* The query and key heads at the start of each fused q/k/v row, rotated in place as transformers'
    apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, each product and the sum rounded to bfloat16. */
@@ -566,14 +577,15 @@ void silu_mul(const uint16_t *gu, int64_t ldg, uint16_t *y, int64_t ldy, int64_t
         }
     }
 }
-/* `rows` consecutive tokens through a Llama/Qwen2 decoder layer whose four projections run int4_a8
-   (targets/cpu.py) and whose attention runs decode_attention, both called through the pointers in L: at
-   one row (decode_layer) the same calls, in the same order and with the same roundings, as the modules'
-   own C forwards, with no Python between them (BENCHMARKS.md, "CPU decode layers"). x and out: `rows`
-   rows of `hidden`; cos, sin: each row's rotary embedding; the new keys and values go into rows
-   filled..filled+rows-1 of each head of k_cache, v_cache ([kv_heads, capacity, D]), and row r attends to
-   rows 0..filled+r (causal: a prompt's tokens as one call, runtime/native_model.py). 0, -1 (no memory)
-   or a kernel's error. */
+/* `rows` consecutive tokens through a decoder layer (runtime/architectures.py: Llama's, Qwen2's, Qwen3's,
+   Mistral's) whose four projections run int4_a8 (targets/cpu.py) and whose attention runs decode_attention,
+   both called through the pointers in L: at one row (decode_layer) the same calls, in the same order and
+   with the same roundings, as the modules' own C forwards, with no Python between them (BENCHMARKS.md,
+   "CPU decode layers"). x and out: `rows` rows of `hidden`; cos, sin: each row's rotary embedding; the new
+   keys and values go into rows filled..filled+rows-1 of each head of k_cache, v_cache ([kv_heads,
+   capacity, D]), and row r attends to rows 0..filled+r (causal: a prompt's tokens as one call,
+   runtime/native_model.py), the last L->window of them where that is not 0 (a sliding window). 0, -1 (no
+   memory) or a kernel's error. */
 typedef int (*int4_a8_fn)(const uint16_t *, int64_t, int64_t, const int32_t *, int64_t, const uint8_t *, const uint32_t *,
                           int64_t, int64_t, int64_t, int64_t, uint16_t *, int64_t, int);
 typedef int (*attention_fn)(const uint16_t *, int64_t, int64_t, const uint16_t *, int64_t, int64_t, int64_t,
@@ -586,8 +598,10 @@ typedef struct {
 typedef struct {
     int4_a8_fn int4_a8; attention_fn attention;
     const uint16_t *norm1, *norm2;
-    float eps1, eps2, scaling;
+    const uint16_t *q_norm, *k_norm;  /* Qwen3's per-head norms of q and k (qk_norm), or NULL: none */
+    float eps1, eps2, q_eps, k_eps, scaling;
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    int64_t window;  /* a sliding window: row p attends to rows p - window + 1..p; 0: to every row before it */
     QuantLinear qkv, o, gate_up, down;
 } DecodeLayer;
 
@@ -616,16 +630,19 @@ int layer_rows(const DecodeLayer *L, const uint16_t *x, int64_t rows, uint16_t *
     int status;
     rms_norm(x, n, L->norm1, xn, n, rows, n, L->eps1);
     if ((status = quant_linear(L, &L->qkv, xn, rows, qkv, threads))) goto done;
+    if (L->q_norm) qk_norm(qkv, qkv_size, rows, L->heads, L->kv_heads, D, L->q_norm, L->k_norm, L->q_eps, L->k_eps);
     rotary(qkv, qkv_size, rows, (q_size + kv_size) / D, D, cos, sin);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t g = 0; g < L->kv_heads; g++) {
             memcpy(k_cache + (g * capacity + filled + r) * D, qkv + r * qkv_size + q_size + g * D, D * sizeof(uint16_t));
             memcpy(v_cache + (g * capacity + filled + r) * D, qkv + r * qkv_size + q_size + kv_size + g * D, D * sizeof(uint16_t));
         }
-    for (int64_t r = 0; r < rows; r++)
-        if ((status = L->attention(qkv + r * qkv_size, qkv_size, D, k_cache, kv_size * capacity, capacity * D, D, v_cache,
-                                   kv_size * capacity, capacity * D, D, attn + r * q_size, 1, L->heads, L->kv_heads,
-                                   filled + r + 1, D, L->scaling))) goto done;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t end = filled + r + 1, start = L->window > 0 && end > L->window ? end - L->window : 0;
+        if ((status = L->attention(qkv + r * qkv_size, qkv_size, D, k_cache + start * D, kv_size * capacity, capacity * D, D,
+                                   v_cache + start * D, kv_size * capacity, capacity * D, D, attn + r * q_size, 1, L->heads,
+                                   L->kv_heads, end - start, D, L->scaling))) goto done;
+    }
     if ((status = quant_linear(L, &L->o, attn, rows, h, threads))) goto done;
     add_to(x, h, rows * n);
     rms_norm(h, n, L->norm2, hn, n, rows, n, L->eps2);
@@ -653,9 +670,9 @@ class QuantLinearArgs(ctypes.Structure):
 
 class DecodeLayerArgs(ctypes.Structure):
     """LAYERS_SOURCE's DecodeLayer."""
-    _fields_ = [("int4_a8", ctypes.c_void_p), ("attention", ctypes.c_void_p), ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p),
-                ("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("scaling", ctypes.c_float)] + \
-        [(f, ctypes.c_int64) for f in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")] + \
+    _fields_ = [(f, ctypes.c_void_p) for f in ("int4_a8", "attention", "norm1", "norm2", "q_norm", "k_norm")] + \
+        [(f, ctypes.c_float) for f in ("eps1", "eps2", "q_eps", "k_eps", "scaling")] + \
+        [(f, ctypes.c_int64) for f in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "window")] + \
         [(f, QuantLinearArgs) for f in ("qkv", "o", "gate_up", "down")]
 
 
@@ -667,6 +684,8 @@ def layers_functions(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.silu_mul.restype = None
     lib.rotary.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2
     lib.rotary.restype = None
+    lib.qk_norm.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 2 + [ctypes.c_float] * 2
+    lib.qk_norm.restype = None
     lib.gemv_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
     lib.gemv_bf16.restype = ctypes.c_int
     lib.decode_layer.argtypes = [ctypes.POINTER(DecodeLayerArgs)] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2 + [ctypes.c_int]
