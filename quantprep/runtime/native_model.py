@@ -33,12 +33,12 @@ from quantprep._io.jsonfile import read_json_object
 from quantprep.distribution.signing import configured_key
 from quantprep.errors import ArtifactError, ArtifactMismatch
 from quantprep.format import safetensors_numpy
+from quantprep.format.model_config import MAX_SIZE
 from quantprep.runtime.architectures import ANY, ARCHITECTURES, Architecture
 from quantprep.runtime.checked import checked_manifest
 from quantprep.targets import cpu_c, native
 
 FUSED_MEMBERS = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}  # in the order C reads them
-MAX_SIZE = 1 << 20  # any one dimension of a config: far above real models, small enough for int64 sums
 
 
 @functools.cache

@@ -106,62 +106,68 @@ def skeleton(config: dict, modules: dict[str, dict]) -> tuple[nn.Module, list[st
     return model.eval(), names
 
 
-def load_floats(model: nn.Module, weights) -> None:
+def load_floats(model: nn.Module, weights) -> set[str]:
     """The model's tensors that `weights` holds (its parameters, and buffers it stores such as
-    DeepSeek's e_score_correction_bias), as float32: the graph computes in f32."""
+    DeepSeek's e_score_correction_bias), as float32: the graph computes in f32. Their names."""
     wanted = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items() if weights.has_float(name)}
     model.load_state_dict({name: weights.tensor(name, shape).float() for name, shape in wanted.items()}, strict=False, assign=True)
     model.tie_weights()
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.device.type == "meta":  # not stored: OpenVINO's conversion drops a norm of ones, a bias of zeros
-            initialized(model, name)
-            model.tie_weights()
-
-
-def initialized(model: nn.Module, name: str) -> None:
-    """Tensor `name` as transformers initializes it, where that is not random (a norm's ones, a
-    bias's zeros): the value whose multiply or add the conversion removed, so the graph made again
-    from an IR without it is the same. Anything else raises ValueError."""
-    import copy
-
-    owner_name, _, leaf = name.rpartition(".")
-    owner = copy.deepcopy(model.get_submodule(owner_name)).to_empty(device="cpu")
-    values = []
-    for seed in (0, 1):  # a random initialization differs between seeds
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            model._init_weights(owner)
-        values.append(getattr(owner, leaf).detach().clone())
-    if not torch.equal(*values):
-        raise ValueError(f"no tensor {name!r}, which the {model.config.model_type} model needs")
-    owner_module = model.get_submodule(owner_name)
-    if isinstance(getattr(owner_module, leaf), nn.Parameter):
-        setattr(owner_module, leaf, nn.Parameter(values[0], requires_grad=False))
-    else:
-        owner_module.register_buffer(leaf, values[0])
+        if t.device.type == "meta":
+            raise ValueError(f"no tensor {name!r}, which the {model.config.model_type} model needs")
+    return set(wanted)
 
 
 class WithCache(nn.Module):
     """The model as a function of tensors: (input_ids, attention_mask, position_ids, past keys and
-    values per layer) -> (logits, present keys and values per layer)."""
+    values per layer, then the float tensors named `floats`) -> (logits, present keys and values per
+    layer). The float tensors are inputs of the trace, not constants of it, so that OpenVINO's
+    conversion folds nothing into them (Gemma's 1 + weight, a multiply by a norm of ones): `export`
+    puts each one back as a constant under its own name, which the check at load finds."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, caches: int, floats: list[str]):
         super().__init__()
-        self.model = model
+        self.model, self.caches, self.floats = model, caches, floats
 
-    def forward(self, input_ids, attention_mask, position_ids, *past):
+    def forward(self, input_ids, attention_mask, position_ids, *rest):
         from transformers.cache_utils import DynamicCache, DynamicLayer
 
+        past, floats = rest[:self.caches], dict(zip(self.floats, rest[self.caches:], strict=True))
         cache = DynamicCache()  # every layer whole, sliding-window ones too: the mask applies the window
         for i in range(len(past) // 2):
             layer = DynamicLayer()  # filled as its lazy_initialization + update would, without concatenating an empty tensor
             layer.keys, layer.values, layer.device, layer.is_initialized = past[2 * i], past[2 * i + 1], past[2 * i].device, True
             cache.layers.append(layer)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=True)
+        with swapped(self.model, floats):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=True)
         present = []
         for layer in out.cache.layers:
             present += [layer.keys, layer.values]
         return (out.logits, *present)
+
+
+@contextlib.contextmanager
+def swapped(model: nn.Module, tensors: dict[str, torch.Tensor]):
+    """Inside the block, each of the model's tensors named in `tensors` (and every name tied to it) is
+    the tensor given: torch.func.functional_call, which the tracer refuses."""
+    if not tensors:
+        yield
+        return
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    by_object = {id(t): tensors[name] for name, t in named if name in tensors}
+    saved = []
+    for name, t in named:
+        if id(t) in by_object:
+            owner_name, _, leaf = name.rpartition(".")
+            owner = model.get_submodule(owner_name) if owner_name else model
+            slots = owner._parameters if leaf in owner._parameters else owner._buffers
+            saved.append((slots, leaf, slots[leaf]))
+            slots[leaf] = by_object[id(t)]
+    try:
+        yield
+    finally:
+        for slots, leaf, original in reversed(saved):
+            slots[leaf] = original
 
 
 def _i64(values):
@@ -275,11 +281,12 @@ def export(config: dict, modules: dict[str, dict], weights) -> object:
     import openvino.opset13 as ops
     import openvino.opset15 as opset15
     from openvino.frontend.pytorch import ConversionExtension, ModuleExtension
+    from openvino.frontend.pytorch.ts_decoder import TorchScriptPythonDecoder
 
     from quantprep.targets.openvino import linear
 
     model, names = skeleton(config, modules)
-    load_floats(model, weights)
+    loaded = load_floats(model, weights)
     experts = [m for m in model.modules() if isinstance(m, QuantizedExperts)]
     for i, m in enumerate(experts):
         m.graph_index = i
@@ -312,35 +319,38 @@ def export(config: dict, modules: dict[str, dict], weights) -> object:
                         convert=lambda m, op, h, i, w: op(h, i, w, torch.tensor(m.graph_index))),
         ConversionExtension(LINEAR_OP, convert_linear), ConversionExtension(EXPERTS_OP, convert_experts),
     ]
-    wrapped = WithCache(model)
+    floats = {name: t for name, t in list(model.named_parameters()) + list(model.named_buffers()) if name in loaded}
     with torch.no_grad(), quiet():
         example = example_inputs(model)
-        converted = ov.convert_model(wrapped, example_input=example, extension=extensions)
+        wrapped = WithCache(model, len(example) - 3, list(floats))
+        # the tracer's own check re-runs the trace with the float tensors swapped back: it cannot compare
+        traced = TorchScriptPythonDecoder(wrapped, example_input=(*example, *floats.values()), trace_kwargs={"check_trace": False},
+                                          module_extensions={e.module: e for e in extensions if isinstance(e, ModuleExtension)})
+        converted = ov.convert_model(traced, extension=[e for e in extensions if isinstance(e, ConversionExtension)])
     del wrapped, model
-    return stateful(narrow_floats(converted), [tuple(t.shape) for t in example[3:]])
+    constants_for(converted, floats)
+    return stateful(additive_masks(converted), [tuple(t.shape) for t in example[3:]])
 
 
-TRACED_PREFIX = "self.model."  # the frontend names a constant from a module tensor by its path from WithCache
-
-
-def narrow_floats(model):
-    """Each float32 constant the frontend made from one of the model's tensors, named as that tensor
-    and stored in the narrowest float type that holds it exactly (targets/openvino.float_constant):
-    checkpoints keep their floats in f16 or bf16, and the IR need not hold them twice as large."""
+def constants_for(model, floats: dict[str, torch.Tensor]) -> None:
+    """The trace's last inputs, one per float tensor, made constants again: each named as its tensor
+    and stored in the narrowest float type that holds it exactly (targets/openvino.float_constant:
+    checkpoints keep their floats in f16 or bf16; the IR need not hold them twice as large)."""
     import openvino as ov
     import openvino.opset13 as ops
 
     from quantprep.targets.openvino import float_constant
 
-    for op in model.get_ordered_ops():
-        name = op.get_friendly_name()
-        if op.get_type_name() != "Constant" or op.get_element_type() != ov.Type.f32 or not name.startswith(TRACED_PREFIX):
-            continue
-        c = float_constant(torch.from_numpy(op.get_data().copy()), name[len(TRACED_PREFIX):])
-        narrow = c if c.get_element_type() == ov.Type.f32 else ops.convert(c, ov.Type.f32)
-        for consumer in op.output(0).get_target_inputs():
-            consumer.replace_source_output(narrow.output(0))
-    return model
+    inputs = model.get_parameters()
+    if len(inputs) < len(floats):
+        raise ValueError(f"the converted graph has {len(inputs)} inputs, fewer than its {len(floats)} float tensors")
+    for parameter, (name, t) in zip(inputs[len(inputs) - len(floats):], floats.items(), strict=True):
+        c = float_constant(t, name)
+        value = c if c.get_element_type() == ov.Type.f32 else ops.convert(c, ov.Type.f32)
+        for consumer in parameter.output(0).get_target_inputs():
+            consumer.replace_source_output(value.output(0))
+        model.remove_parameter(parameter)
+    model.validate_nodes_and_infer_types()
 
 
 @contextlib.contextmanager
@@ -366,10 +376,29 @@ def example_inputs(model: nn.Module) -> tuple[torch.Tensor, ...]:
     batch, new, cached = 2, 3, 2
     ids = torch.ones(batch, cached, dtype=torch.int64)
     with torch.no_grad():
-        present = WithCache(model)(ids, torch.ones(batch, cached, dtype=torch.int64), torch.arange(cached).expand(batch, -1))[1:]
+        present = WithCache(model, 0, [])(ids, torch.ones(batch, cached, dtype=torch.int64), torch.arange(cached).expand(batch, -1))[1:]
     past = tuple(torch.zeros(t.shape) for t in present)
     positions = torch.arange(cached, cached + new).expand(batch, -1)
     return (torch.ones(batch, new, dtype=torch.int64), torch.ones(batch, cached + new, dtype=torch.int64), positions, *past)
+
+
+def additive_masks(model):
+    """Each attention's boolean mask (transformers' SDPA mask) as the additive f32 mask it means: the
+    CPU plugin's attention took 6x as long with the boolean one (Qwen2.5-1.5B's shapes, a prefill of
+    512 tokens: BENCHMARKS.md, "OpenVINO target")."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    made = {}
+    for op in model.get_ordered_ops():
+        if op.get_type_name() == "ScaledDotProductAttention" and op.get_input_size() > 3 and op.input(3).get_element_type() == ov.Type.boolean:
+            source = op.input(3).get_source_output()
+            key = (source.get_node().get_friendly_name(), source.get_index())
+            if key not in made:
+                made[key] = ops.select(source, ops.constant(np.float32(0)), ops.constant(np.float32(np.finfo(np.float32).min))).output(0)
+            op.input(3).replace_source_output(made[key])
+    model.validate_nodes_and_infer_types()
+    return model
 
 
 def stateful(model, cache_shapes: list[tuple[int, ...]]):
@@ -417,7 +446,7 @@ def size_problem(config: dict) -> str | None:
 
     for key, value in config.items():
         sized = key.endswith(("_size", "_dim", "_rank", "_heads", "_layers", "_experts")) or key.startswith(("num_", "n_"))
-        if sized and value is not None and (type(value) is not int or not 0 <= value <= MAX_SIZE):
+        if sized and value is not None and not isinstance(value, list) and (type(value) is not int or not 0 <= value <= MAX_SIZE):
             return f"{key}={value!r} is not a size up to {MAX_SIZE}"
     return None
 

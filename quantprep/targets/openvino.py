@@ -38,6 +38,13 @@ IR_VERSION = 11  # what ov.save_model writes (openvino 2026.4)
 PARTS = ("weight", "zeros", "scales", "perm", "bias")
 
 
+def package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
 def openvino_version() -> str | None:
     """major.minor of the installed openvino: IR written by one is read the same by the other patches."""
     try:
@@ -68,10 +75,13 @@ class OpenVINOTarget(Target):
     device = "openvino"  # OpenVINO picks the device (CPU, GPU) at load; torch runs nothing
     default_act_dtype = torch.float32  # the IR's activations; the plugin's inference precision is a load option
     act_dtypes = (torch.float32,)
-    layout_version = 2  # 2: the pad value explicit in the IR (a rebuilt graph compares equal)
+    layout_version = 3  # 2: the pad value explicit in the IR (a rebuilt graph compares equal); 3: traced from transformers
 
     def compat_key(self) -> dict:
-        return {"openvino": openvino_version(), "openvino_ir": IR_VERSION}
+        """The IR is transformers' modeling code traced by torch and converted by OpenVINO: load's check
+        makes it again, which gives the same IR only with the same three."""
+        return {"openvino": openvino_version(), "openvino_ir": IR_VERSION, "transformers": package_version("transformers"),
+                "torch": ".".join(package_version("torch").split("+")[0].split(".")[:2])}
 
     def runtime_problem(self) -> str | None:
         if openvino_version() is None:
