@@ -4,7 +4,7 @@ Each artifact's openvino_model.xml is compiled by the CPU plugin with its defaul
 runs), then, in alternating order for `--rounds` rounds: a prefill of `--prompt` tokens from an
 empty state, and `--decode` single-token steps after it. Medians per artifact; the ratios are
 traced / hand-written. The hand-written artifacts were built at 6198dec (its targets/openvino_decoder.py),
-the traced ones at 3f20f35, both from the same random GPTQ checkpoints of the real models' shapes.
+the traced ones at a8dafd0, both from the same random GPTQ checkpoints of the real models' shapes.
 
     python benchmarks/openvino_graph.py --pair qwen2 /tmp/ovbig/qwen2/handwritten /tmp/ovbig/qwen2/traced \
         --pair llama /tmp/ovbig/llama/handwritten /tmp/ovbig/llama/traced --out benchmarks/results/openvino-graph-cpu-avx512.json
