@@ -1,0 +1,244 @@
+"""Mixture-of-experts speed on this CPU, side by side (issue 54, item 6): GPTQModel 7.7 against
+quantprep's cpu and openvino artifacts of one random GPTQ checkpoint with Qwen3-30B-A3B's layer
+shapes (qwen3_moe, hidden 2048, 32 heads / 4 KV heads of 128, 128 experts, 8 per token, expert
+intermediate 768, vocab 151936) but only --layers layers; int4, group 128, random codes (the output
+is noise; the shapes, the routing and every kernel are real).
+
+  1. first token: from the spawn of a fresh `python -c` (time.time() in the parent) to the first
+     greedy token after a 16-token prompt, median of --runs processes each:
+       gptqmodel  GPTQModel.load(GPTQ_DIR, device="cpu", backend=--backend) + generate 1 token
+       cpu        quantprep.load(cpu artifact) + generate 1 token
+       openvino   quantprep.load(openvino artifact) + generate_ids(ids, generation_config(1))
+     quantprep checks an artifact in full once per user (a mark in QUANTPREP_VERIFIED_DIR, here a
+     fresh temporary one), and GPTQModel's first start on a machine took far longer than its later
+     ones (its load step, 74.6 s of an 80 s first start on a tiny check; not yet explained): each
+     runtime's first run is reported apart
+     (`first_token_first_run_s`), the medians are of the runs after it, as every start after a user's first.
+  2. decode: greedy tokens/s of --new tokens after the 16-token prompt (timed from the first new
+     token to the last, so the prompt's forward is left out), one process per runtime, one untimed
+     warm-up generates (torch.compile may recompile once a shape turns dynamic), then median of --runs.
+  3. GPTQModel's XPU repack: TorchFusedLinear.transform_xpu (gptqmodel/nn_modules/qlinear/torch_fused.py,
+     run once per Linear at its first forward on an XPU: unpack, g_idx reorder, repack column by
+     column in Python) timed on CPU tensors for one MoE layer's experts x 3 projections (the CPU
+     cost of it; on Arc the tensors are on the GPU and each step is a kernel launch).
+
+Goals: first token <= 0.3x GPTQModel's, decode >= 2x GPTQModel's.
+
+    GPTQMODEL_CPU_WORKERS=2 python benchmarks/moe_speed.py [--layers 2] [--desc-act] [--runs 3] [--new 32]
+        [--backend AUTO] [--work DIR] [--out benchmarks/results/moe-speed-qwen3-30b-a3b-cpu-avx512.json]
+    tiny check: ... --layers 1 --experts 8 --hidden 256 --vocab 4096 --runs 1 --new 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from common import REPO, child_env, machine, median_and_runs, run_child, save
+
+# Qwen3-30B-A3B's config.json, but for num_hidden_layers (--layers)
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4,
+                 "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                 "norm_topk_prob": True, "intermediate_size": 6144, "vocab_size": 151936, "max_position_embeddings": 40960,
+                 "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+PROMPT = list(range(1000, 1016))  # 16 token ids (taken modulo the vocabulary)
+
+CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+runtime, path, mode, new, runs, backend = sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:6]), sys.argv[6]
+info = {}
+if runtime == "openvino":
+    import openvino_genai
+    import quantprep
+    t1 = time.perf_counter()
+    model = quantprep.load(path)
+    ids = [i % model.vocab_size() for i in PROMPT]
+
+    class Stamps(openvino_genai.StreamerBase):
+        def write(self, token):
+            stamps.extend([time.perf_counter()] * (len(token) if isinstance(token, list) else 1))
+            return openvino_genai.StreamingStatus.RUNNING
+
+        def end(self):
+            pass
+
+    def generate(n):
+        config = model.generation_config(n)
+        config.min_new_tokens = n
+        return model.generate_ids(ids, config, Stamps())
+else:
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+    if runtime == "gptqmodel":
+        from gptqmodel import BACKEND, GPTQModel
+        t1 = time.perf_counter()
+        model = GPTQModel.load(path, device="cpu", backend=BACKEND[backend]).model.eval()
+        info["kernels"] = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "qweight")})
+    else:
+        import quantprep
+        t1 = time.perf_counter()
+        model = quantprep.load(path)
+    info["dtype"] = str(next(model.parameters()).dtype)
+    ids = torch.tensor([[i % model.config.vocab_size for i in PROMPT]])
+
+    class Stamps(BaseStreamer):
+        def put(self, value):
+            if value.shape[-1] == 1 or value.dim() == 1:  # a new token; the prompt comes first, [1, 16]
+                stamps.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    def generate(n):
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, streamer=Stamps())
+        return out[0, ids.shape[1]:].tolist()
+stamps = []
+t2 = time.perf_counter()
+if mode == "first":
+    tokens = generate(1)
+    print(tokens, flush=True)
+    info.update(done_at=time.time(), import_s=t1 - t0, load_s=t2 - t1, first_generate_s=time.perf_counter() - t2)
+else:
+    for _ in range(2):  # warm-up: kernels compile on first use, torch.compile again when a shape turns dynamic
+        generate(new)
+    rates = []
+    for _ in range(runs):
+        stamps.clear()
+        tokens = generate(new)
+        assert len(stamps) == new == len(tokens), (len(stamps), len(tokens))
+        rates.append((new - 1) / (stamps[-1] - stamps[0]))
+    info.update(tok_s=rates, tokens=tokens)
+print(json.dumps(info))
+"""
+
+
+def build(work: Path, config: dict, desc_act: bool) -> dict[str, Path]:
+    """The random GPTQ checkpoint, its word-level tokenizer and both artifacts under `work` (reused when there)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from conftest import add_chat_tokenizer
+
+    from quantprep.build.pipeline import prepack
+    from quantprep.build.synthetic import write_random_checkpoint
+
+    paths = {"gptqmodel": work / "gptq", "cpu": work / "cpu", "openvino": work / "openvino"}
+    for name, path in paths.items():
+        if path.exists():
+            continue
+        t = time.perf_counter()
+        if name == "gptqmodel":
+            write_random_checkpoint(path, config, bits=4, group_size=128, desc_act=desc_act, sym=True)
+            add_chat_tokenizer(path, config["vocab_size"])
+        else:
+            prepack(paths["gptqmodel"], name, path)
+        print(f"built {path}: {time.perf_counter() - t:.1f} s", flush=True)
+    return paths
+
+
+def xpu_repack(config: dict, desc_act: bool, experts: int) -> dict:
+    """Seconds of GPTQModel's TorchFusedLinear.transform_xpu over `experts` experts x (gate, up, down)
+    of one layer, on CPU tensors (what its first XPU forward runs per Linear), float16 scales."""
+    import torch
+    from gptqmodel.nn_modules.qlinear.torch_fused import TorchFusedLinear
+
+    from quantprep.build.synthetic import pack_gptq, random_gptq_codes
+
+    h, m = config["hidden_size"], config["moe_intermediate_size"]
+    g = torch.Generator().manual_seed(0)
+    per: dict[str, list[float]] = {"gate_proj": [], "up_proj": [], "down_proj": []}
+    for _ in range(experts):
+        for proj, (k, n) in {"gate_proj": (h, m), "up_proj": (h, m), "down_proj": (m, h)}.items():
+            layer = TorchFusedLinear(bits=4, group_size=128, sym=True, desc_act=desc_act, in_features=k, out_features=n)
+            t = pack_gptq(random_gptq_codes(k, n, 4, 128, True, desc_act, generator=g), 4, v1=False)  # v2: GPTQModel's in memory
+            for name, v in t.items():
+                getattr(layer, name).copy_(v)
+            layer.post_init()
+            t0 = time.perf_counter()
+            layer.transform_xpu(torch.float16)
+            per[proj].append(time.perf_counter() - t0)
+    return {"function": "gptqmodel.nn_modules.qlinear.torch_fused.TorchFusedLinear.transform_xpu", "experts": experts,
+            "s": sum(map(sum, per.values())), "per_linear_median_s": {k: median_and_runs(v)["median"] for k, v in per.items()}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--desc-act", action="store_true", help="act-order checkpoint (random g_idx)")
+    p.add_argument("--experts", type=int, help="override num_experts (a quick check)")
+    p.add_argument("--hidden", type=int, help="override hidden_size (a quick check)")
+    p.add_argument("--vocab", type=int, help="override vocab_size (a quick check)")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--new", type=int, default=32)
+    p.add_argument("--backend", default="AUTO", help="GPTQModel's BACKEND name (AUTO: its own pick on this CPU)")
+    p.add_argument("--only", nargs="+", choices=["gptqmodel", "cpu", "openvino"], default=["gptqmodel", "cpu", "openvino"])
+    p.add_argument("--skip", nargs="*", choices=["first", "decode", "repack"], default=[])
+    p.add_argument("--work", help="where the checkpoint and artifacts go (reused when there); default a temporary directory")
+    p.add_argument("--out")
+    args = p.parse_args()
+    config = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
+    for key, value in {"num_experts": args.experts, "hidden_size": args.hidden, "vocab_size": args.vocab}.items():
+        if value:
+            config[key] = value
+    config["num_experts_per_tok"] = min(config["num_experts_per_tok"], config["num_experts"])
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+    tmp = tempfile.TemporaryDirectory()
+    work = Path(args.work or tmp.name)
+    paths = build(work, config, args.desc_act)
+    code = f"PROMPT = {PROMPT!r}\n" + CHILD
+    env = child_env(QUANTPREP_VERIFIED_DIR=str(Path(tmp.name, "verified")))  # fresh: the first quantprep load is unmarked
+    result = machine() | {"benchmark": "moe-speed", "gptqmodel": __import__("gptqmodel").__version__, "config": config,
+                          "bits": 4, "group_size": 128, "desc_act": args.desc_act, "backend": args.backend,
+                          "prompt_tokens": len(PROMPT), "new_tokens": args.new, "runs": args.runs,
+                          "gptqmodel_cpu_workers": os.environ["GPTQMODEL_CPU_WORKERS"], "errors": {}}
+
+    def child(name: str, mode: str) -> dict | None:
+        try:
+            start, r = run_child(code, [name, str(paths[name]), mode, str(args.new), str(args.runs), args.backend], env=env)
+        except RuntimeError as e:  # recorded, so the other runtimes still run (GPTQModel may refuse the model)
+            result["errors"][f"{name} {mode}"] = str(e).strip().splitlines()[-1]
+            print(f"{name} {mode} failed: {result['errors'][f'{name} {mode}']}", flush=True)
+            return None
+        if "done_at" in r:
+            r["first_token_s"] = r.pop("done_at") - start
+        print(name, mode, {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if k != "tokens"}, flush=True)
+        return r
+
+    if "first" not in args.skip:
+        raw: dict[str, list[dict]] = {n: [] for n in args.only}
+        result["first_token_first_run_s"] = {}
+        for n in args.only:  # quantprep's first load checks the artifact in full and marks it; GPTQModel's may build its extension
+            if r := child(n, "first"):
+                result["first_token_first_run_s"][n] = r["first_token_s"]
+        for _ in range(args.runs):
+            for n in args.only:
+                if f"{n} first" not in result["errors"] and (r := child(n, "first")):
+                    raw[n].append(r)
+        result["first_token_s"] = {n: median_and_runs([r["first_token_s"] for r in rs]) for n, rs in raw.items() if rs}
+        result["first_token_raw"] = raw
+    if "decode" not in args.skip:
+        result["decode_raw"] = {n: r for n in args.only if (r := child(n, "decode"))}
+        result["decode_tok_s"] = {n: median_and_runs(r["tok_s"]) for n, r in result["decode_raw"].items()}
+    for key, goal, better in (("first_token_s", 0.3, "<="), ("decode_tok_s", 2.0, ">=")):
+        r = result.get(key, {})
+        if "gptqmodel" in r:
+            for n in ("cpu", "openvino"):
+                if n in r:
+                    ratio = r[n]["median"] / r["gptqmodel"]["median"]
+                    met = ratio <= goal if better == "<=" else ratio >= goal
+                    r[f"{n}_over_gptqmodel"] = {"ratio": ratio, "goal": f"{better} {goal}", "met": met}
+    if "repack" not in args.skip:
+        t = time.perf_counter()
+        result["xpu_repack_one_layer"] = xpu_repack(config, args.desc_act, config["num_experts"])
+        print(f"xpu repack: {result['xpu_repack_one_layer']} ({time.perf_counter() - t:.1f} s)", flush=True)
+    print(save(result, args.out))
+
+
+if __name__ == "__main__":
+    main()
