@@ -20,8 +20,6 @@ from pathlib import Path
 
 import numpy as np
 
-from common import RESULTS  # noqa: F401  (benchmarks/ on sys.path: the results folder this writes to)
-
 
 def compile_ir(path: Path):
     import openvino as ov

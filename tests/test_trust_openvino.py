@@ -17,6 +17,7 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
+import numpy as np
 import pytest
 from conftest import TINY_LLAMA, relist
 
@@ -311,3 +312,54 @@ def test_case20_a_module_the_manifest_drops_and_the_ir_lacks_is_one_line(art, ca
     edit_manifest(art, lambda m: m["modules"].pop("model.layers.0.mlp.down_proj"))
     assert main(["generate", str(art), "--prompt", PROMPT]) == 2
     assert "model.layers.0.mlp.down_proj.weight" in one_line(capsys.readouterr().err)
+
+
+# --- the traced graph's check (runtime/openvino_graph.py): what it builds from is bounded first ---
+# Found by an attacker review of the traced IR: each made load build or trace something large, or
+# end in a traceback, before the comparison could refuse it.
+
+@pytest.mark.parametrize("edit,named", [
+    ({"num_hidden_layers": 20000}, "num_hidden_layers=20000"),  # every layer built before a weight was missing: 91 s, 1.7 GB
+    ({"max_position_embeddings": 1 << 25}, "max_position_embeddings"),  # a buffer of positions x hidden, built for real
+    ({"model_type": "bert"}, "model_type='bert'"),  # a model no test converts: refused, not traced
+    ({"hidden_act": "nope"}, "KeyError"),  # transformers' own refusal, in one line
+])
+def test_a_config_that_would_build_something_large_or_fail_inside_transformers_is_one_line(art, edit, named):
+    config = json.loads((art / "config.json").read_text())
+    (art / "config.json").write_text(json.dumps(dict(config, **edit)))
+    relist(art, "config.json")
+    code, _, err = generate(art)
+    assert code == 2 and named in one_line(err)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda meta: meta.update(groups=0),  # divided by
+    lambda meta: meta.pop("padded_in"),
+    lambda meta: meta.update(out_features=1 << 27),  # the trace's stand-in allocated [.., 2^27]: 2 GB
+    lambda meta: meta.update(sym="no"),
+])
+def test_module_metadata_is_checked_whole_before_anything_is_built(art, edit):
+    from conftest import edit_manifest
+
+    edit_manifest(art, lambda m: edit(m["modules"]["model.layers.0.self_attn.o_proj"]))
+    code, _, err = generate(art)
+    assert code == 2 and "model.layers.0.self_attn.o_proj" in one_line(err)
+
+
+def test_an_act_order_perm_that_is_not_a_permutation_is_refused(art):
+    root, layers, _ = layers_and_edges(art / "openvino_model.xml")
+    data = next(layer for layer in layers.values() if layer.get("name") == "model.layers.0.mlp.down_proj.perm").find("data")
+    offset, size = int(data.get("offset")), int(data.get("size"))
+    blob = bytearray((art / "openvino_model.bin").read_bytes())
+    blob[offset:offset + size] = np.full(size // 8, 160, dtype=np.int64).tobytes()  # every index one past the end
+    (art / "openvino_model.bin").write_bytes(bytes(blob))
+    relist(art, "openvino_model.bin")
+    code, _, err = generate(art)
+    assert code == 2 and "not a permutation" in one_line(err)
+
+
+def test_an_rt_info_entry_named_as_the_writer_but_holding_settings_is_compared(art):
+    _edit_xml(art, "openvino_model.xml", "\n\t<rt_info>",  # the model's own, one tab in
+              '\n\t<rt_info><runtime_options name="OpenVINO Runtime"><KV_CACHE_PRECISION value="u8" /></runtime_options>')
+    code, _, err = generate(art)
+    assert code == 2 and "runtime_options" in one_line(err)

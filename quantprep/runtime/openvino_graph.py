@@ -24,6 +24,7 @@ position_ids, beam_idx; output logits; the cache as state.
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from pathlib import Path
 
@@ -61,8 +62,16 @@ class GraphLinear(nn.Module):
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
+# The architectures tests/test_architectures.py converts and runs (docs/supported.md): others are
+# refused, since tracing runs a model's Python on whatever config.json says
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "granite", "olmo2", "phi3", "glm4",
+                 "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
+
+
 def traced_problem(config: dict) -> str | None:
-    """What in config.json a traced graph would not follow (named), or None."""
+    """What in config.json a traced graph would not follow, or the openvino target does not convert (named), or None."""
+    if config.get("model_type") not in ARCHITECTURES:
+        return f"model_type={str(config.get('model_type'))[:40]!r} is not one the openvino target converts (docs/supported.md)"
     for field in ("rope_scaling", "rope_parameters"):
         params = config.get(field) or {}
         for p in (params.values() if isinstance(params, dict) and all(isinstance(v, dict) for v in params.values()) and params else [params]):
@@ -82,7 +91,9 @@ def skeleton(config: dict, modules: dict[str, dict]) -> tuple[nn.Module, list[st
 
     if problem := traced_problem(config):
         raise ValueError(problem)
-    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    # the implementations are quantprep's choice (SDPA, its experts module), never the config's
+    config = {k: v for k, v in config.items() if k not in ("quantization_config", "experts_implementation", "attn_implementation")
+              and not k.startswith("_")}
     hf = AutoConfig.for_model(**config)
     if "lm_head" in modules:
         hf.tie_word_embeddings = False
@@ -248,8 +259,13 @@ class IRWeights:
         return c
 
     def module(self, name: str) -> dict:
-        return {part: self._constant(f"{name}.{part}", *expected(name, part, self.modules[name]))
-                for part in PARTS if f"{name}.{part}" in self.named}
+        meta = self.modules[name]
+        required = {"weight", "scales"} | ({"zeros"} if not meta["sym"] else set()) | ({"perm"} if meta["act_order"] else set())
+        parts = {part: self._constant(f"{name}.{part}", *expected(name, part, meta))
+                 for part in PARTS if part in required or f"{name}.{part}" in self.named}
+        if "perm" in parts and not np.array_equal(np.sort(parts["perm"].get_data()), np.arange(meta["in_features"])):
+            raise ValueError(f"constant {name + '.perm'!r} is not a permutation of its {meta['in_features']} inputs")
+        return parts
 
     def has_float(self, name: str) -> bool:
         return name in self.named
@@ -285,7 +301,8 @@ def export(config: dict, modules: dict[str, dict], weights) -> object:
 
     from quantprep.targets.openvino import linear
 
-    model, names = skeleton(config, modules)
+    with quiet():
+        model, names = skeleton(config, modules)
     loaded = load_floats(model, weights)
     experts = [m for m in model.modules() if isinstance(m, QuantizedExperts)]
     for i, m in enumerate(experts):
@@ -440,14 +457,52 @@ def stateful(model, cache_shapes: list[tuple[int, ...]]):
 # --- the check at load: the artifact's IR against the one this code makes from the IR's own data ---
 
 def size_problem(config: dict) -> str | None:
-    """A size in config.json past any model (MAX_SIZE), named, or None: transformers would build,
-    and the trace run, whatever sizes the config gives."""
+    """A size in config.json (or a config inside it) past any model (MAX_SIZE), named, or None:
+    transformers would build, and the trace run, whatever sizes the config gives."""
     from quantprep.format.model_config import MAX_SIZE
 
     for key, value in config.items():
-        sized = key.endswith(("_size", "_dim", "_rank", "_heads", "_layers", "_experts")) or key.startswith(("num_", "n_"))
-        if sized and value is not None and not isinstance(value, list) and (type(value) is not int or not 0 <= value <= MAX_SIZE):
+        if key == "quantization_config":  # the checkpoint's, which the model is not built from
+            continue
+        if isinstance(value, dict):
+            if problem := size_problem(value):
+                return f"{key}.{problem}"
+            continue
+        sized = key.endswith(("_size", "_dim", "_rank", "_heads", "_layers", "_experts", "_window", "_position_embeddings")) \
+            or key.startswith(("num_", "n_"))
+        if sized and value is not None and not isinstance(value, (list, bool)) and (type(value) is not int or not 0 <= value <= MAX_SIZE):
             return f"{key}={value!r} is not a size up to {MAX_SIZE}"
+    return None
+
+
+LAYER = re.compile(r"model\.layers\.([0-9]+)\.")
+EXPERT = re.compile(r"\.experts\.([0-9]+)\.")
+EXPERT_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def shape_problem(config: dict, modules: dict[str, dict], names: set[str]) -> str | None:
+    """What the config or manifest says that the artifact does not hold, before anything is built
+    from them: a model as deep as the layers the IR and manifest name (a deeper one would be built
+    whole before its first missing weight), as many experts as they name, and each quantized
+    module's metadata whole and bounded. `names`: the IR's constant names."""
+    from quantprep.format.model_config import MAX_SIZE
+
+    layers = {int(m.group(1)) for n in (*names, *modules) if (m := LAYER.match(n))}
+    if config.get("num_hidden_layers") != len(layers) or layers != set(range(len(layers))):
+        return f"num_hidden_layers={config.get('num_hidden_layers')!r}, where its weights name {len(layers)} layers"
+    experts = {int(m.group(1)) for n in modules if (m := EXPERT.search(n))}
+    for key in EXPERT_COUNTS:
+        if key in config and experts and config[key] != max(experts) + 1:
+            return f"{key}={config[key]!r}, where manifest.json names {max(experts) + 1} experts"
+
+    def size(v) -> bool:
+        return type(v) is int and 0 < v <= MAX_SIZE
+
+    for name, meta in modules.items():
+        if not (isinstance(meta, dict) and all(size(meta.get(k)) for k in ("in_features", "out_features", "groups", "padded_in"))
+                and meta.get("bits") in (4, 8) and type(meta.get("sym")) is bool and type(meta.get("act_order")) is bool
+                and type(meta.get("bias")) is bool and meta["padded_in"] % meta["groups"] == 0 and meta["padded_in"] >= meta["in_features"]):
+            return f"module {name} in manifest.json: its metadata is not the openvino target's"
     return None
 
 
@@ -458,19 +513,17 @@ def rebuilt_difference(config: dict, modules: dict[str, dict], root, bin_path: P
     the graph is made (`export`), written to `scratch` as prepack writes it, and compared as text and bytes."""
     from quantprep.targets.openvino import ir_difference, saved_ir
 
-    if problem := size_problem(config):
+    weights = IRWeights(root, bin_path, modules)  # held until written: the constants share its mapped .bin
+    if problem := size_problem(config) or traced_problem(config) or shape_problem(config, modules, set(weights.named)):
         return problem
-    from openvino._pyopenvino import OpConversionFailure
-
     try:
-        weights = IRWeights(root, bin_path, modules)  # held until written: the constants share its mapped .bin
         for name in modules:
             weights.module(name)  # each module's constants there, of its type and shape, before the trace reads them
         want = export(config, modules, weights)
-    except ValueError as e:  # a constant missing or of another type or shape; a config transformers refuses
+    except ValueError as e:  # a constant missing or of another type or shape
         return str(e).strip().splitlines()[0][:300]
-    except (RuntimeError, OpConversionFailure) as e:  # OpenVINO's checks on the graph it made here
-        return f"its constants do not fit the graph ({str(e).strip().splitlines()[-1][:200]})"
+    except Exception as e:  # transformers and OpenVINO refuse what an artifact's config.json may say in many kinds
+        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1][:200]}"
     want_root, want_bin = saved_ir(want, scratch)
     del want, weights
     return ir_difference(want_root, want_bin, root, bin_sha256)

@@ -229,8 +229,9 @@ def canonical_ir(root: ET.Element, ignore_rt_info: tuple[str, ...] = ()) -> byte
             kept = [n for n in element.attrib[attribute].split(",") if not AUTO_NAME.fullmatch(n.strip())]
             element.attrib[attribute] = ",".join(kept)
     for info in root.findall("rt_info"):
-        for entry in list(info):
-            if entry.tag in (*WRITER_RT_INFO, *ignore_rt_info) or entry.get("name") in (*WRITER_RT_INFO, *ignore_rt_info):
+        for entry in list(info):  # only a bare value: an entry with children or other attributes is compared
+            named = entry.tag in (*WRITER_RT_INFO, *ignore_rt_info) or entry.get("name") in (*WRITER_RT_INFO, *ignore_rt_info)
+            if named and len(entry) == 0 and set(entry.attrib) <= {"name", "value"}:
                 info.remove(entry)
     return ET.tostring(root)
 
