@@ -149,6 +149,18 @@ def test_native_refuses_the_rest_in_one_line_pointing_to_openvino(arch, checkpoi
     assert "\n" not in str(e.value) and "model_type" in str(e.value) and "openvino" in str(e.value), str(e.value)
 
 
+def test_experts_of_another_activation_are_refused_not_written_as_silu(tmp_path):
+    """The graph writes each expert's activation as SiLU; a config that names another (the torch
+    targets run it) is refused in one line at prepack."""
+    from quantprep.errors import SourceError
+
+    gptq = write_random_checkpoint(tmp_path / "gptq", dict(BASE, model_type="mixtral", hidden_act="gelu", **ARCHITECTURES["mixtral"]),
+                                   bits=4, group_size=32)
+    with pytest.raises(SourceError, match="activation GELUActivation"):
+        prepack(gptq, "openvino", tmp_path / "ov")
+    assert not (tmp_path / "ov").exists()
+
+
 def test_the_architectures_converted_are_the_ones_tested():
     from quantprep.runtime.openvino_graph import ARCHITECTURES as CONVERTED
 

@@ -187,7 +187,7 @@ def _i64(values):
     return ops.constant(np.array(values, dtype=np.int64))
 
 
-def expert_subgraph(x, tokens_mask, weights_in, linear_of, expert, intermediate: int, act: str):
+def expert_subgraph(x, tokens_mask, weights_in, linear_of, expert, intermediate: int):
     """Output [T, H] of one expert on the tokens routed to it: NonZero picks the (token, slot) pairs
     of `tokens_mask` [T, k], the expert runs on those rows only (none at all: an empty matmul), each
     row weighted by its routing weight; the rows are then scattered back into place as [T, H]."""
@@ -203,7 +203,7 @@ def expert_subgraph(x, tokens_mask, weights_in, linear_of, expert, intermediate:
         gate, up = ops.variadic_split(y, _i64(-1), _i64([intermediate, intermediate])).outputs()
     else:
         gate, up = linear_of(expert["gate_proj"], rows), linear_of(expert["up_proj"], rows)
-    h = ops.multiply(ops.swish(gate) if act == "silu" else ops.gelu(gate), up)
+    h = ops.multiply(ops.swish(gate), up)  # SiLU: export refuses experts of another activation
     y = ops.multiply(linear_of(expert["down_proj"], h), ops.unsqueeze(routed, _i64(-1)))
     return tokens, y
 
@@ -305,6 +305,12 @@ def export(config: dict, modules: dict[str, dict], weights) -> object:
         model, names = skeleton(config, modules)
     loaded = load_floats(model, weights)
     experts = [m for m in model.modules() if isinstance(m, QuantizedExperts)]
+    from transformers.activations import ACT2FN
+
+    silu = (nn.SiLU, type(ACT2FN["silu"]))
+    for m in experts:  # the torch path runs the config's activation; the graph writes SiLU
+        if not isinstance(m.act_fn, silu):
+            raise ValueError(f"experts with activation {type(m.act_fn).__name__} are not converted; build the cpu target for this model")
     for i, m in enumerate(experts):
         m.graph_index = i
 
@@ -325,7 +331,7 @@ def export(config: dict, modules: dict[str, dict], weights) -> object:
         for e in range(m.num_experts):
             parts = {k: v for k, v in m._modules[str(e)]._modules.items() if isinstance(v, GraphLinear)}
             mask = ops.equal(index, ops.convert(ops.constant(np.int64(e)), index.get_element_type()))
-            tokens, y = expert_subgraph(x, mask, routing, linear_of, parts, m.intermediate_dim, "silu")
+            tokens, y = expert_subgraph(x, mask, routing, linear_of, parts, m.intermediate_dim)
             out = opset15.scatter_nd_update(out, ops.unsqueeze(tokens, _i64(-1)), y, "sum")
         return [ops.reshape(out, shape, False).output(0)]
 
