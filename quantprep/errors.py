@@ -22,3 +22,15 @@ class ArtifactError(QuantprepError):
 
 class ArtifactMismatch(ArtifactError):
     """An artifact is valid but was built for another target, torch version or machine."""
+
+
+class CompileError(QuantprepError):
+    """quantprep's own C (quantprep/csrc) did not compile or load though a compiler is here: a bug in
+    quantprep, never a missing compiler. `stderr` holds the compiler's whole output, which is also a
+    note on the exception (tracebacks show it); the message names the file and the first error."""
+
+    def __init__(self, message: str, stderr: str = ""):
+        super().__init__(message)
+        self.stderr = stderr
+        if stderr:
+            self.add_note(stderr)

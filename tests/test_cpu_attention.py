@@ -7,12 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import rel_err, top1
+from native_c import require_c
 
 from quantprep.runtime import cpu_attention
 
-pytestmark = pytest.mark.skipif(cpu_attention.kernel() is None, reason="no C compiler: the kernel is not built here")
+require_c(cpu_attention.kernel() is not None)
 
-# the output's bfloat16 rounding alone is ~1.1e-3 relative (RMS); both kernels' errors: BENCHMARKS.md, "CPU decode attention"
+# the output's bfloat16 rounding alone is ~1.1e-3 relative (RMS); both kernels' errors: benchmarks/experiments/results/cpu-decode-attention-avx512.json
 TOL = 4e-3
 
 

@@ -10,15 +10,14 @@ import sys
 
 import pytest
 from conftest import CHAT_TEMPLATE, REPO, TINY_LLAMA, add_chat_tokenizer, edit_manifest, one_line_error, relist
+from native_c import require_native_model
 
 from quantprep.cli import main
 from quantprep.errors import ArtifactError
 from quantprep.runtime import native_model
 from quantprep.runtime.tokenizer import ArtifactTokenizer
-from quantprep.targets.cpu import native_a8_block
 
-pytestmark = pytest.mark.skipif(native_a8_block() == 0 or native_model.libraries() is None,
-                                reason="no int4_a8 on this CPU (AVX2 and FMA, or AVX512-VNNI and VBMI) or no C compiler")
+require_native_model()
 PROMPT = "b c d e"
 # specials and the generation prompt, as real templates use them
 TEMPLATE = ("{{ pad_token }} {% if tools is not none or documents is not none %}z {% endif %}{% for m in messages %}{{ m['role'] }} "

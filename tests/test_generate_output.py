@@ -15,9 +15,7 @@ import tempfile
 
 import pytest
 from conftest import REPO, TINY_LLAMA, add_chat_tokenizer, edit_manifest, relist
-
-from quantprep.runtime import native_model
-from quantprep.targets.cpu import native_a8_block
+from native_c import require_native_model
 
 GENERATE = [sys.executable, "-m", "quantprep", "generate"]
 PROMPT = "a"  # id 0 of the word-level vocabulary below, the one word that is not hostile
@@ -134,8 +132,8 @@ PATHS = {
 
 @pytest.mark.parametrize("path", PATHS)
 def test_case23_a_completion_reaches_a_terminal_escaped_and_a_pipe_unchanged(artifact, path):
-    if path == "native" and (native_a8_block() == 0 or native_model.libraries() is None):
-        pytest.skip("no int4_a8 on this CPU (AVX2 and FMA, or AVX512-VNNI and VBMI) or no C compiler")
+    if path == "native":
+        require_native_model()
     if path == "openvino":
         pytest.importorskip("openvino", reason="the openvino extra (make setup installs it)")
     target, options = PATHS[path]

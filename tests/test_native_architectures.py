@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 import torch
 from conftest import add_chat_tokenizer
+from native_c import require_native_model
 from test_cpu_layers import Counting
 from test_native_model import torch_token_by_token
 
 import quantprep
 from quantprep.cli import main
 from quantprep.runtime import cpu_layers, native_model
-from quantprep.targets.cpu import CpuInt4Linear, native_a8_block
+from quantprep.targets.cpu import CpuInt4Linear
 
-pytestmark = pytest.mark.skipif(native_a8_block() == 0 or native_model.libraries() is None,
-                                reason="no int4_a8 on this CPU (AVX2 and FMA, or AVX512-VNNI and VBMI) or no C compiler")
+require_native_model()
 SIZES = {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": False}
 MODELS = {"qwen3": {"model_type": "qwen3", **SIZES},

@@ -14,15 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import TINY_LLAMA, one_line_error, random_cpu_artifact, relist
+from native_c import require_native_model
 from test_cpu_layers import TINY_QWEN2
 from test_native_model import PROMPT, torch_token_by_token
 
 from quantprep.cli import main
 from quantprep.runtime import native_model
-from quantprep.targets.cpu import native_a8_block
 
-pytestmark = pytest.mark.skipif(native_a8_block() == 0 or native_model.libraries() is None,
-                                reason="no int4_a8 on this CPU (AVX2 and FMA, or AVX512-VNNI and VBMI) or no C compiler")
+require_native_model()
 TOLERANCE = 1e-2  # test_native_model's: relative error per token of the native logits against quantprep.load's
 
 

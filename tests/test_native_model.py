@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY_LLAMA, edit_manifest, random_cpu_artifact, relist
+from native_c import require_native_model
 from test_cpu_layers import TINY_QWEN2
 
 import quantprep
 from quantprep.errors import ArtifactError, ArtifactMismatch
 from quantprep.runtime import native_model
-from quantprep.targets.cpu import CpuInt4Linear, native_a8_block
+from quantprep.targets.cpu import CpuInt4Linear
 
-pytestmark = pytest.mark.skipif(native_a8_block() == 0 or native_model.libraries() is None,
-                                reason="no int4_a8 on this CPU (AVX2 and FMA, or AVX512-VNNI and VBMI) or no C compiler")
+require_native_model()
 PROMPT = [5, 17, 42, 99, 3, 200, 64, 8, 150, 23, 77]
 
 

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from conftest import TINY_LLAMA, edit_manifest, random_cpu_artifact, rel_err
+from native_c import require_c, require_int4_a8
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import quantprep
@@ -46,8 +47,9 @@ def test_int8_activation_paths_only_when_asked():
     """A path that rounds the activations to int8 (cpu int4_a8) never wins a plan for its speed
     alone: warm --int8-activations lets it."""
     m = _module()
+    require_int4_a8()
     if "int4_a8" not in m.paths():
-        pytest.skip("no int4_a8 path on this CPU (AVX512-VNNI and VBMI, or AVX2 and FMA; and a C compiler)")
+        pytest.skip("torch packs another layout than int4_a8 reads on this CPU")
     fastest = affine({"int4": (0, 0.1), DENSE: (20, 0.01), "int4_a8": (0, 0.001)}, [])
     assert plan.decide_shape(m, [1, 512], fastest)[0] == [[1, "int4"], [512, DENSE]]
     assert plan.decide_shape(m, [1, 512], fastest, int8_activations=True)[0] == [[1, "int4_a8"]]
@@ -293,8 +295,7 @@ def test_zero_rows_and_autograd(monkeypatch):
 
     m = _module()
     assert m(torch.zeros(0, m.in_features, dtype=torch.bfloat16)).shape == (0, m.out_features)
-    if cpu.native_dequantizer() is None:
-        pytest.skip("no C compiler here: the dense path is the tensor ops' whole weight")
+    require_c(cpu.native_dequantizer() is not None)
     m.plan, m.plan_max_m = ((1, DENSE),), 64
     tiled, original = [], cpu.tiled_matmul
     monkeypatch.setattr(cpu, "tiled_matmul", lambda *a: tiled.append(1) or original(*a))

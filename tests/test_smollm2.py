@@ -27,6 +27,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO, dense_reference_model, gptqmodel_run, rel_err, top1
+from native_c import require_int4_a8, require_native_model
 
 import quantprep
 from quantprep.build.pipeline import build_artifacts
@@ -118,8 +119,9 @@ def test_int8_activations_vs_dense(smollm2):
 
     model = quantprep.load(art)
     modules = [m for m in model.modules() if isinstance(m, CpuInt4Linear)]
+    require_int4_a8()
     if "int4_a8" not in modules[0].paths():
-        pytest.skip("no int4_a8 path on this CPU (AVX512-VNNI and VBMI, or AVX2 and FMA; and a C compiler)")
+        pytest.skip("torch packs another layout than int4_a8 reads on this CPU")
     text = AutoTokenizer.from_pretrained(art)(HELDOUT_FILE.read_text()[:4000], add_special_tokens=False, return_tensors="pt")
     ids = torch.cat([_prompt_ids(art), text["input_ids"][:, :64]], dim=1)
     measured = {}
@@ -149,10 +151,8 @@ def test_native_generate_on_the_real_tokenizer(smollm2):
 
     from quantprep.runtime import native_model
     from quantprep.runtime.tokenizer import ArtifactTokenizer
-    from quantprep.targets.cpu import native_a8_block
 
-    if native_a8_block() == 0 or native_model.libraries() is None:
-        pytest.skip("no int4_a8 on this CPU (AVX2 and FMA, or AVX512-VNNI and VBMI) or no C compiler")
+    require_native_model()
     _, art, _ = smollm2
     hf = AutoTokenizer.from_pretrained(art)
     ours = ArtifactTokenizer(art, json.loads((art / "manifest.json").read_text())["files"])

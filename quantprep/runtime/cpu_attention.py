@@ -1,8 +1,8 @@
 """Attention for one new token on the CPU: quantprep's C kernel in place of torch's SDPA at decode.
 
 torch's CPU SDPA for a single bfloat16 query is several times slower than its own float32 path, and
-the gap grows with the context (BENCHMARKS.md, "CPU decode attention"). This kernel reads the
-bfloat16 KV cache once per head and accumulates in float32, as SDPA does.
+the gap grows with the context (benchmarks/experiments/results/cpu-decode-attention-avx512.json).
+This kernel reads the bfloat16 KV cache once per head and accumulates in float32, as SDPA does.
 
 It is transformers' attention function "quantprep_cpu" (AttentionInterface), which a bfloat16
 artifact loaded on the CPU uses in place of "sdpa": one query token with no mask (decode without
@@ -11,9 +11,9 @@ here, everything else (runs_here) goes to transformers' sdpa_attention_forward u
 built as for "sdpa".
 
 The KV cache: transformers' DynamicLayer concatenates each layer's whole cache with the new token's
-keys and values at every token, a copy that grows with the context (BENCHMARKS.md, "CPU decode
-attention"). A model that uses this attention makes the DynamicLayers of the cache it is called with
-GrowingLayers, which append into a buffer with room to spare and return views of it: the same
+keys and values at every token, a copy that grows with the context
+(benchmarks/experiments/results/cpu-decode-attention-avx512.json). A model that uses this attention
+makes the DynamicLayers of the cache it is called with GrowingLayers, which append into a buffer with room to spare and return views of it: the same
 values, no copy of the cache per token, and rows once handed out are never written again.
 """
 
@@ -26,19 +26,17 @@ import torch
 
 from quantprep.targets import native
 from quantprep.targets.cpu import eager
-from quantprep.targets.cpu_c import ATTENTION_SOURCE, MAX_HEAD_DIM, attention_function
+from quantprep.targets.cpu_c import MAX_HEAD_DIM
 
 NAME = "quantprep_cpu"
 
 
 @functools.cache
 def kernel() -> ctypes._CFuncPtr | None:
-    """`decode_attention` from ATTENTION_SOURCE (cpu_c.py; native.py compiles it, with torch's OpenMP where it can), or
+    """`decode_attention` (csrc/attention.c; native.py compiles it, with torch's OpenMP where it can), or
     None without a C compiler."""
-    lib = native.library_with_torch_openmp(ATTENTION_SOURCE)
-    if lib is None:
-        return None
-    return attention_function(lib)
+    lib = native.library_with_torch_openmp("attention")
+    return None if lib is None else lib.decode_attention
 
 
 def runs_here(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,

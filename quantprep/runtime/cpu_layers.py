@@ -2,9 +2,9 @@
 
 At decode (one row) a token's time beside its matmuls is mostly dispatch: transformers' RMSNorm is
 seven tensor ops, the MLP's act_fn(gate) * up two more, and the attention's views, rotary embedding
-(ten ops) and member projections a dozen (BENCHMARKS.md, "CPU decode attention"). Here each is one C
-call with the same arithmetic and the same roundings as transformers': RMSNorm sums the squares in
-float32, rounds the normalized row, then multiplies by the weight and rounds again; the MLP rounds
+(ten ops) and member projections a dozen (benchmarks/experiments/results/cpu-layers-avx512.json).
+Here each is one C call with the same arithmetic and the same roundings as transformers': RMSNorm
+sums the squares in float32, rounds the normalized row, then multiplies by the weight and rounds again; the MLP rounds
 SiLU(gate) before the product; the rotary embedding rounds each product and their sum. The float
 lm_head a GPTQ checkpoint keeps is the largest read of a token, and torch's bfloat16 matrix-vector
 product reads it at a fraction of the memory speed; gemv_bf16 (AVX512-BF16 or AVX2) sums exact products in
@@ -19,7 +19,7 @@ computes the same (`runs_here`: eager bfloat16 CPU rows, no autograd; attention:
 class's own forward everywhere else (torch.compile, export, other dtypes, prefill's attention, a
 Linear's several rows where torch has a bfloat16 GEMM kernel). Where a decode token's four
 projections run int4_a8, a decoder layer is one C call (decode_layer) that makes its modules' C
-calls in turn, without the Python between them (BENCHMARKS.md, "CPU decode layers").
+calls in turn, without the Python between them (benchmarks/experiments/results/cpu-layers-avx2.json).
 """
 
 from __future__ import annotations
@@ -40,19 +40,16 @@ from quantprep.runtime.fused import FusedMember
 from quantprep.targets import native
 from quantprep.targets.common import SLOW_HALF_GEMM, PackedLinear
 from quantprep.targets.cpu import CpuInt4Linear, eager, native_dequantizer, native_int4_a8
-from quantprep.targets.cpu_c import LAYERS_SOURCE, DecodeLayerArgs, QuantLinearArgs, layers_functions
+from quantprep.targets.cpu_c import DecodeLayerArgs, QuantLinearArgs
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """LAYERS_SOURCE (cpu_c.py) compiled (native.py, with torch's OpenMP where it can), or None without a C compiler."""
+    """csrc/layers.c compiled (native.py, with torch's OpenMP where it can), or None without a C compiler."""
     # No code here reads floating-point exception flags, and without trapping math gcc vectorizes
-    # exp_poly's selects with AVX2 too (with AVX512 it used masks; on AVX2 silu_mul stayed scalar,
-    # 3x torch's time: BENCHMARKS.md, "CPU decode layers"). The results are the same.
-    lib = native.library_with_torch_openmp(LAYERS_SOURCE, ("-fno-trapping-math",))
-    if lib is None:
-        return None
-    return layers_functions(lib)
+    # exp_poly's selects with AVX2 too (with AVX512 it used masks; on AVX2 silu_mul stayed scalar and
+    # slower than torch's: benchmarks/experiments/cpu_layers.py times the two). The results are the same.
+    return native.library_with_torch_openmp("layers", ("-fno-trapping-math",))
 
 
 def runs_here(x: torch.Tensor, weight: torch.Tensor | None = None, weight_shape: tuple[int, ...] | None = None) -> bool:
@@ -252,7 +249,8 @@ class CpuDecoderLayer(Replacement):
         The inputs and the cache are checked at every call. The layer's modules, hooks, plans and
         tensors are checked whole (layer_args) when `watched` changes: after a layer that streamed its
         weights through the caches, each Python object a check touches comes from memory, and checking
-        everything at every call cost about a seventh of a token (BENCHMARKS.md, "CPU decode layers")."""
+        everything at every call cost a measurable share of a token (timed by hand: benchmarks/experiments/
+        README.md, "CPU decode layers")."""
         qkv = getattr(self._modules.get("self_attn"), "_modules", {}).get("qkv_proj")
         if type(qkv) is not CpuInt4Linear or qkv.path_for(1) != "int4_a8":  # the default plans: nothing more to check
             vars(self).pop("_decode_layer", None)  # nor anything kept from before
@@ -379,8 +377,9 @@ def cache_update():
 
 
 # Where torch has no bfloat16 GEMM kernel (SLOW_HALF_GEMM), from FLOAT32_MIN_ROWS rows the float lm_head
-# multiplies in float32, FLOAT32_TILE_ROWS rows of its weight converted at a time (BENCHMARKS.md, "CPU
-# decode layers": the crossover, and smaller tiles made the float32 GEMM slower).
+# multiplies in float32, FLOAT32_TILE_ROWS rows of its weight converted at a time (the crossover:
+# benchmarks/experiments/results/cpu-layers-avx2.json, "_rows_float32_tiles"; smaller tiles made the
+# float32 GEMM slower).
 FLOAT32_MIN_ROWS = 16
 FLOAT32_TILE_ROWS = 4096
 

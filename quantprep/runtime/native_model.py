@@ -3,7 +3,7 @@
 From a fresh process most of the time to a first token is importing torch and transformers'
 modeling code, not the artifact's work (BENCHMARKS.md, "llama.cpp, the CPU anchor"). This runtime
 imports numpy: it maps the artifact's safetensors (format/safetensors_numpy.py) and runs each
-decoder layer as one C call (cpu_c.LAYERS_SOURCE's layer_rows: a prompt's tokens in one call, then
+decoder layer as one C call (csrc/layers.c's layer_rows: a prompt's tokens in one call, then
 one token at a time), every projection through int4_a8, the activations rounded to int8 per group:
 the numerics of `warm --int8-activations` decode, at every length here (tests/test_native_model.py
 compares it with quantprep.load's model). The lm_head runs on the last position only: gemv_bf16 for
@@ -45,10 +45,10 @@ FUSED_MEMBERS = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["g
 def libraries() -> tuple[ctypes.CDLL, ctypes.CDLL, ctypes.CDLL] | None:
     """(int8-activation matmuls, attention, layers) compiled with OpenMP (native.py: the same builds
     as torch's process uses where torch's OpenMP is libgomp), or None without a C compiler."""
-    a8 = native.library(cpu_c.NATIVE_A8_SOURCE, ("-fopenmp",))
-    attention = native.library(cpu_c.ATTENTION_SOURCE, ("-fopenmp",))
-    layers = native.library(cpu_c.LAYERS_SOURCE, ("-fopenmp", "-fno-trapping-math"))  # cpu_layers.library's flags
-    return None if None in (a8, attention, layers) else (a8, attention, cpu_c.layers_functions(layers))
+    a8 = native.library("a8", ("-fopenmp",))
+    attention = native.library("attention", ("-fopenmp",))
+    layers = native.library("layers", ("-fopenmp", "-fno-trapping-math"))  # cpu_layers.library's flags
+    return None if None in (a8, attention, layers) else (a8, attention, layers)
 
 
 def default_threads() -> int:
@@ -66,7 +66,7 @@ def set_openmp_threads(n: int) -> None:
 
 
 def to_bf16(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bits, rounded to nearest even (as torch and cpu_c's to_bf16)."""
+    """float32 -> bfloat16 bits, rounded to nearest even (as torch and quantprep.h's to_bf16)."""
     u = np.ascontiguousarray(x, np.float32).view(np.uint32)
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
@@ -272,7 +272,7 @@ class NativeModel:
     def __init__(self, path: Path, manifest: dict, threads: int | None = None):
         libs = libraries()
         if libs is None:
-            raise refuse(path, "no C compiler here (cc), or QUANTPREP_NATIVE=0")
+            raise refuse(path, f"quantprep's C kernels are not built here ({native.unavailable_reason()})")
         a8, attention, self.lib = libs
         self.block, self.threads = a8.a8_block(), threads or default_threads()
         set_openmp_threads(self.threads)
@@ -283,7 +283,7 @@ class NativeModel:
             raise refuse(path, f"a {target.get('name')!r} artifact for {target.get('act_dtype')!r} activations (it runs cpu, bfloat16)")
         self.path, self.config, self.weights = path, Config(path), Weights(path, manifest)
         self.files = manifest["files"]  # what the checked manifest lists: runtime/tokenizer.py reads only these, checked again
-        self.int4_a8, self.int8_a8 = cpu_c.int4_a8_function(a8), cpu_c.int8_a8_function(a8)
+        self.int4_a8, self.int8_a8 = a8.int4_a8_cpu, a8.int8_a8_cpu
         c, modules = self.config, manifest["modules"]
         names = {f"model.layers.{i}.{m}" for i in range(c.layers) for m in c.bias} | ({"lm_head"} & set(modules))
         if extra := sorted(set(modules) - names):
@@ -304,7 +304,7 @@ class NativeModel:
                                                  ("mlp.down_proj", c.intermediate, c.hidden, None))]
             self.layers.append(cpu_c.DecodeLayerArgs(
                 int4_a8=ctypes.cast(self.int4_a8, ctypes.c_void_p).value,
-                attention=ctypes.cast(cpu_c.attention_function(attention), ctypes.c_void_p).value,
+                attention=ctypes.cast(attention.decode_attention, ctypes.c_void_p).value,
                 norm1=norms[0].ctypes.data, norm2=norms[1].ctypes.data, q_norm=qk[0], k_norm=qk[1],
                 eps1=c.eps, eps2=c.eps, q_eps=c.eps, k_eps=c.eps, scaling=c.head_dim ** -0.5, hidden=c.hidden, heads=c.heads,
                 kv_heads=c.kv_heads, head_dim=c.head_dim, intermediate=c.intermediate,

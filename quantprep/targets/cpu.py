@@ -9,13 +9,12 @@ w = (q - z) * s becomes zero = (8 - z) * s. Kernel limits (torch 2.14): group si
 GPTQ groups are mapped to kernel groups by `common.regroup` (exact, see there).
 
 int8: `_weight_int8pack_mm` is per-channel symmetric, so it runs only the GPTQ layers where that
-is exact (one group per column, zero 128; 18x faster than dequantizing at M=1, measured); other
+is exact (one group per column, zero 128; faster than dequantizing at M=1, benchmarks/experiments/int8_switch.py); other
 layers keep int8 codes and dequantize per forward (`common.pack_int8`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import itertools
 import os
@@ -43,7 +42,6 @@ from quantprep.targets.common import (
     round_up,
     torch_base_version,
 )
-from quantprep.targets.cpu_c import BF16_C, NATIVE_A8_SOURCE, int4_a8_function, int8_a8_function
 
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 N_ALIGN = 16
@@ -78,189 +76,23 @@ def pack_int4(codes: torch.Tensor, capability: str, step: int = 1 << 24) -> torc
     return out.view(N, K // 2)
 
 
-# The same layout straight from GPTQ's packed int32 codes, act-order gather included: one pass
-# where the tensor ops take six over unpacked bytes (unpack, gather, shift, or, permute copy): it
-# packs several times faster at the 7B-32B shapes (benchmarks/results/cpu-pack-avx512.json,
-# pack-prepack-cpu-avx512.json). Compiled once per process with the system's C
-# compiler (the build side only; an artifact never carries it); without one, the tensor ops.
-NATIVE_PACK_SOURCE = r"""
-#include <stdint.h>
-/* qweight [K/8, N]: code k of column n at bits 4*(k%8) of qweight[k/8][n]. dest [K] or NULL: source
-   row k goes to row dest[k] of the result. out: per block of `block` columns, [K, block/2] bytes,
-   byte j of row k = code(n0+j+block/2) << 4 | code(n0+j); a last, partial block pairs adjacent
-   columns. Each source word is read once: a block's 8 rows at a time, written where they go. */
-void pack_int4_cpu(const uint32_t *qweight, const int64_t *dest, int64_t K, int64_t N, int64_t block, uint8_t *out) {
-    int64_t n_full = N / block * block;
-    for (int64_t n0 = 0; n0 < N; n0 += block) {
-        int64_t width = n0 < n_full ? block : N - n_full, half = width / 2;
-        uint8_t *blk = out + n0 * K / 2;
-        for (int64_t w = 0; w < K / 8; w++) {
-            const uint32_t *row = qweight + w * N + n0;
-            for (int r = 0; r < 8; r++) {
-                uint8_t *o = blk + (dest ? dest[8 * w + r] : 8 * w + r) * half;
-                if (n0 < n_full)
-                    for (int64_t j = 0; j < half; j++)
-                        o[j] = (uint8_t)(((row[j] >> (4 * r)) & 15) | (((row[j + half] >> (4 * r)) & 15) << 4));
-                else
-                    for (int64_t j = 0; j < half; j++)
-                        o[j] = (uint8_t)(((row[2 * j] >> (4 * r)) & 15) | (((row[2 * j + 1] >> (4 * r)) & 15) << 4));
-            }
-        }
-    }
-}
-"""
-
-
 @functools.cache
 def native_packer():
-    """`pack_int4_cpu` from NATIVE_PACK_SOURCE (native.py compiles it); None without a C compiler or
-    with QUANTPREP_PACK=torch (then the tensor ops)."""
-    lib = None if os.environ.get(settings.PACK) == "torch" else native.library(NATIVE_PACK_SOURCE)
-    if lib is None:
-        return None
-    fn = lib.pack_int4_cpu
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    fn.restype = None
-    return fn
-
-
-# The dequantize path's weight, [K, N] in bfloat16 or float32, in one pass over the packed bytes
-# (pack_int4's layout): the tensor ops take seven passes and were most of that path's time at the
-# 1.5B's shapes (BENCHMARKS.md, "Kernel plans"). w = q * scale + (zero - 8 * scale) in float32,
-# rounded once to bfloat16 (to nearest even; the kernel's codes and scales are finite). A call
-# writes columns [n_begin, n_end) (whole blocks, or up to N) of every row, row k at
-# out + dest[k] * ldo, one output row at a time so the writes run along it. With AVX512-BF16 and the
-# AVX512 layout, 64 columns take a few vector instructions (faster than the compiler's loop on
-# the 1.5B's shapes but down_proj's, whose tiles are two blocks wide: benchmarks/cpu_dense_tiles.py).
-# Threads split the columns: torch's own OpenMP threads, where the library links the libgomp torch
-# loaded.
-NATIVE_DEQUANT_SOURCE = BF16_C + r"""
-#include <stdlib.h>
-#if defined(_OPENMP) && defined(__GNUC__) && !defined(__clang__)
-#include <omp.h>
-#define GNU_OPENMP 1 /* libgomp's: the runtime native_dequantizer checked torch runs on */
-#endif
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define BF16_BLOCK64 1
-#endif
-#define AS_FLOAT(v) (v)
-/* Columns [n0, n1) of row k (o: that row, indexed by column): each full block of `block` columns
-   (its byte j of row k holds columns j and j + block/2), then the last, partial one (byte j:
-   columns 2j and 2j + 1) when n1 reaches past the full blocks. */
-#define ROW(T, CONVERT)                                                                                           \
-    static void row_##T(const uint8_t *restrict packed, int64_t k, int64_t K, int64_t N, int64_t block,            \
-                        const float *restrict s, const float *restrict z, int64_t n0, int64_t n1, T *restrict o) { \
-        int64_t half = block / 2, n_full = N / block * block, tail = (N - n_full) / 2;                            \
-        for (; n0 < n1 && n0 < n_full; n0 += block) {                                                             \
-            const uint8_t *restrict p = packed + n0 * K / 2 + k * half;                                           \
-            _Pragma("GCC ivdep") for (int64_t j = 0; j < half; j++) {                                             \
-                o[n0 + j] = CONVERT((float)(p[j] & 15) * s[n0 + j] + z[n0 + j]);                                   \
-                o[n0 + j + half] = CONVERT((float)(p[j] >> 4) * s[n0 + j + half] + z[n0 + j + half]);              \
-            }                                                                                                     \
-        }                                                                                                         \
-        if (n1 <= n_full) return;                                                                                 \
-        const uint8_t *restrict p = packed + n_full * K / 2 + k * tail;                                           \
-        for (int64_t j = 0; j < tail; j++) {                                                                      \
-            o[n_full + 2 * j] = CONVERT((float)(p[j] & 15) * s[n_full + 2 * j] + z[n_full + 2 * j]);               \
-            o[n_full + 2 * j + 1] = CONVERT((float)(p[j] >> 4) * s[n_full + 2 * j + 1] + z[n_full + 2 * j + 1]);   \
-        }                                                                                                         \
-    }
-ROW(uint16_t, to_bf16)
-ROW(float, AS_FLOAT)
-#ifdef BF16_BLOCK64
-/* row_uint16_t's full 64-column blocks: 16 bytes -> 16 low and 16 high nibbles -> two 16-float
-   FMAs, rounded to bfloat16 by vcvtneps2bf16 (to nearest even, as to_bf16); returns where it stopped */
-static int64_t row_bf16_block64(const uint8_t *restrict packed, int64_t k, int64_t K, int64_t N, const float *restrict s,
-                                const float *restrict z, int64_t n0, int64_t n1, uint16_t *restrict o) {
-    const __m128i m15 = _mm_set1_epi8(15);
-    int64_t stop = n1 < N / 64 * 64 ? n1 : N / 64 * 64;
-    for (; n0 < stop; n0 += 64) {
-        const uint8_t *p = packed + n0 * K / 2 + k * 32;
-        for (int h = 0; h < 32; h += 16) {
-            __m128i b = _mm_loadu_si128((const __m128i *)(p + h));
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, m15)));
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m15)));
-            int64_t c = n0 + h;
-            lo = _mm512_fmadd_ps(lo, _mm512_loadu_ps(s + c), _mm512_loadu_ps(z + c));
-            hi = _mm512_fmadd_ps(hi, _mm512_loadu_ps(s + c + 32), _mm512_loadu_ps(z + c + 32));
-            _mm256_storeu_si256((__m256i *)(o + c), (__m256i)_mm512_cvtneps_pbh(lo));
-            _mm256_storeu_si256((__m256i *)(o + c + 32), (__m256i)_mm512_cvtneps_pbh(hi));
-        }
-    }
-    return n0;
-}
-#endif
-/* One group's scale and zero - 8 * scale, columns [c0, c1), as float from the stored pairs
-   sz[n] = (scale, zero) in float32 (sz_bf16 0) or bfloat16 (1) */
-static void group_floats(const void *sz, int sz_bf16, int64_t g, int64_t N, int64_t c0, int64_t c1, float *s, float *z) {
-    for (int64_t n = c0; n < c1; n++) {
-        float a, b;
-        if (sz_bf16) {
-            const uint16_t *p = (const uint16_t *)sz + 2 * (g * N + n);
-            uint32_t ua = (uint32_t)p[0] << 16, ub = (uint32_t)p[1] << 16;
-            memcpy(&a, &ua, 4), memcpy(&b, &ub, 4);
-        } else {
-            const float *p = (const float *)sz + 2 * (g * N + n);
-            a = p[0], b = p[1];
-        }
-        s[n - c0] = a, z[n - c0] = b - 8 * a;
-    }
-}
-/* K: the packed rows (padded), sz: [K / gs, N, 2]. Packed rows 0..rows-1 are written, row k to
-   output row dest[k] (dest NULL: k; a row outside 0..rows-1 is skipped, so no write leaves the
-   buffer), so an act-order weight comes out in the activations' own order; columns [n_begin, n_end)
-   of it to out + dest[k] * ldo + (n - n_begin). Each thread takes whole blocks of the columns.
-   Returns 0, or -1 when a thread could not allocate its group's floats. */
-int dequant_int4_cpu(const uint8_t *packed, const int32_t *dest, const void *sz, int sz_bf16, int64_t K, int64_t N,
-                     int64_t block, int64_t gs, int64_t rows, int64_t n_begin, int64_t n_end, int64_t ldo, int bf16, void *out,
-                     int threads) {
-    int64_t blocks = (n_end - n_begin + block - 1) / block;
-    int failed = 0;
-#ifdef GNU_OPENMP
-#pragma omp parallel num_threads(threads) reduction(| : failed)
-#endif
-    {
-        int64_t t = 0, T = 1;
-#ifdef GNU_OPENMP
-        t = omp_get_thread_num(), T = omp_get_num_threads();
-#endif
-        int64_t per = (blocks + T - 1) / T * block, c0 = n_begin + t * per, c1 = c0 + per < n_end ? c0 + per : n_end;
-        float *s = c0 < c1 ? malloc(2 * (c1 - c0) * sizeof(float)) : NULL, *z = s + (c1 - c0);
-        failed |= c0 < c1 && s == NULL;
-        for (int64_t k = 0, g = -1; k < rows && s != NULL; k++) {
-            int64_t r = dest ? dest[k] : k, n0 = c0;
-            if (r < 0 || r >= rows) continue;
-            if (k / gs != g) group_floats(sz, sz_bf16, g = k / gs, N, c0, c1, s, z);
-            if (bf16) {
-                uint16_t *o = (uint16_t *)out + r * ldo - n_begin;
-#ifdef BF16_BLOCK64
-                if (block == 64) n0 = row_bf16_block64(packed, k, K, N, s - c0, z - c0, n0, c1, o);
-#endif
-                row_uint16_t(packed, k, K, N, block, s - c0, z - c0, n0, c1, o);
-            } else {
-                row_float(packed, k, K, N, block, s - c0, z - c0, n0, c1, (float *)out + r * ldo - n_begin);
-            }
-        }
-        free(s);
-    }
-    return failed ? -1 : 0;
-}
-"""
+    """`pack_int4_cpu` (csrc/pack.c: pack_int4's layout straight from GPTQ's int32 codes, several times
+    faster than the tensor ops); None without a C compiler or with QUANTPREP_PACK=torch (then the
+    tensor ops)."""
+    lib = None if os.environ.get(settings.PACK) == "torch" else native.library("pack")
+    return None if lib is None else lib.pack_int4_cpu
 
 
 @functools.cache
 def native_dequantizer():
-    """`dequant_int4_cpu` from NATIVE_DEQUANT_SOURCE, or None (then the tensor ops). Built with
-    OpenMP (GCC's) only where torch's runtime is the libgomp.so.1 already loaded: the library then
-    binds to it (one runtime, torch's threads, torch's thread count); elsewhere one thread per call."""
-    lib = native.library_with_torch_openmp(NATIVE_DEQUANT_SOURCE)
-    if lib is None:
-        return None
-    fn = lib.dequant_int4_cpu
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_int64] * 8 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    """`dequant_int4_cpu` (csrc/dequant.c: the dense paths' weight in one pass over the packed bytes), or
+    None (then the tensor ops). Built with OpenMP (GCC's) only where torch's runtime is the
+    libgomp.so.1 already loaded: the library then binds to it (one runtime, torch's threads, torch's
+    thread count); elsewhere one thread per call."""
+    lib = native.library_with_torch_openmp("dequant")
+    return None if lib is None else lib.dequant_int4_cpu
 
 
 def eager(t: torch.Tensor) -> bool:
@@ -328,35 +160,31 @@ def dequantize_native(packed: torch.Tensor, scales_and_zeros: torch.Tensor, K: i
 
 @functools.cache
 def native_a8_block() -> int:
-    """The pack block whose layout NATIVE_A8_SOURCE's int4_a8_cpu reads on this machine (64:
+    """The pack block whose layout csrc/a8.c's int4_a8_cpu reads on this machine (64:
     AVX512-VNNI and VBMI; 32: AVX2 and FMA), or 0: no compiler, or neither ISA (no int4_a8 or
     int8_a8 path). An AVX512 CPU without VNNI or VBMI gets 32, and torch packs 64 there: int8_a8
     only. OpenMP as native_dequantizer."""
-    lib = native.library_with_torch_openmp(NATIVE_A8_SOURCE)
+    lib = native.library_with_torch_openmp("a8")
     return 0 if lib is None else lib.a8_block()
 
 
 @functools.cache
 def native_int4_a8():
-    """`int4_a8_cpu` from NATIVE_A8_SOURCE, or None without a kernel (native_a8_block)."""
-    if not native_a8_block():
-        return None
-    return int4_a8_function(native.library_with_torch_openmp(NATIVE_A8_SOURCE))
+    """`int4_a8_cpu` (csrc/a8.c), or None without a kernel (native_a8_block)."""
+    return native.library_with_torch_openmp("a8").int4_a8_cpu if native_a8_block() else None
 
 
 @functools.cache
 def native_int8_a8():
-    """`int8_a8_cpu` from NATIVE_A8_SOURCE, or None without a kernel (native_a8_block)."""
-    if not native_a8_block():
-        return None
-    return int8_a8_function(native.library_with_torch_openmp(NATIVE_A8_SOURCE))
+    """`int8_a8_cpu` (csrc/a8.c), or None without a kernel (native_a8_block)."""
+    return native.library_with_torch_openmp("a8").int8_a8_cpu if native_a8_block() else None
 
 
 # The dense path multiplies one column tile of the weight at a time instead of dequantizing the
 # whole weight first: each tile is written into a buffer that stays in cache by torch's own threads
 # (each its share of the columns), then multiplied on them. Whole weights written to memory and read
 # back, tiles written past the cache (streaming stores) and tiles written by one core for both to
-# read were each slower (BENCHMARKS.md, "Kernel plans"; benchmarks/cpu_dense_tiles.py). Tiles are a
+# read were each slower (benchmarks/experiments/cpu_dense_tiles.py). Tiles are a
 # power of two of columns of at most TILE_BYTES, or one pack block where a block is larger.
 TILE_BYTES = 5 << 19
 _tile = threading.local()
@@ -438,7 +266,7 @@ class CpuInt4Linear(PackedLinear):
     """Paths: "int4", the kernel; "dequant" (or "dequant_f32", common.dense_path), dequantizing the
     packed weight and a dense matmul, whose fixed cost the kernel's time, linear in M, passes at
     some M. Fixed rule: the dense path from DEQUANT_MIN_M rows, where it won on both machines
-    measured (BENCHMARKS.md, "CPU int4 and int8 at large M"; benchmarks/cpu_prefill.py); a kernel
+    measured (benchmarks/experiments/README.md, "CPU int4 and int8 at large M"); a kernel
     plan replaces it with this machine's own crossover."""
 
     DEQUANT_MIN_M = 384
@@ -513,7 +341,7 @@ class CpuInt4Linear(PackedLinear):
         return path != "int4"  # the dense paths dequantize into the activations' order; int4_a8 gathers as it quantizes
 
     def int4_a8(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in_features] (activations' order) through NATIVE_A8_SOURCE's kernel."""
+        """x [M, in_features] (activations' order) through csrc/a8.c's int4_a8_cpu."""
         x = x.to(torch.bfloat16).contiguous()
         if not eager(x) or x.device.type != "cpu" or x.shape[1] != self.in_features:
             raise ValueError(f"int4_a8 takes real cpu activations of {self.in_features} columns, not {tuple(x.shape)}")

@@ -10,6 +10,7 @@ import itertools
 import pytest
 import torch
 from conftest import prepacked_module, rel_err, top1
+from native_c import require_c, require_int4_a8
 
 from quantprep.build.source import QuantConfig
 from quantprep.build.synthetic import random_gptq_tensors
@@ -83,8 +84,7 @@ def test_fast_pack_equals_upstream_op(N, K, step):
 def _native_or_skip():
     from quantprep.targets.cpu import native_packer
 
-    if native_packer() is None:
-        pytest.skip("no C compiler (cc) here: prepack packs with the tensor ops, which the tests above cover")
+    require_c(native_packer() is not None)  # without it prepack packs with the tensor ops, which the tests above cover
 
 
 # (K, N, Kp, Np): as is; N with a partial last block; K and N padded (kernel group, N % 16)
@@ -246,8 +246,7 @@ def test_native_dequantize_is_the_kernel_s_arithmetic(N, K, gs, block, dtype):
     partial column blocks of both ISAs' layouts."""
     from quantprep.targets.cpu import FAST_PACK_BLOCK_N, dequantize_native, native_dequantizer, pack_int4
 
-    if native_dequantizer() is None:
-        pytest.skip("no C compiler here: the dequantize path uses tensor ops")
+    require_c(native_dequantizer() is not None)
     isa = next(k for k, v in FAST_PACK_BLOCK_N.items() if v == block)
     gen = torch.Generator().manual_seed(N + K)
     codes = torch.randint(0, 16, (K, N), dtype=torch.uint8, generator=gen)
@@ -266,8 +265,7 @@ def test_the_native_dequantizer_writes_unaligned_outputs():
     same bytes, and column ranges land at their offsets."""
     from quantprep.targets import cpu
 
-    if cpu.native_dequantizer() is None:
-        pytest.skip("no C compiler here: the dequantize path uses tensor ops")
+    require_c(cpu.native_dequantizer() is not None)
     gen = torch.Generator().manual_seed(10)
     _, module, _ = _module_for(random_gptq_tensors(256, 208, 4, 64, False, True, True, generator=gen),
                                QuantConfig(4, 64, False, True, "gptq"), torch.bfloat16)
@@ -344,8 +342,7 @@ def test_fused_members_are_written_into_their_own_outputs(sizes, direct, monkeyp
     follows; elsewhere the fused output is split and copied. Same numbers either way, bias included."""
     from quantprep.targets import cpu
 
-    if cpu.native_dequantizer() is None:
-        pytest.skip("no C compiler here: no tiled path")
+    require_c(cpu.native_dequantizer() is not None)
     gen = torch.Generator().manual_seed(sum(sizes))
     K, N = 256, sum(sizes)
     _, module, _ = _module_for(random_gptq_tensors(K, N, 4, 64, False, True, True, bias=True, generator=gen),
@@ -367,8 +364,9 @@ def test_fused_members_are_written_into_their_own_outputs(sizes, direct, monkeyp
 def _int4_a8_or_skip():
     from quantprep.targets import cpu
 
-    if not cpu.native_a8_block() or cpu.FAST_PACK_BLOCK_N.get(torch.backends.cpu.get_cpu_capability()) != cpu.native_a8_block():
-        pytest.skip("no C compiler, this CPU has neither AVX512-VNNI/VBMI nor AVX2/FMA, or torch packs another ISA's layout: no int4_a8 path")
+    require_int4_a8()
+    if cpu.FAST_PACK_BLOCK_N.get(torch.backends.cpu.get_cpu_capability()) != cpu.native_a8_block():
+        pytest.skip("torch packs another ISA's layout than int4_a8 reads on this CPU: no int4_a8 path")
 
 
 def test_int4_a8_gives_nan_for_nan_and_follows_a_moved_buffer():
@@ -425,16 +423,17 @@ def test_int4_a8_is_the_kernel_s_weight_times_int8_activations(K, N, gs, act_ord
 @pytest.mark.parametrize("K_in,Kp,N,gs,act_order", [(200, 256, 80, 64, True), (512, 512, 96, 128, False)])
 @pytest.mark.parametrize("M", [1, 2, 6])
 def test_the_avx2_int4_a8_kernel_on_any_x86_host(K_in, Kp, N, gs, act_order, M):
-    """NATIVE_A8_SOURCE built without AVX512 (its AVX2 kernel, on AVX512 hosts too), called on
+    """csrc/a8.c built without AVX512 (its AVX2 kernel, on AVX512 hosts too), called on
     pack_int4's AVX2 layout (32-column blocks; 80 and 96 end on a partial one) against float64: the
     activations gathered by perm (packed row k reads x[perm[k]], rows past K_in read 0), rounded per
     group to round(x / a), a = max|x| / 127, times w = (q - 8) * scale + zero. Tolerance as above."""
 
     from quantprep.targets import cpu, native
 
-    lib = native.library(cpu.NATIVE_A8_SOURCE, ("-mno-avx512f",))
-    if lib is None or lib.a8_block() != 32:
-        pytest.skip("no C compiler, or this CPU has no AVX2 and FMA")
+    lib = native.library("a8", ("-mno-avx512f",))
+    require_c(lib is not None)
+    if lib.a8_block() != 32:
+        pytest.skip("this CPU has no AVX2 and FMA")
     gen = torch.Generator().manual_seed(K_in * N + M)
     codes = torch.randint(0, 16, (Kp, N), generator=gen, dtype=torch.uint8)
     sz = (torch.randn(Kp // gs, N, 2, generator=gen) * torch.tensor([0.02, 0.1])).bfloat16()
@@ -442,7 +441,7 @@ def test_the_avx2_int4_a8_kernel_on_any_x86_host(K_in, Kp, N, gs, act_order, M):
     x = torch.randn(M, K_in, generator=gen).bfloat16()
     packed = cpu.pack_int4(codes, "AVX2")
     out = torch.empty(M, N, dtype=torch.bfloat16)
-    fn = cpu.int4_a8_function(lib)
+    fn = lib.int4_a8_cpu
     assert fn(x.data_ptr(), M, K_in, None if perm is None else perm.data_ptr(), K_in, packed.data_ptr(), sz.data_ptr(),
               Kp, N, gs, 64, out.data_ptr(), N, 1) == -2  # another layout's block: refused
     assert fn(x.data_ptr(), M, K_in, None if perm is None else perm.data_ptr(), K_in, packed.data_ptr(), sz.data_ptr(),
@@ -456,18 +455,18 @@ def test_the_avx2_int4_a8_kernel_on_any_x86_host(K_in, Kp, N, gs, act_order, M):
     w = (codes.double() - 8) * s.repeat_interleave(gs, 0) + z.repeat_interleave(gs, 0)
     ref = xq @ w
     assert rel_err(out.double(), ref) < 2.5e-3
-    # built without its prefetch (benchmarks/cpu_layers.py's baseline): the same bits, int8_a8's too
-    plain = native.library(cpu.NATIVE_A8_SOURCE, ("-mno-avx512f", "-DA8_AHEAD=0"))
+    # built without its prefetch (benchmarks/experiments/cpu_layers.py's baseline): the same bits, int8_a8's too
+    plain = native.library("a8", ("-mno-avx512f", "-DA8_AHEAD=0"))
     assert lib.a8_ahead() > 0 and plain.a8_ahead() == 0
     again = torch.empty_like(out)
-    assert cpu.int4_a8_function(plain)(x.data_ptr(), M, K_in, None if perm is None else perm.data_ptr(), K_in, packed.data_ptr(),
-                                       sz.data_ptr(), Kp, N, gs, 32, again.data_ptr(), N, 1) == 0
+    assert plain.int4_a8_cpu(x.data_ptr(), M, K_in, None if perm is None else perm.data_ptr(), K_in, packed.data_ptr(),
+                             sz.data_ptr(), Kp, N, gs, 32, again.data_ptr(), N, 1) == 0
     assert torch.equal(again, out)
     w8, scale = torch.randint(-127, 128, (N, 256), generator=gen, dtype=torch.int8), torch.rand(N, generator=gen).bfloat16()
     x8 = torch.randn(M, 256, generator=gen).bfloat16()
     out8 = [torch.empty(M, N, dtype=torch.bfloat16) for _ in range(2)]
     for build, o in zip((lib, plain), out8, strict=True):
-        assert cpu.int8_a8_function(build)(x8.data_ptr(), M, 256, w8.data_ptr(), scale.data_ptr(), N, 256, o.data_ptr(), N, 1) == 0
+        assert build.int8_a8_cpu(x8.data_ptr(), M, 256, w8.data_ptr(), scale.data_ptr(), N, 256, o.data_ptr(), N, 1) == 0
     assert torch.equal(out8[0], out8[1]) and out8[0].isfinite().all()
 
 
@@ -512,8 +511,7 @@ def test_int8_a8_is_the_weight_times_int8_activations(K, N, M):
     stay finite."""
     from quantprep.targets import cpu
 
-    if cpu.native_int8_a8() is None:
-        pytest.skip("no C compiler, or this CPU has neither AVX512-VNNI/VBMI nor AVX2/FMA: no int8_a8 path")
+    require_int4_a8()  # int8_a8 is built beside it
     gen = torch.Generator().manual_seed(K * N + M)
     _, module, meta = _module_for(random_gptq_tensors(K, N, 8, -1, True, False, True, bias=True, generator=gen),
                                   QuantConfig(8, -1, True, False, "gptq"), torch.bfloat16)
