@@ -1,7 +1,8 @@
 """What every benchmark here shares: timing, fresh child processes, the machine, the results file.
 
 Scripts run as `python benchmarks/NAME.py`, so this directory is on sys.path and they import
-`from common import ...`. Only the standard library at import time: torch is imported where a
+`from common import ...` (the frozen ones in benchmarks/experiments/ find it through
+`PYTHONPATH=.:benchmarks`: that folder's README). Only the standard library at import time: torch is imported where a
 function needs it, so a script's --help and its child processes stay fast.
 """
 

@@ -444,7 +444,7 @@ def prefer_huge_pages() -> None:
     """PyTorch's CPU allocator on transparent huge pages (THP_MEM_ALLOC_ENABLE, read at the
     process's first tensor allocation, so before any): prepack's and the dequantize paths' large
     temporaries otherwise take a page fault per 4 KiB on first touch; prepack at the 7B-32B shapes
-    is faster with it (benchmarks/results/thp-prepack-cpu-avx512.json). The environment wins."""
+    is faster with it (benchmarks/experiments/results/thp-prepack-cpu-avx512.json). The environment wins."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 

@@ -21,8 +21,9 @@ def test_recipes_with_gguf_parts(tmp_path):
         parse_recipe(bad)
 
 def test_qwen_recipes_calibrate_on_the_measured_text_disjoint_from_the_held_out_one():
-    """The Qwen recipes' calibration file is the one BENCHMARKS.md measured (its sha256) and shares
-    no paragraph with the held-out text quantprep eval scores: quality is not measured on seen text."""
+    """The Qwen recipes' calibration file is the one the calibration experiment measured (its sha256;
+    benchmarks/experiments/README.md, "Calibration") and shares no paragraph with the held-out text
+    quantprep eval scores: quality is not measured on seen text."""
     import hashlib
 
     from quantprep.build.recipes import find_recipe

@@ -29,12 +29,8 @@ SHAPES = {"qkv": (1536, 2048), "o": (1536, 1536), "gate_up": (1536, 17920), "dow
 
 
 def portable_dequantizer():
-    """NATIVE_DEQUANT_SOURCE without its AVX512-BF16 block: the compiler's loop alone (built as cpu.py builds it)."""
-    flags = ("-fopenmp",) if native.torch_openmp() else ()
-    lib = native.library(cpu.NATIVE_DEQUANT_SOURCE.replace("#define BF16_BLOCK64 1\n", ""), flags)
-    fn = lib.dequant_int4_cpu
-    fn.argtypes, fn.restype = cpu.native_dequantizer().argtypes, cpu.native_dequantizer().restype
-    return fn
+    """csrc/dequant.c without its AVX512-BF16 block: the compiler's loop alone (built as cpu.py builds it)."""
+    return native.library_with_torch_openmp("dequant", ("-DBF16_BLOCK64=0",)).dequant_int4_cpu
 
 
 def module(K: int, N: int):

@@ -44,8 +44,8 @@ AS_BUILT = (cpu.native_int4_a8, cpu.native_int8_a8)
 @functools.cache
 def without_prefetch() -> tuple:
     """Stand-ins for AS_BUILT: int4_a8 and int8_a8 from a build with -DA8_AHEAD=0."""
-    lib = native.library_with_torch_openmp(cpu.NATIVE_A8_SOURCE, ("-DA8_AHEAD=0",))
-    four, eight = cpu.int4_a8_function(lib), cpu.int8_a8_function(lib)
+    lib = native.library_with_torch_openmp("a8", ("-DA8_AHEAD=0",))
+    four, eight = lib.int4_a8_cpu, lib.int8_a8_cpu
     return (lambda: four), (lambda: eight)
 
 

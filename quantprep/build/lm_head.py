@@ -1,7 +1,7 @@
 """A quantized lm_head, opted into at build time (`--lm-head int8|int4`, a recipe's `build.lm_head`).
 
 A GPTQ checkpoint's lm_head is usually float, and tied to the embedding (Qwen2.5-1.5B: 467 MB of
-bfloat16, read whole for every decoded token: more than a third of the cpu artifact's decode,
+bfloat16, read whole for every decoded token: a large share of the cpu artifact's decode,
 BENCHMARKS.md, "llama.cpp, the CPU anchor"). This rounds it to nearest, with no calibration:
   - int8: per output channel, symmetric, w = (q - 128) * scale, scale = max|w| / 127 rounded to
     bfloat16 first (so no target's activation dtype rounds it again): the exact case of the

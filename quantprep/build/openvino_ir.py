@@ -13,6 +13,7 @@ import torch
 from quantprep._io.jsonfile import read_json_object
 from quantprep.errors import SourceError
 from quantprep.format.artifact import OPENVINO_MODEL, OPENVINO_TOKENIZERS, ArtifactWriter, sha256_file
+from quantprep.runtime.fused import in_model
 from quantprep.runtime.openvino_graph import TensorWeights, export
 
 # The tokenizer IR's rt_info that only records who converted it
@@ -33,7 +34,10 @@ def check_floats(ckpt) -> None:
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     quantized_parents = {layer.rpartition(".")[0] for layer in ckpt.layers} | {layer.rsplit(".", 2)[0] for layer in ckpt.layers}
     for name, param in model.named_parameters():  # a tied lm_head is the embedding's: not listed
-        if name.rpartition(".")[0] in ckpt.layers or name.rpartition(".")[0] in quantized_parents:
+        module = name.rpartition(".")[0]
+        parent, _, child = module.rpartition(".")
+        members = in_model(config.model_type, child) or ()  # Phi-3's gate_up_proj: gptqmodel writes gate_proj and up_proj
+        if module in ckpt.layers or module in quantized_parents or (members and all(f"{parent}.{m}" in ckpt.layers for m in members)):
             continue  # a quantized Linear's, or a layer's experts' (3-D tensors the checkpoint holds as one Linear per expert)
         if name not in ckpt.other_tensors:
             raise SourceError(f"tensor {name}: missing from the checkpoint, which the {config.model_type} model of its config.json "

@@ -195,7 +195,7 @@ def one_torch_thread():
     """torch on one thread for a build, unless OMP_NUM_THREADS says otherwise. Its OpenMP workers
     spin between ops (libgomp's default wait policy), taking CPU time from the threads that import,
     read, hash and write, while prepack's own torch ops are small
-    (benchmarks/results/threads-prepack-cpu-avx512.json)."""
+    (benchmarks/experiments/results/threads-prepack-cpu-avx512.json)."""
     if "OMP_NUM_THREADS" in os.environ:
         yield
         return

@@ -82,7 +82,7 @@ def make_probe(layer: PrepackLayer, seed: int = 0) -> dict[str, torch.Tensor]:
 
 # Layers that read the same input, fused into one prepacked matmul when exact (`can_fuse`): one
 # call instead of several is faster for q/k/v and gate/up on the GPU and no slower on the CPU
-# (BENCHMARKS.md, "Fusion of q/k/v and gate/up").
+# (benchmarks/experiments/README.md, "Fusion of q/k/v and gate/up").
 FUSIONS = {("q_proj", "k_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_proj"): "gate_up_proj"}
 
 

@@ -1,8 +1,9 @@
 """Compiled decoder MLPs: built at warm, loaded at load without dynamo.
 
-torch.compile with every kernel in the cache still costs about 2.5 s per process on a CPU (the
-first compile call, the dynamo trace, Inductor hashing its sources for the cache key, loading the
-graph; BENCHMARKS.md). Two formats skip the trace, tried in this order (FORMATS):
+torch.compile with every kernel in the cache still costs seconds per process on a CPU (the first
+compile call, the dynamo trace, Inductor hashing its sources for the cache key, loading the graph:
+mode b2 in benchmarks/results/kcache-cpu-smollm2-aot.json). Two formats skip the trace, tried in
+this order (FORMATS):
 - "aoti": an AOTInductor package, the compiled graph as a shared library in a zip (no pickle);
   loading one takes ~0.15 s. AOTInductor's loader crashes on some installs (every package,
   even a plain matmul, under the GPU machine's torch 2.11): warm's check then rejects it.
@@ -161,8 +162,9 @@ def prefetch_runtime(entries: list[dict]) -> threading.Thread | None:
     load copies the weights; the caller must have done its own imports first (two threads
     importing modules that import each other can see a partly initialised module).
 
-    The copies to the GPU release the GIL, so part of the ~1 s import overlaps them: 0.15-0.55 s
-    less load time on the H100 (BENCHMARKS.md); on the CPU (mmapped weights) neither gain nor loss.
+    The copies to the GPU release the GIL, so part of the import overlaps them: less load time on
+    the H100 (mode b4, without the thread, in benchmarks/results/kcache-cuda-h100-prefetch*.json);
+    on the CPU (mmapped weights) neither gain nor loss.
     AOTInductor packages import little once dynamo is loaded (0.03 s): no thread for them."""
     if not any(package_format(e) == "inductor" for e in entries):
         return None
@@ -255,8 +257,8 @@ def compile_regions(model) -> int:
     Not the whole layer: attention updates transformers' KV cache, whose per-layer state makes
     dynamo recompile for every layer (then, past its recompile limit, run eager silently). The MLPs
     are identical across layers, so one trace per shape class serves them all. Compiling the
-    attention projections too was measured (SmolLM2, CPU): 3x the graphs, +1.3 s to the first
-    token with a warm cache, and slower decode (21 vs 27 tok/s), so they stay eager."""
+    attention projections too was measured once (SmolLM2, CPU): three times the graphs, a slower
+    first token with a warm cache, and slower decode, so they stay eager."""
     n = 0
     for mlp in decoder_mlps(model):
         if not isinstance(mlp.forward, AotForward):

@@ -407,8 +407,8 @@ def example_inputs(model: nn.Module) -> tuple[torch.Tensor, ...]:
 
 def additive_masks(model):
     """Each attention's boolean mask (transformers' SDPA mask) as the additive f32 mask it means: the
-    CPU plugin's attention took 6x as long with the boolean one (Qwen2.5-1.5B's shapes, a prefill of
-    512 tokens: BENCHMARKS.md, "OpenVINO target")."""
+    CPU plugin's attention took several times as long with the boolean one (Qwen2.5-1.5B's shapes, a
+    prefill of 512 tokens; docs/openvino.md)."""
     import openvino as ov
     import openvino.opset13 as ops
 

@@ -4,7 +4,7 @@ the serving machine.
 A packed Linear may have several paths (targets/: the int4 kernel, or dequantizing its weight and
 a dense matmul), and which one is faster depends on the CPU or GPU, its cores and M: on one 2-core
 AVX512 CPU the int4 kernel beat the dense path at M = 512 on the 1.5B's gate/up layer, where the
-fixed rule sent it to the dense one (BENCHMARKS.md, "Kernel plans"). `warm` times every path of
+fixed rule sent it to the dense one (benchmarks/experiments/results/cpu-prefill-avx512-epyc.json). `warm` times every path of
 each distinct linear shape at the warmed prefill lengths (and M = 1, decode) and writes the winners
 to `kcache/plan.json`; `load` applies them when the kcache is trusted and the plan's key is this
 machine's. Otherwise, and above the longest length timed, every module keeps its fixed rule
@@ -41,8 +41,8 @@ MAX_RANGES = 64
 REPS = 3  # timed calls per path and length, after an uncounted one
 # On a CPU, a path whose first call takes LONG_CALL_S or more is timed by one more call, and one
 # whose first call took CLEAR_LOSS times the fastest first call's time or more by none (it has
-# lost): the 1.5B's lm_head at M = 512 (seconds a call on AVX2) made the plan take a minute
-# (BENCHMARKS.md, "Kernel plans"). What a first call builds (a native library) prepare() builds.
+# lost): the 1.5B's lm_head at M = 512 (seconds a call on AVX2) made the plan the longest part of
+# a warm. What a first call builds (a native library) prepare() builds.
 LONG_CALL_S, CLEAR_LOSS = 0.25, 1.5
 # Below a millisecond, three calls let one thread wake-up or cache miss pick the CPU's winner (two
 # M = 1 paths of 0.13 and 0.28 ms timed 0.50 and 0.49); ten such calls cost nothing beside the rest.
@@ -74,7 +74,7 @@ def time_paths(module: PackedLinear, x: torch.Tensor, paths: tuple[str, ...]) ->
     calls where the first calls were short, and fewer where they were long (LONG_CALL_S). On a GPU each path's
     forward is captured once as a CUDA graph and its replays are timed: the GPU's own work. Timed
     from the host, a small layer's kernels (microseconds) hid behind Python's launches and the
-    winner flipped from run to run (BENCHMARKS.md, "Kernel plans")."""
+    winner flipped from run to run (benchmarks/experiments/results/plan-prefill-cuda-h200-host-timed-plan.json)."""
     saved = {k: vars(module)[k] for k in ("plan", "plan_max_m") if k in vars(module)}
 
     def call(path: str) -> None:

@@ -55,7 +55,7 @@ def _child_main() -> None:
     if args["phase"] == "aot":
         # A process of its own: export leaves global state behind that changes torch.compile's
         # cache keys (the mega-cache then missed at load). Same Inductor dir as the compile phase:
-        # its CPU ISA probes (compiled once per dir, 12 s on 2 cores) are needed at load too.
+        # its CPU ISA probes (compiled once per dir, seconds on 2 cores) are needed at load too.
         # AOTInductor's build directories (a wrapper.cpp in each) are not shipped: the packages
         # hold what they built.
         from quantprep.runtime.aot import build_packages

@@ -88,8 +88,9 @@ def gather_and_pad(x: torch.Tensor, perm: torch.Tensor | None, padded_in: int) -
 
 
 # oneDNN has bf16/fp16 GEMM kernels from AVX512 on; below that a half-precision CPU matmul runs a
-# reference loop: 512x1536 @ 1536x8960 took 19.5 s in bf16 and 0.19 s in float32 on a 2-core AVX2
-# machine (BENCHMARKS.md, CPU int4 at large M). The dequantize paths' dense matmuls run in float32 there.
+# reference loop, far slower than float32's for a prefill-sized GEMM on a 2-core AVX2 machine
+# (benchmarks/experiments/README.md, "CPU int4 and int8 at large M"). The dequantize paths' dense matmuls
+# run in float32 there.
 SLOW_HALF_GEMM = torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2")
 
 
@@ -253,8 +254,8 @@ class Int8PerChannelLinear(PackedLinear):
     """int8 weight [N, K] times a per-output-channel scale (cpu and cuda). Fixed rule: on the CPU
     below DEQUANT_MIN_M rows `aten._weight_int8pack_mm`, from there dequantizing once per call and a
     dense matmul; on cuda always the latter, since torch's cuda int8 kernel is the slower one at
-    every M. The switch points come from the kernel / dequantize ratios across M in BENCHMARKS.md,
-    "CPU int4 and int8 at large M" (benchmarks/int8_switch.py, benchmarks/cpu_prefill.py); a kernel
+    every M. The switch points come from the kernel / dequantize ratios across M in
+    benchmarks/experiments/README.md, "CPU int4 and int8 at large M" (int8_switch.py, cpu_prefill.py); a kernel
     plan replaces them with this machine's own."""
 
     DEQUANT_MIN_M = 128  # cpu

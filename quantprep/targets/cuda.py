@@ -7,9 +7,10 @@ same int32 words with tensor ops so artifacts build on machines without a GPU. L
 pytorch aten/src/ATen/native/cuda/int4mm.cu (`matrix_to_m16n8k16_Bint4_layout`): output
 [N/8, K/(16*ikt), 32, ikt/2] int32; lane t of n-tile nt reads row n = 8*nt + t//4; word j of
 k-super-tile ko holds 8 codes at k = ko*16*ikt + 32*j + 16*i1 + 8*i0 + 2*(t%4) + h, nibble
-4*(4*h + 2*i1 + i0). The device run (benchmarks/cuda_kernels.py) checks it equals the op.
+4*(4*h + 2*i1 + i0). The device run (benchmarks/experiments/cuda_kernels.py) checked it equals the op.
 
-int4, prefill (M > DECODE_MAX_M): tinygemm was measured 16x slower than dense bf16 at M=512, so
+int4, prefill (M > DECODE_MAX_M): tinygemm is many times slower than dense bf16 at M=512
+(benchmarks/experiments/results/cuda-h200.json), so
 the weight is dequantized to bf16 in one Triton pass, each row where the activations have it (so
 no act-order gather of x), and multiplied by cuBLAS (the fixed rule; a fused projection's parts each
 on their own column slice of it, so no part is copied out of a fused output), or
@@ -19,12 +20,12 @@ the kernel torchao's preshuffled int4 calls) dequantizes in registers: paths a k
 (runtime/plan.py). mslk's weight layout is built on the GPU from `qweight_kn` when a plan names it
 (+0.5 byte per weight in GPU memory), never read from the artifact. The dequantize pass and the
 Triton GEMM read a second copy of the codes in GPTQ's [K/8, N] words
-(`qweight_kn`, coalesced along N; reading tinygemm's tiles from Triton was 10-50x slower, measured):
+(`qweight_kn`, coalesced along N; reading tinygemm's tiles from Triton was far slower, measured once):
 +0.5 byte per weight. Off a GPU and while torch.compile or export trace (verify on CPU, tests), the
 weight is dequantized with tensor ops instead.
 
-int8: dequantize + a dense matmul (`common.pack_int8`): torch's cuda `_weight_int8pack_mm` measured
-1.1-150x slower than it on an H100 (common.Int8PerChannelLinear).
+int8: dequantize + a dense matmul (`common.pack_int8`): torch's cuda `_weight_int8pack_mm` was slower
+than it at every M on an H100 (benchmarks/experiments/results/int8-switch-cuda-h100.json; common.Int8PerChannelLinear).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ from quantprep.targets.common import (
 
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 N_ALIGN = 8
-DECODE_MAX_M = 16  # tinygemm up to here: measured crossover on an H200 (BENCHMARKS.md)
-PREFILL_CONFIG = (64, 64, 128, 4, 3)  # Triton tiles, picked by benchmarks/cuda_kernels.py --sweep
+DECODE_MAX_M = 16  # tinygemm up to here: the crossover on an H200 (benchmarks/experiments/results/cuda-h200.json)
+PREFILL_CONFIG = (64, 64, 128, 4, 3)  # Triton tiles, picked by benchmarks/experiments/cuda_kernels.py --sweep
 CHECK_CODES = 1 << 23  # codes compared at a time when load checks the two copies (about 18 bytes each while packing)
 
 
@@ -138,8 +139,8 @@ if triton is not None:
         activations' order, w = (q - 8) * s + z (BLOCK_K divides GROUP). Packed row k is input row
         perm[k] (act-order) and rows k >= K_IN are padding: writing each row where the activations
         have it spares the matmul the gather of x's columns. Each of a word's 8 nibbles is stored
-        as its own slab of rows (5-25% faster than reshaping the codes to [BLOCK_K, BLOCK_N] in
-        registers: benchmarks/cuda_dequant.py)."""
+        as its own slab of rows (faster than reshaping the codes to [BLOCK_K, BLOCK_N] in registers:
+        benchmarks/experiments/results/cuda-dequant-h200.json)."""
         pid_k, pid_n = tl.program_id(0), tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -163,8 +164,8 @@ if triton is not None:
 
 def dequantize_kn(qweight_kn: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
                   perm: torch.Tensor | None = None, in_features: int | None = None) -> torch.Tensor:
-    """bf16 [in_features, N] from GPTQ's words [Kp/8, N] in one Triton pass: 9-12x faster than the
-    tensor ops on an H100 (benchmarks/results/cuda-prefill-h100.json, "dequant"). With `perm`
+    """bf16 [in_features, N] from GPTQ's words [Kp/8, N] in one Triton pass, faster than the tensor
+    ops on an H100 (benchmarks/experiments/results/cuda-prefill-h100.json, "dequant"). With `perm`
     (int32, a checked permutation: PackedLinear.check_loaded) packed row k lands at row perm[k];
     rows from `in_features` on (K padding) are dropped."""
     Kp, N = qweight_kn.shape[0] * 8, qweight_kn.shape[1]
@@ -205,9 +206,9 @@ if triton is not None:
         tl.store(out_ptr + row * KP + offs_k, vals, mask=offs_k < KP)
 
 
-# Measured on an H100 (results/cuda-gather-h100.json): at decode, tiles of (1, 1024) took about half
-# index_select's time; from 512 rows whole rows (16 warps: the fastest row variant on the down_proj
-# shapes) took 0.36-0.4x of it on the down_proj shapes. Beyond GATHER_ROW_MAX_K (registers) torch's own.
+# Measured on an H100 (benchmarks/experiments/results/cuda-gather-h100.json): at decode, tiles of (1, 1024) beat
+# index_select; from 512 rows whole rows (16 warps: the fastest row variant on the down_proj shapes)
+# beat it further on the down_proj shapes. Beyond GATHER_ROW_MAX_K (registers) torch's own.
 GATHER_BLOCKS = (1, 1024)  # (BLOCK_M, BLOCK_K) up to DECODE_MAX_M rows
 GATHER_ROW_MAX_K = 1 << 15
 
@@ -386,7 +387,7 @@ class CudaInt4Linear(PackedLinear):
     def default_path(self, m: int) -> str:
         """tinygemm up to DECODE_MAX_M rows, then dequantizing (one Triton pass) + cuBLAS: it beat the
         Triton GEMM at every M from 64 on all eight 1.5B and 7B linears on an H100, and beats it on
-        the whole prefill (BENCHMARKS.md, "Kernel plans")."""
+        the whole prefill (benchmarks/experiments/results/cuda-prefill-h100.json; BENCHMARKS.md, "Kernel plans")."""
         return "tinygemm" if m <= DECODE_MAX_M else "dequant"
 
     def input_order(self, path: str) -> bool:
@@ -396,7 +397,7 @@ class CudaInt4Linear(PackedLinear):
         """A fused projection's parts on the dequantize path: one GEMM per part on column slices of
         the weight dequantized once, so each part comes out contiguous without a copy of the fused
         output (for the 1.5B's gate/up, 18 MB read and written per layer), and a bias rides in
-        addmm. Measured on the whole prefill: BENCHMARKS.md, "Kernel plans"."""
+        addmm. Measured on the whole prefill: benchmarks/experiments/results/cuda-split-h200.json, cuda-split-7b-h200.json."""
         x2 = x.reshape(-1, self.in_features).to(self.act_dtype)
         path = self.path_for(x2.shape[0]) if self.paths() else None
         if path == "mslk" and tuple(sizes) == self.parts:  # mslk's layout is one per part already

@@ -1,6 +1,6 @@
 """cuda target on CPU: the tinygemm layout (against a line-by-line translation of the CUDA
 packing kernel) and the dequantize path vs the dense reference. The real kernels run on the GPU
-machine (benchmarks/cuda_kernels.py): `_convert_weight_to_int4pack` equality and parity there.
+machine (benchmarks/experiments/cuda_kernels.py): `_convert_weight_to_int4pack` equality and parity there.
 
 Tolerance: bf16 activations, rel < 2e-2 (as cpu bf16; measured ~3e-3).
 """

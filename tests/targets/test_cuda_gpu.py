@@ -74,7 +74,7 @@ def test_fused_parts_are_one_gemm_each_on_the_dequantize_path(act_order):
 
 def test_plan_timing_is_the_gpus_work():
     """At 512 rows of a 1536x1536 layer tinygemm takes about 6x the dequantize path's GPU time
-    (results/cuda-prefill-h100.json); timed from the host, behind Python's launches, a plan once
+    (benchmarks/experiments/results/cuda-prefill-h100.json); timed from the host, behind Python's launches, a plan once
     picked tinygemm there. time_paths times CUDA graph replays."""
     from quantprep.runtime.plan import time_paths
 
