@@ -159,6 +159,29 @@ def test_runtime_copy_is_private_and_rechecked(warmed_aot, tmp_path, monkeypatch
     assert materialize(art, m) == dest and sha256_file(dest / rel) == m["kcache"]["files"][rel]["sha256"]
 
 
+def test_an_unchanged_runtime_copy_is_not_hashed_again_and_a_same_size_edit_is_caught(warmed_aot, tmp_path, monkeypatch):
+    """The copy's files are hashed as copied; a later load trusts their unchanged stamps (a compiled
+    OpenVINO model is gigabytes), and any write, even of the same size with mtime set back, changes ctime."""
+    from quantprep.runtime import kcache
+
+    art, _ = warmed_aot
+    m = read_manifest(art)
+    monkeypatch.setenv("QUANTPREP_KCACHE_DIR", str(tmp_path / "runtime"))
+    dest = materialize(art, m)
+    hashed = []
+    real = kcache.sha256_file
+    monkeypatch.setattr(kcache, "sha256_file", lambda p: hashed.append(p) or real(p))
+    assert materialize(art, m) == dest and hashed == []
+    rel = m["kcache"]["aot"][0]["file"]
+    before = os.stat(dest / rel)
+    data = bytearray((dest / rel).read_bytes())
+    data[len(data) // 2] ^= 1
+    (dest / rel).write_bytes(bytes(data))
+    os.utime(dest / rel, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert materialize(art, m) == dest and hashed  # hashed again, found altered, copied afresh
+    assert sha256_file(dest / rel) == m["kcache"]["files"][rel]["sha256"]
+
+
 def test_a_runtime_dir_others_can_write_is_never_used(warmed_aot, tmp_path, monkeypatch):
     art, _ = warmed_aot
     m = read_manifest(art)

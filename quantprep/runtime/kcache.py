@@ -21,6 +21,7 @@ runtimes are pointed at that copy.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -213,19 +214,37 @@ def _triton_group(rel: str) -> bool:
     return len(parts) == 3 and parts[0] == "triton" and parts[2].startswith("__grp__") and parts[2].endswith(".json")
 
 
+def _stamps(dest: Path, files: dict) -> str:
+    """The copy's listed files as they are now: identity and change stamps (format/verified.py's
+    reasoning: a write changes ctime, which no one can set back)."""
+    rows = []
+    for rel in sorted(files):
+        st = os.lstat(dest / rel)
+        rows.append([rel, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
+    return json.dumps(rows)
+
+
 def _copy_is_intact(path: Path, dest: Path, files: dict) -> bool:
     """The runtime copy still holds the artifact's files (Triton's group files as materialize
-    rewrote them); the runtimes may have added files of their own."""
+    rewrote them); the runtimes may have added files of their own. Files unchanged since they were
+    hashed (their stamps in COMPLETE) are not hashed again: a compiled model is gigabytes."""
     st = os.lstat(dest)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         return False
+    try:
+        unchanged = (dest / COMPLETE).read_text() == _stamps(dest, files)
+    except (OSError, ValueError):
+        unchanged = False
     for rel, f in files.items():
         p = dest / rel
         if _triton_group(rel):
             if not p.is_file() or p.is_symlink() or not _points_into(p, dest / Path(rel).parent):
                 return False
-        elif not p.is_file() or p.is_symlink() or p.stat().st_size != f["size"] or sha256_file(p) != f["sha256"]:
+        elif not p.is_file() or p.is_symlink() or p.stat().st_size != f["size"] or not (unchanged or sha256_file(p) == f["sha256"]):
             return False
+    if not unchanged:
+        with contextlib.suppress(OSError):
+            (dest / COMPLETE).write_text(_stamps(dest, files))
     return True
 
 
@@ -249,7 +268,7 @@ def materialize(path: Path, manifest: dict) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    (tmp / COMPLETE).touch()
+    (tmp / COMPLETE).write_text(_stamps(tmp, files))  # hashed as copied
     try:
         os.rename(tmp, dest)
     except OSError:  # another process won the race: use theirs
