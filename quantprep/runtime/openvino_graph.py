@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from quantprep.format.expert_names import expert_linear
 from quantprep.runtime.experts import QuantizedExperts, check_experts_installed, install_experts
 from quantprep.runtime.fused import in_model
 from quantprep.runtime.fused import install as install_fused
@@ -208,6 +209,77 @@ def expert_subgraph(x, tokens_mask, weights_in, linear_of, expert, intermediate:
     return tokens, y
 
 
+SAME_ACROSS_EXPERTS = ("bits", "sym", "groups", "padded_in", "in_features", "out_features")
+
+
+def tiled_experts_of(modules: dict[str, dict]) -> dict[str, list[dict[str, str]]]:
+    """The experts modules written in the tiled form -> each expert's {projection: module name}, in
+    order: every expert with the same projections and metadata, and none with act-order (an
+    expert's own input permutation is no Gather of the one activation all experts share), padding
+    or a bias. The other layers' experts are written one by one (`expert_subgraph`)."""
+    layers: dict[str, dict[int, dict[str, str]]] = {}
+    for name in modules:
+        if (e := expert_linear(name)) is not None:
+            layers.setdefault(e.experts, {}).setdefault(e.index, {})[e.projection] = name
+    tiled = {}
+    for prefix, by_index in layers.items():
+        experts = [by_index[i] for i in sorted(by_index)]
+        kinds = set(experts[0])
+        if sorted(by_index) != list(range(len(experts))) or any(set(e) != kinds for e in experts) \
+                or kinds not in ({"gate_up_proj", "down_proj"}, {"gate_proj", "up_proj", "down_proj"}):
+            continue
+        metas = {kind: [modules[e[kind]] for e in experts] for kind in kinds}
+        if all(not m["act_order"] and not m["bias"] and m["padded_in"] == m["in_features"]
+               and all(m[k] == ms[0][k] for k in SAME_ACROSS_EXPERTS) for ms in metas.values() for m in ms):
+            tiled[prefix] = experts
+    return tiled
+
+
+def stacked_kinds(experts: list[dict[str, str]], modules: dict[str, dict]) -> dict[str, tuple[str, tuple[int, int] | None]]:
+    """The tiled form's three stacked projections -> (the projection each expert's rows come from,
+    which rows: gate and up are the halves of a fused gate_up_proj)."""
+    if "gate_up_proj" not in experts[0]:
+        return {kind: (kind, None) for kind in ("gate_proj", "up_proj", "down_proj")}
+    half = modules[experts[0]["gate_up_proj"]]["out_features"] // 2
+    return {"gate_proj": ("gate_up_proj", (0, half)), "up_proj": ("gate_up_proj", (half, 2 * half)), "down_proj": ("down_proj", None)}
+
+
+def stacked_meta(experts: list[dict[str, str]], modules: dict[str, dict], kind: str) -> dict:
+    source, rows = stacked_kinds(experts, modules)[kind]
+    meta = modules[experts[0][source]]
+    return meta if rows is None else dict(meta, out_features=rows[1] - rows[0])
+
+
+def tiled_experts(x, index, routing, prefix: str, experts: list[dict[str, str]], weights, modules: dict[str, dict]):
+    """[T, H]: every expert on every token, weighted by a dense [E, T] routing (zero where not chosen)
+    and summed. This is optimum-intel's batched experts, which OpenVINO's CPU plugin turns into
+    GatherMatmul nodes that read only each token's top-k experts' codes
+    (ConvertTiledMoeBlockToGatherMatmuls: Tile -> Reshape -> MatMul(gate), MatMul(up) -> Swish of
+    one input * up -> MatMul(down) -> Reshape -> Multiply(routing) -> ReduceSum)."""
+    import openvino as ov
+    import openvino.opset13 as ops
+    from openvino._pyopenvino import NodeFactory
+
+    from quantprep.targets.openvino import decompressed
+
+    E = len(experts)
+
+    def weight(kind: str):
+        meta = stacked_meta(experts, modules, kind)
+        return decompressed(weights.stacked(prefix, experts, kind), [E, meta["out_features"], meta["padded_in"]])
+
+    H = stacked_meta(experts, modules, "down_proj")["out_features"]
+    tokens = ops.gather(ops.shape_of(x, "i64"), _i64([0]), _i64(0))
+    dense = ops.scatter_elements_update(ops.broadcast(ops.constant(np.float32(0)), ops.concat([tokens, _i64([E])], 0)),
+                                        ops.convert(index, ov.Type.i64), ops.convert(routing, ov.Type.f32), _i64(1))
+    route = ops.reshape(ops.transpose(dense, _i64([1, 0])), _i64([E, -1, 1]), False)
+    xe = ops.reshape(ops.tile(x, _i64([E, 1])), _i64([E, -1, H]), False)
+    gate, up = ops.matmul(xe, weight("gate_proj"), False, True), ops.matmul(xe, weight("up_proj"), False, True)
+    silu = NodeFactory("opset4").create("Swish", [gate.output(0)], {})  # one input: ops.swish adds a beta the fusion does not match
+    down = ops.reshape(ops.matmul(ops.multiply(silu, up), weight("down_proj"), False, True), _i64([E, -1, H]), False)
+    return ops.reduce_sum(ops.multiply(down, route), _i64([0]), False)
+
+
 class TensorWeights:
     """The graph's constants from tensors (prepack): `quantized`, `<module>.<part>` tensors from the
     target's pack; `floats`, the checkpoint's other tensors (name -> tensor)."""
@@ -219,6 +291,18 @@ class TensorWeights:
         prefix = name + "."
         parts = {key[len(prefix):]: t for key, t in self.quantized.items() if key.rpartition(".")[0] == name}
         return constants(parts, self.modules[name], name)
+
+    def stacked(self, prefix: str, experts: list[dict[str, str]], kind: str) -> dict:
+        """Projection `kind` of every expert, its tensors stacked on a first axis (scales in f32 where
+        the experts' differ), as constants named `<prefix>.<kind>.<part>`."""
+        source, rows = stacked_kinds(experts, self.modules)[kind]
+        per = [{key.rpartition(".")[2]: t for key, t in self.quantized.items() if key.rpartition(".")[0] == e[source]} for e in experts]
+        if rows is not None:
+            per = [{part: t[rows[0]:rows[1]] for part, t in p.items()} for p in per]
+        if len({p["scales"].dtype for p in per}) > 1:
+            per = [dict(p, scales=p["scales"].float()) for p in per]
+        tensors = {part: torch.stack([p[part] for p in per]) for part in per[0]}
+        return constants(tensors, stacked_meta(experts, self.modules, kind), f"{prefix}.{kind}", len(experts))
 
     def has_float(self, name: str) -> bool:
         return name in self.floats
@@ -267,6 +351,11 @@ class IRWeights:
             raise ValueError(f"constant {name + '.perm'!r} is not a permutation of its {meta['in_features']} inputs")
         return parts
 
+    def stacked(self, prefix: str, experts: list[dict[str, str]], kind: str) -> dict:
+        meta = stacked_meta(experts, self.modules, kind)
+        parts = ("weight", "scales") if meta["sym"] else ("weight", "zeros", "scales")
+        return {part: self._constant(f"{prefix}.{kind}.{part}", *expected(prefix, part, meta, len(experts))) for part in parts}
+
     def has_float(self, name: str) -> bool:
         return name in self.named
 
@@ -281,14 +370,14 @@ class IRWeights:
 FLOATS = ("f16", "bf16", "f32")  # float_storage's choices
 
 
-def expected(module: str, part: str, meta: dict) -> tuple[tuple[str, ...], list[int]]:
+def expected(module: str, part: str, meta: dict, experts: int | None = None) -> tuple[tuple[str, ...], list[int]]:
     """The element types and shape the graph reads a quantized module's constant `part` as, from its
-    manifest metadata (targets/openvino.py's pack)."""
+    manifest metadata (targets/openvino.py's pack); `experts`: that many modules' stacked."""
     N, G, bits, sym = meta["out_features"], meta["groups"], meta["bits"], meta["sym"]
-    gs = meta["padded_in"] // G
+    gs, lead = meta["padded_in"] // G, [experts] if experts else []
     width = "4" if bits == 4 else "8"
-    return {"weight": ((("i" if sym else "u") + width,), [N, G, gs]), "zeros": (("u" + width,), [N, G, 1]),
-            "scales": (FLOATS, [N, G, 1]), "perm": (("i64",), [meta["in_features"]]), "bias": (FLOATS, [N])}[part]
+    return {"weight": ((("i" if sym else "u") + width,), [*lead, N, G, gs]), "zeros": (("u" + width,), [*lead, N, G, 1]),
+            "scales": (FLOATS, [*lead, N, G, 1]), "perm": (("i64",), [meta["in_features"]]), "bias": (FLOATS, [N])}[part]
 
 
 def export(config: dict, modules: dict[str, dict], weights) -> object:
@@ -313,6 +402,7 @@ def export(config: dict, modules: dict[str, dict], weights) -> object:
             raise ValueError(f"experts with activation {type(m.act_fn).__name__} are not converted; build the cpu target for this model")
     for i, m in enumerate(experts):
         m.graph_index = i
+    tiled = tiled_experts_of(modules)
 
     def linear_of(module: GraphLinear, x):
         name = names[module.index]
@@ -327,12 +417,16 @@ def export(config: dict, modules: dict[str, dict], weights) -> object:
         x, index, routing = context.get_input(0), context.get_input(1), context.get_input(2)
         shape = ops.shape_of(x, "i64")
         x = ops.reshape(x, _i64([-1, m.hidden_dim]), False)
-        out = ops.broadcast(ops.constant(np.float32(0)), ops.shape_of(x, "i64"))
-        for e in range(m.num_experts):
-            parts = {k: v for k, v in m._modules[str(e)]._modules.items() if isinstance(v, GraphLinear)}
-            mask = ops.equal(index, ops.convert(ops.constant(np.int64(e)), index.get_element_type()))
-            tokens, y = expert_subgraph(x, mask, routing, linear_of, parts, m.intermediate_dim)
-            out = opset15.scatter_nd_update(out, ops.unsqueeze(tokens, _i64(-1)), y, "sum")
+        parts = [{k: v for k, v in m._modules[str(e)]._modules.items() if isinstance(v, GraphLinear)} for e in range(m.num_experts)]
+        prefix = expert_linear(names[parts[0]["down_proj"].index]).experts
+        if prefix in tiled:
+            out = tiled_experts(x, index, routing, prefix, tiled[prefix], weights, modules)
+        else:
+            out = ops.broadcast(ops.constant(np.float32(0)), ops.shape_of(x, "i64"))
+            for e in range(m.num_experts):
+                mask = ops.equal(index, ops.convert(ops.constant(np.int64(e)), index.get_element_type()))
+                tokens, y = expert_subgraph(x, mask, routing, linear_of, parts[e], m.intermediate_dim)
+                out = opset15.scatter_nd_update(out, ops.unsqueeze(tokens, _i64(-1)), y, "sum")
         return [ops.reshape(out, shape, False).output(0)]
 
     graph_linears = {m.index: m for m in model.modules() if isinstance(m, GraphLinear)}
@@ -523,8 +617,14 @@ def rebuilt_difference(config: dict, modules: dict[str, dict], root, bin_path: P
     if problem := size_problem(config) or traced_problem(config) or shape_problem(config, modules, set(weights.named)):
         return problem
     try:
-        for name in modules:
-            weights.module(name)  # each module's constants there, of its type and shape, before the trace reads them
+        tiled = tiled_experts_of(modules)
+        stacked = {name for experts in tiled.values() for e in experts for name in e.values()}
+        for name in modules:  # each module's constants there, of its type and shape, before the trace reads them
+            if name not in stacked:
+                weights.module(name)
+        for prefix, experts in tiled.items():
+            for kind in stacked_kinds(experts, modules):
+                weights.stacked(prefix, experts, kind)
         want = export(config, modules, weights)
     except ValueError as e:  # a constant missing or of another type or shape
         return str(e).strip().splitlines()[0][:300]

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from quantprep.format.expert_names import expert_linear
 from quantprep.format.gptq import PrepackLayer
 from quantprep.targets.common import Target, base_meta
 
@@ -126,19 +127,21 @@ class OpenVINOTarget(Target):
 TARGET = OpenVINOTarget()
 
 
-def constants(tensors: dict[str, torch.Tensor], meta: dict, name: str) -> dict:
-    """A module's tensors from `pack` -> OpenVINO Constants named `<name>.<part>`."""
+def constants(tensors: dict[str, torch.Tensor], meta: dict, name: str, experts: int | None = None) -> dict:
+    """A module's tensors from `pack` -> OpenVINO Constants named `<name>.<part>`; `experts`: the
+    tensors of that many modules stacked on a first axis (runtime/openvino_graph.py's tiled experts)."""
     import openvino as ov
 
     N, G, gs = meta["out_features"], meta["groups"], meta["padded_in"] // meta["groups"]
+    lead = [experts] if experts else []
     out = {}
     for part, t in tensors.items():
         if part == "weight" and meta["bits"] == 4:
-            data = ov.Tensor(np.ascontiguousarray(t.numpy()), ov.Shape([N, G, gs]), ov.Type.i4 if meta["sym"] else ov.Type.u4)
+            data = ov.Tensor(np.ascontiguousarray(t.numpy()), ov.Shape([*lead, N, G, gs]), ov.Type.i4 if meta["sym"] else ov.Type.u4)
         elif part == "zeros" and meta["bits"] == 4:
-            data = ov.Tensor(np.ascontiguousarray(pack_nibbles(t.numpy())), ov.Shape([N, G, 1]), ov.Type.u4)
+            data = ov.Tensor(np.ascontiguousarray(pack_nibbles(t.numpy())), ov.Shape([*lead, N, G, 1]), ov.Type.u4)
         else:
-            shape = {"weight": [N, G, gs], "zeros": [N, G, 1], "scales": [N, G, 1]}.get(part, list(t.shape))
+            shape = {"weight": [*lead, N, G, gs], "zeros": [*lead, N, G, 1], "scales": [*lead, N, G, 1]}.get(part, list(t.shape))
             if t.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits, relabelled
                 data = ov.Tensor(np.ascontiguousarray(t.view(torch.int16).numpy().reshape(shape)), ov.Shape(shape), ov.Type.bf16)
             else:
@@ -164,10 +167,36 @@ def float_constant(t: torch.Tensor, name: str):
 
 
 def ir_constants(model, name: str) -> dict:
-    """A module's constants found again in a read IR (verify), by the names `constants` gave them."""
+    """A module's constants found again in a read IR (verify), by the names `constants` gave them;
+    an expert's, where its layer's experts are stacked (tiled), as its rows of the stacked ones."""
+    import openvino.opset13 as ops
+
     wanted = {f"{name}.{part}": part for part in PARTS}
-    return {wanted[op.get_friendly_name()]: op for op in model.get_ops()
-            if op.get_type_name() == "Constant" and op.get_friendly_name() in wanted}
+    named = {op.get_friendly_name(): op for op in model.get_ops() if op.get_type_name() == "Constant"}
+    found = {part: named[n] for n, part in wanted.items() if n in named}
+    if found or (e := expert_linear(name)) is None:
+        return found
+    kinds = ("gate_proj", "up_proj") if e.projection == "gate_up_proj" else (e.projection,)
+    for part in ("weight", "zeros", "scales"):
+        if all(f"{e.experts}.{kind}.{part}" in named for kind in kinds):
+            rows = [ops.gather(named[f"{e.experts}.{kind}.{part}"], ops.constant(np.int64(e.index)), ops.constant(np.int64(0)))
+                    for kind in kinds]
+            found[part] = rows[0] if len(rows) == 1 else ops.concat(rows, 0)
+    return found
+
+
+def decompressed(consts: dict, shape: list[int]):
+    """The f32 weight of compressed constants (codes, zero points, scales), reshaped to `shape`, in
+    the pattern the plugins keep compressed."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    half = consts["scales"].get_output_element_type(0)
+    w = ops.convert(consts["weight"], half)
+    if "zeros" in consts:
+        w = ops.subtract(w, ops.convert(consts["zeros"], half))
+    w = ops.reshape(ops.multiply(w, consts["scales"]), ops.constant(np.array(shape, dtype=np.int64)), False)
+    return ops.convert(w, ov.Type.f32)
 
 
 def linear(x, consts: dict, meta: dict):
@@ -176,14 +205,8 @@ def linear(x, consts: dict, meta: dict):
     import openvino as ov
     import openvino.opset13 as ops
 
-    N, padded = meta["out_features"], meta["padded_in"]
-    scale = consts["scales"]
-    half = scale.get_output_element_type(0)
-    w = ops.convert(consts["weight"], half)
-    if "zeros" in consts:
-        w = ops.subtract(w, ops.convert(consts["zeros"], half))
-    w = ops.reshape(ops.multiply(w, scale), ops.constant(np.array([N, padded], dtype=np.int64)), False)
-    w = ops.convert(w, ov.Type.f32)
+    padded = meta["padded_in"]
+    w = decompressed(consts, [meta["out_features"], padded])
     if "perm" in consts:
         x = ops.gather(x, consts["perm"], ops.constant(np.int64(-1)))
     if padded != meta["in_features"]:
