@@ -10,7 +10,8 @@ How (the same at prepack and at load's check, from the same data):
    GraphLinear call by one node (a ModuleExtension), which our ConversionExtension writes as
    targets/openvino.py's `linear`: the codes kept compressed, act-order a Gather of the activation
    (the frontend never reads g_idx, and we never hand it one). A QuantizedExperts call becomes one
-   node too, written as every expert's projections on its routed tokens (`experts`).
+   node too: without act-order in the tiled form the CPU plugin runs as GatherMatmul
+   (`tiled_experts`), else each expert's projections on its routed tokens (`expert_subgraph`).
 3. optimum-intel's stateful recipe (its exporters/openvino/stateful.py, which cannot be installed
    beside gptqmodel): a Gather by beam_idx on each cache input, then OpenVINO's make-stateful
    transformation turns the cache inputs and outputs into state, initialised empty.
