@@ -23,6 +23,7 @@ from quantprep._io.jsonfile import read_json_object
 from quantprep.errors import SourceError
 from quantprep.format.artifact import SIDE_FILES, refuse_code, torch_dtypes
 from quantprep.format.expert_names import PROJECTIONS as EXPERT_PROJECTIONS
+from quantprep.format.expert_names import current_name
 from quantprep.format.gptq import SUPPORTED_BITS
 
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -114,8 +115,10 @@ class StoredRows:
 class LazyTensors(Mapping):
     """name -> tensor, read from its safetensors file at each access and not kept."""
 
-    def __init__(self, path: Path, where: dict[str, str], names: list[str]):
-        self.path, self.where, self.names = path, where, names
+    def __init__(self, path: Path, where: dict[str, str], names: list[str], stored: dict[str, str] | None = None):
+        """where: name -> its file; stored: name -> the key it is stored under, where that differs
+        (a legacy name, format/expert_names.current_name)."""
+        self.path, self.where, self.names, self.stored = path, where, names, stored or {}
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.read([key])[key]
@@ -124,7 +127,7 @@ class LazyTensors(Mapping):
         """The stored shape, from the file's header (nothing else read)."""
         try:
             with safe_open(self.path / self.where[key], framework="pt") as f:
-                return tuple(f.get_slice(key).get_shape())
+                return tuple(f.get_slice(self.stored.get(key, key)).get_shape())
         except Exception as e:  # safetensors raises its own error types for bad data
             raise SourceError(f"{self.path / self.where[key]}: cannot read tensor {key} ({e}); re-download or re-export it") from None
 
@@ -139,11 +142,11 @@ class LazyTensors(Mapping):
             try:
                 with safe_open(self.path / fname, framework="pt") as f:
                     for key in names:
-                        view = f.get_slice(key) if key in header_only else None
+                        view = f.get_slice(self.stored.get(key, key)) if key in header_only else None
                         if view is not None and view.get_dtype() == "I32":
                             out[key] = torch.empty(view.get_shape(), dtype=torch.int32, device="meta")
                         else:
-                            out[key] = f.get_tensor(key)
+                            out[key] = f.get_tensor(self.stored.get(key, key))
             except Exception as e:  # safetensors raises its own error types for bad data
                 raise SourceError(f"{self.path / fname}: cannot read tensor(s) {', '.join(names)} ({e}); re-download or "
                                   "re-export it") from None
@@ -155,11 +158,11 @@ class LazyTensors(Mapping):
         path = self.path / self.where[key]
         try:
             with safe_open(path, framework="pt") as f:  # one open (it parses the whole header) for both cases
-                view = f.get_slice(key)
+                view = f.get_slice(self.stored.get(key, key))
                 shape, stored = tuple(view.get_shape()), FLOAT_DTYPES.get(view.get_dtype())
                 if stored is not None and len(shape) >= 2 and math.prod(shape) * stored.itemsize > block_bytes:
-                    return [StoredRows(path, key, shape, d, block_bytes) for d in dtypes]
-                t = f.get_tensor(key)
+                    return [StoredRows(path, self.stored.get(key, key), shape, d, block_bytes) for d in dtypes]
+                t = f.get_tensor(self.stored.get(key, key))
         except Exception as e:  # safetensors raises its own error types for bad data
             raise SourceError(f"{path}: cannot read tensor {key} ({e}); re-download or re-export it") from None
         return [(t.to(d) if t.is_floating_point() else t).contiguous() for d in dtypes]
@@ -354,12 +357,21 @@ def read_checkpoint(path: str | os.PathLike) -> GPTQCheckpoint:
     # so it overlaps the checks and the packing instead of adding a pass over the source before them
     sha256_job = in_thread(_sha256_files, path, files)
     where: dict[str, str] = {}
+    stored: dict[str, str] = {}  # current name -> a legacy name it is stored under
+    model_type = model_config.get("model_type") if isinstance(model_config.get("model_type"), str) else None
     for fname in files:
         try:
             with safe_open(path / fname, framework="pt") as f:  # the header only; tensors are read per layer
-                where.update(dict.fromkeys(f.keys(), fname))
+                keys = list(f.keys())
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise SourceError(f"{path / fname}: cannot read safetensors file ({e}); re-download or re-export it") from None
+        for key in keys:
+            name = current_name(key, model_type)
+            if name in where:
+                raise SourceError(f"{path / fname}: tensor {key} is {name}, which the checkpoint also holds; re-export it")
+            where[name] = fname
+            if name != key:
+                stored[name] = key
 
     parts_by_layer: dict[str, list[str]] = {}
     for key in where:
@@ -376,7 +388,7 @@ def read_checkpoint(path: str | os.PathLike) -> GPTQCheckpoint:
             other.append(key)
     if not parts_by_layer:
         raise SourceError(f"{path}: no '*.qweight' tensors found; is this a GPTQ checkpoint?")
-    tensors = LazyTensors(path, where, sorted(other))
+    tensors = LazyTensors(path, where, sorted(other), stored)
     layers = LazyLayers(tensors, dict(sorted(parts_by_layer.items())), quant)
     sizes = {}
     for name in layers:  # validate every layer now, one at a time: bad input fails before any work

@@ -36,6 +36,20 @@ def expert_linear(name: str) -> ExpertLinear | None:
     return None if m is None else ExpertLinear(m["experts"], int(m["index"]), m["projection"])
 
 
+# Mixtral checkpoints of the transformers 4 era (most on the Hub) name a layer's block
+# `block_sparse_moe` and its experts' projections w1 (gate), w3 (up), w2 (down); transformers 5
+# renames them as it loads (its conversion_mapping.py), and so does read_checkpoint.
+LEGACY_NAMES = {"mixtral": [(re.compile(r"\.block_sparse_moe\."), ".mlp."), (re.compile(r"(\.experts\.[0-9]+\.)w1\."), r"\1gate_proj."),
+                            (re.compile(r"(\.experts\.[0-9]+\.)w3\."), r"\1up_proj."), (re.compile(r"(\.experts\.[0-9]+\.)w2\."), r"\1down_proj.")]}
+
+
+def current_name(key: str, model_type: str | None) -> str:
+    """A checkpoint tensor's name as transformers 5's model of `model_type` names it."""
+    for pattern, replacement in LEGACY_NAMES.get(model_type or "", []):
+        key = pattern.sub(replacement, key)
+    return key
+
+
 def count_experts(names) -> dict[str, int]:
     """What `inspect`, `verify` and `eval` report: experts modules (MoE layers), experts, and the
     quantized linears that belong to experts, among module names."""
