@@ -23,7 +23,10 @@ is noise; the shapes, the routing and every kernel are real).
      With a few layers the float lm_head (151936 x 2048 bfloat16, 622 MB read per token, the same in
      every runtime) is most of a token; --more-layers N also measures decode with N layers, and the
      difference gives each runtime's time per layer and its decode for all 48 layers (a line through
-     the two measurements: `per_layer_ms`, `decode_48_layers_tok_s`).
+     the two measurements: `per_layer_ms`, `decode_48_layers_tok_s`). Decode reads memory: a layer's
+     bytes (`layer_bytes`: its attention's and top-k experts' int4 codes and scales) at this machine's
+     read rate (`read_bandwidth_gb_s`: torch summing 2 GiB) is the floor under every runtime
+     (`per_layer_floor_ms`), and so bounds any ratio to GPTQModel's per-layer time.
   3. GPTQModel's XPU repack: TorchFusedLinear.transform_xpu (gptqmodel/nn_modules/qlinear/torch_fused.py,
      run once per Linear at its first forward on an XPU: unpack, g_idx reorder, repack column by
      column in Python) timed on CPU tensors for one MoE layer's experts x 3 projections (the CPU
@@ -180,6 +183,30 @@ def xpu_repack(config: dict, desc_act: bool, experts: int) -> dict:
             "s": sum(map(sum, per.values())), "per_linear_median_s": {k: median_and_runs(v)["median"] for k, v in per.items()}}
 
 
+def layer_bytes(config: dict, group_size: int = 128) -> int:
+    """Bytes a decoded token reads per layer: its attention's and its top-k experts' int4 codes with
+    float16 scales per group, and the bfloat16 router (norms and the KV cache left out)."""
+    h, heads, kv, d = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    linears = [(h, heads * d), (h, kv * d), (h, kv * d), (heads * d, h)]
+    linears += [(h, config["moe_intermediate_size"])] * 2 * config["num_experts_per_tok"]
+    linears += [(config["moe_intermediate_size"], h)] * config["num_experts_per_tok"]
+    return sum(k * n // 2 + k // group_size * n * 2 for k, n in linears) + h * config["num_experts"] * 2
+
+
+def read_bandwidth_gb_s(runs: int = 5) -> float:
+    """This machine's memory read rate with torch's threads: the median time to sum 2 GiB."""
+    import torch
+
+    x = torch.ones(1 << 28, dtype=torch.int64)
+    x.sum()
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 8 / median_and_runs(times)["median"] / 1e9
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=2)
@@ -251,6 +278,9 @@ def main() -> None:
                 per_layer = (1000 / deep["median"] - few) / (args.more_layers - args.layers)
                 result["per_layer_ms"][n] = per_layer
                 result["decode_48_layers_tok_s"][n] = {"median": 1000 / (few + (48 - args.layers) * per_layer)}
+            # the floor no runtime can pass: a layer's bytes at this machine's read rate
+            result["layer_bytes"], result["read_bandwidth_gb_s"] = layer_bytes(config), read_bandwidth_gb_s()
+            result["per_layer_floor_ms"] = result["layer_bytes"] / result["read_bandwidth_gb_s"] / 1e6
     for key, goal, better in (("first_token_s", 0.3, "<="), ("decode_tok_s", 2.0, ">="), ("decode_48_layers_tok_s", 2.0, ">=")):
         r = result.get(key, {})
         if "gptqmodel" in r:
