@@ -84,8 +84,7 @@ def cmd_warm(args) -> int:
     shapes = (PREFILL_BUCKETS if args.shapes == "buckets" else _int_list("--shapes", args.shapes)) if args.shapes else None
     r = warm(Path(args.dir), device=args.device, shapes=shapes, compile=args.compile, aot=args.aot, progress=not args.json,
              int8_activations=args.int8_activations)
-    what = ("OpenVINO's model cache" if r["key"]["device"].startswith("openvino:") else
-            f"prefill {r['shapes']}, {r['compiled_regions']} compiled regions, {len(r['aot'])} compiled MLP packages")
+    what = r.get("what") or f"prefill {r['shapes']}, {r['compiled_regions']} compiled regions, {len(r['aot'])} compiled MLP packages"
     _print_json_or(args, r, f"warmed {r['path']} on {r['key']['device']}: {what}, {r['s']:.1f} s; kcache {r['files']} files, "
                             f"{r['bytes'] / 2**20:.1f} MiB")
     return 0
@@ -246,14 +245,10 @@ def cmd_list(args) -> int:
 
 
 def cmd_selftest(args) -> int:
-    import torch
-
+    from quantprep.targets import devices_here
     from quantprep.tools.selftest import run_selftest, shareable, summary_lines
 
-    device = args.device
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else "cpu"
-    report = run_selftest(device)
+    report = run_selftest(args.device or devices_here()[0])
     if args.report:
         try:
             Path(args.report).write_text(json.dumps(shareable(report), indent=2) + "\n")
@@ -473,8 +468,8 @@ def main(argv: list[str] | None = None) -> int:
                                                          "cache (default: the recipe's)")
     b.add_argument("--samples", type=int, help="calibration samples (default: the recipe's)")
     b.add_argument("--seq-len", type=int, help="cut the calibration text into windows of this many tokens (default: the recipe's)")
-    b.add_argument("--quantize-device", choices=["auto", "cpu", "cuda", "xpu"], default="auto",
-                   help="where gptqmodel quantizes a float source (auto: cuda, else xpu, else cpu); recorded in the manifest")
+    b.add_argument("--quantize-device", default="auto", help="where gptqmodel quantizes a float source: a torch device a target "
+                                                              "runs on (auto: an accelerator, else cpu); recorded in the manifest")
     b.add_argument("--force", action="store_true", help="replace an output dir that is not an artifact (never the source)")
     b.add_argument("--shard-size", type=int, metavar="MIB", default=None, help=SHARD_HELP)
     b.add_argument("--verbose", action="store_true", help="show gptqmodel's own output (default: in a log file beside the "
@@ -551,8 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     lp.set_defaults(func=cmd_list)
 
     st = sub.add_parser("selftest", help="check and time this machine's kernels against the dense reference")
-    st.add_argument("--device", choices=["cpu", "xpu", "cuda", "CPU", "GPU"],
-                    help="default: cuda, else xpu, else cpu; CPU and GPU (upper case): OpenVINO's devices (the openvino target)")
+    st.add_argument("--device", help="a torch device a target runs on (cpu, xpu, cuda; default: an accelerator, else cpu), "
+                                     "or CPU and GPU (upper case): OpenVINO's devices (the openvino target)")
     st.add_argument("--report", metavar="FILE", help="also write the report as one file to share (JSON with a readable summary, "
                     "no paths, user or host names): attach it to a hardware report issue")
     st.add_argument("--json", action="store_true")

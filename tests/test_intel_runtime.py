@@ -16,9 +16,11 @@ from quantprep.targets.intel_runtime import (
     igc_disables_cache,
     int4_matmul_report,
     neo_cache_state,
+    onednn_notes,
     parse_driver_version,
     parse_onednn_verbose,
     primitive_cache_env,
+    xpu_cache_report,
 )
 
 LINUX_2_8 = ["pvc", "bmg", "dg2", "arl-h", "mtl-h", "lnl-m"]  # torch-xpu-ops release/2.8 cmake/BuildFlags.cmake
@@ -134,8 +136,6 @@ def test_int4_matmul_report_names_the_implementation_and_the_fallback():
 
 
 def test_selftest_notes_say_when_the_card_falls_back():
-    from quantprep.tools.selftest import onednn_notes, xpu_cache_report
-
     notes = onednn_notes(int4_matmul_report(INT4_LINES))
     assert "REFERENCE" not in notes[0] and "created in 312.5 ms" in notes[0]
     assert "REFERENCE kernel" in notes[1] and "ocl:ref:any" in notes[1]

@@ -298,7 +298,10 @@ def test_xpu_warm_asks_triton_for_native_code_only_with_ocloc(tmp_path):
     """Issue 14 item 7: with `ocloc` on PATH, warm's child gets TRITON_XPU_GEN_NATIVE_CODE=1 (Triton then
     ships zebins, not SPIR-V); load sets it again only when the kcache was warmed so and ocloc is here.
     The ocloc here is an empty stand-in: only its presence on PATH is read."""
-    from quantprep.runtime.kcache import triton_native_env, xpu_warm_env
+    from quantprep.runtime.kcache import triton_native_env
+    from quantprep.targets import get_target
+
+    xpu_warm_env = get_target("xpu").warm_env
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

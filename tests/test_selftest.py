@@ -6,7 +6,8 @@ import torch
 
 from quantprep.cli import main
 from quantprep.targets import get_target
-from quantprep.tools.selftest import _module, check_case, xpu_cache_report
+from quantprep.targets.intel_runtime import xpu_cache_report
+from quantprep.tools.selftest import _module, check_case
 
 
 def test_selftest_cpu_passes_and_times(capsys):

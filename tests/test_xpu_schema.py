@@ -10,7 +10,7 @@ import torch
 import quantprep
 from quantprep.errors import ArtifactMismatch
 from quantprep.targets import xpu
-from quantprep.tools.selftest import xpu_op_note
+from quantprep.targets.xpu import xpu_op_note
 
 OP = "aten::_weight_int4pack_mm_with_scales_and_zeros"
 TORCH_2_8 = f"{OP}(Tensor self, Tensor mat2, int qGroupSize, Tensor qScale, Tensor qZeros) -> Tensor"

@@ -45,7 +45,7 @@ from quantprep.format.artifact import (
 )
 from quantprep.format.verified import mark
 from quantprep.runtime.warm import warm
-from quantprep.targets import act_dtype_problem, get_target
+from quantprep.targets import Target, act_dtype_problem, get_target
 from quantprep.version import __version__
 
 DEFAULT_OUT = Path("artifacts")
@@ -207,9 +207,9 @@ def one_torch_thread():
         torch.set_num_threads(threads)
 
 
-def writer(target: str, ckpt: GPTQCheckpoint, out: Path, force: bool, shard_bytes: int) -> ArtifactWriter:
-    """Shards for the torch targets; an IR for openvino (build/openvino_ir.py)."""
-    if target == "openvino":
+def writer(target: Target, ckpt: GPTQCheckpoint, out: Path, force: bool, shard_bytes: int) -> ArtifactWriter:
+    """Shards for the torch targets; an OpenVINO IR for a graph one (build/openvino_ir.py)."""
+    if target.kind == "graph":
         from quantprep.build.openvino_ir import OpenVINOWriter
 
         return OpenVINOWriter(out, ckpt, force)
@@ -228,10 +228,11 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
     as the checkpoint has it, "int8" or "int4" (build/lm_head.py: quantprep's rounding, opted into)."""
     if lm_head not in CHOICES:
         raise RecipeError(f"lm_head {lm_head!r} (--lm-head or a recipe's build.lm_head): expected one of {', '.join(CHOICES)}")
-    if lm_head != "float" and "openvino" in targets:
-        raise RecipeError(f"--lm-head {lm_head}: the openvino target keeps the checkpoint's lm_head; build it without --lm-head")
-    build_time()  # a malformed SOURCE_DATE_EPOCH fails before any work
     resolved = [get_target(t) for t in targets]  # unknown target names fail before any work
+    for target in resolved:
+        if lm_head != "float" and not target.quantized_lm_head:
+            raise RecipeError(f"--lm-head {lm_head}: the {target.name} target keeps the checkpoint's lm_head; build it without --lm-head")
+    build_time()  # a malformed SOURCE_DATE_EPOCH fails before any work
     for target in resolved:  # as do activation dtypes a target's kernels cannot run
         if problem := act_dtype_problem(target, getattr(torch, act_dtype) if act_dtype else target.default_act_dtype):
             raise RecipeError(f"act dtype {act_dtype}: {problem}; pass --act-dtype {str(target.default_act_dtype).removeprefix('torch.')} "
@@ -246,12 +247,12 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
         ckpt = read_checkpoint(gptq_dir)
         imports.result()
     check_against_model(ckpt)
-    if "openvino" in targets:
+    for target in (t for t in resolved if t.kind == "graph"):  # its IR is traced and converted here (build/openvino_ir.py)
         from quantprep.build.openvino_ir import check_floats, check_tokenizer, read_config
         from quantprep.runtime.openvino_graph import traced_problem
 
-        if problem := get_target("openvino").runtime_problem():
-            raise RecipeError(f"target openvino: {problem}")
+        if problem := target.runtime_problem():
+            raise RecipeError(f"target {target.name}: {problem}")
         if problem := traced_problem(read_config(ckpt.path)):
             raise SourceError(f"{ckpt.path / 'config.json'}: {problem}; build the cpu target for this model")
         check_floats(ckpt)
@@ -259,7 +260,7 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
     dtypes = [getattr(torch, act_dtype) if act_dtype else t.default_act_dtype for t in resolved]
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:  # every target in one pass over the source, each written as it streams
-        writers = [stack.enter_context(writer(t.name, ckpt, out_for(t.name), force, shard_bytes)) for t in resolved]
+        writers = [stack.enter_context(writer(t, ckpt, out_for(t.name), force, shard_bytes)) for t in resolved]
         modules, probes = prepack_stream(ckpt, list(zip(resolved, dtypes, strict=True)), lambda i, t: writers[i].add(t),
                                          progress=progress, fuse=fuse, lm_head=lm_head)
         t1 = time.perf_counter()
@@ -272,9 +273,7 @@ def build_artifacts(gptq_dir: Path, identity: dict, targets: list[str], out_for,
     for target, out, mods in zip(resolved, outs, modules, strict=True):
         result = {"target": target.name, "path": str(out), "layers": len(mods),
                   "prepack_s": round(t1 - t0, 3), "write_s": round(t2 - t1, 3)}  # prepack_s includes writing the full shards
-        # openvino: its model cache is for the serving device (`quantprep warm DIR --device GPU` on the
-        # Arc); on a CPU it did not shorten the start and doubled the artifact (BENCHMARKS.md, "OpenVINO target")
-        if warm_here and target.runtime_problem() is None and target.name != "openvino":
+        if warm_here and target.runtime_problem() is None and target.warm_at_build:
             report = warm(out, progress=progress)
             result["warm"] = {k: report[k] for k in ("shapes", "files", "bytes", "s")}
         result["bytes"] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())

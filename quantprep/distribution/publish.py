@@ -47,18 +47,13 @@ INDEX = "index.json"
 INDEX_FORMAT = "quantprep-index"
 INDEX_VERSION = 1
 MAX_INDEX_BYTES = 1 << 20
-DEVICE_PREFERENCE = ("xpu", "cuda", "cpu")  # an accelerator's variant before the CPU's
 
 
 def variant_name(manifest: dict) -> str:
-    """cpu-avx2, cpu-avx512, xpu, cuda[-sm_90]: the target, plus what its packed layout or kcache depends on."""
-    target = manifest["target"]["name"]
-    parts = [target]
-    if cap := manifest["compat"].get("cpu_capability"):
-        parts.append(str(cap).lower())
-    if (kcap := manifest.get("kcache", {}).get("key", {}).get("capability")) and target == "cuda":
-        parts.append(str(kcap))
-    return "-".join(parts)
+    """cpu-avx2, cpu-avx512, xpu, cuda[-sm_90]: the target, plus what its packed layout or kcache depends on (Target.variant_name)."""
+    from quantprep.targets import get_target
+
+    return get_target(manifest["target"]["name"]).variant_name(manifest)
 
 
 def destination(ref: str) -> Path:
@@ -222,10 +217,12 @@ def choose_variant(index: dict, ref: str, target: str | None = None) -> dict:
         if not chosen:
             raise ArtifactMismatch(f"{ref}: no {target} variant; on offer: {', '.join(v['name'] for v in variants) or 'none'}")
         return next((v for v in chosen if fits(v)), chosen[0])
-    for device in DEVICE_PREFERENCE:
-        for v in variants:
-            if v.get("device", v["target"]) == device and fits(v):
-                return v
+    from quantprep.targets import TARGET_NAMES, get_target
+
+    ranked = [(get_target(v["target"]).preference, i) for i, v in enumerate(variants) if v["target"] in TARGET_NAMES]
+    for _, i in sorted(r for r in ranked if r[0] is not None):  # an accelerator's variant before the CPU's
+        if fits(variants[i]):
+            return variants[i]
     offer = ", ".join(f"{v['name']} ({', '.join(f'{k}={x}' for k, x in v['compat'].items())})" for v in variants) or "none"
     raise ArtifactMismatch(f"{ref}: no variant fits this machine; on offer: {offer}; this machine has: {machine_summary()}")
 

@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 from quantprep._io.jsonfile import parse_json_object
 from quantprep.errors import ArtifactError, QuantprepError
 from quantprep.format.artifact import MANIFEST, SIGNED, write_hashed
+from quantprep.targets import get_target
 
 INDEX_MEDIA_TYPE = "application/vnd.oci.image.index.v1+json"
 MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"
@@ -214,7 +215,7 @@ def push(variants: list[tuple[Path, dict, str, dict]], ref: str, plain_http: boo
         layers += [reg.push_blob(d / name, SIGNATURE_MEDIA_TYPE, {FILEPATH: name}) for name in SIGNED if (d / name).is_file()]
         bits = "/".join(map(str, sorted({x["bits"] for x in m["modules"].values()})))
         config = {"descriptor": {"name": name, "createdAt": m["created"]},  # modelpack/model-spec docs/config.md
-                  "config": {"format": "openvino" if m["target"]["name"] == "openvino" else "safetensors",
+                  "config": {"format": get_target(m["target"]["name"]).model_format,
                              "quantization": f"gptq-int{bits}"},
                   "modelfs": {"type": "layers", "diffIds": [x["digest"] for x in layers]}}
         config_desc = reg.push_blob(json.dumps(config, sort_keys=True).encode(), CONFIG_MEDIA_TYPE)

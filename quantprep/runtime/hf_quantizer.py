@@ -41,6 +41,7 @@ from quantprep.runtime.load import (
     tied_names,
     untie_quantized_head,
 )
+from quantprep.targets import TARGET_NAMES, get_target
 
 METHOD = "quantprep"
 # Options for the load of one artifact directory (load_options): how `quantprep serve` passes its
@@ -101,8 +102,9 @@ class QuantprepQuantizer(HfQuantizer):
     requires_calibration = True  # loads prepacked artifacts only; quantizing is `quantprep build`
 
     def __init__(self, quantization_config: QuantprepConfig, **kwargs):
-        if quantization_config.target == "openvino":
-            raise ArtifactMismatch("an openvino artifact holds an OpenVINO IR, not torch weights: load it with quantprep.load(DIR), "
+        name = quantization_config.target
+        if name in TARGET_NAMES and get_target(name).kind != "torch":
+            raise ArtifactMismatch(f"an {name} artifact holds an OpenVINO IR, not torch weights: load it with quantprep.load(DIR), "
                                    "which returns openvino.genai's pipeline (docs/openvino.md)")
         super().__init__(quantization_config, **kwargs)
         self.dtype: torch.dtype | None = None

@@ -29,7 +29,6 @@ import os
 import platform
 import shutil
 import stat
-import subprocess
 import sys
 import tempfile
 import warnings
@@ -44,7 +43,7 @@ from quantprep._io.userdirs import private_dir, user_dir
 from quantprep.distribution.signing import configured_key, verify
 from quantprep.errors import ArtifactError, QuantprepError
 from quantprep.format.artifact import SIGNATURE, read_manifest, sha256_file, write_hashed
-from quantprep.targets.intel_runtime import cache_warning, primitive_cache_env
+from quantprep.targets import device_target
 
 KCACHE = "kcache"
 MEGACACHE = "torch-compile.bin"  # torch.compiler.save_cache_artifacts() output
@@ -87,34 +86,7 @@ def cache_key(device_type: str, device_fields: bool = True) -> dict:
     device_fields=False leaves out what only a started device can say (name, driver)."""
     key = {"device": device_type, "torch": torch.__version__, "python": platform.python_version(),
            "triton": _version("triton") or _version("pytorch-triton-xpu")}
-    if device_type == "cpu":
-        key.update(cpu_capability=torch.backends.cpu.get_cpu_capability(), machine=platform.machine())
-    elif device_type == "cuda" and device_fields:
-        major, minor = torch.cuda.get_device_capability()
-        key.update(name=torch.cuda.get_device_name(), capability=f"sm_{major}{minor}", cuda=torch.version.cuda,
-                   driver=_cuda_driver())
-    elif device_type == "xpu":
-        key.update(arch_list=torch.xpu.get_arch_list())  # compiled into torch: no device start
-        if device_fields:
-            props = torch.xpu.get_device_properties()
-            key.update(name=props.name, driver=getattr(props, "driver_version", None))
-    return key
-
-
-def _cuda_driver() -> str | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
-        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-
-
-def xpu_driver_version() -> str | None:
-    """The Level Zero driver version of XPU 0 (starts the device), None without an XPU."""
-    if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
-        return None
-    return getattr(torch.xpu.get_device_properties(), "driver_version", None)
+    return key | device_target(device_type).cache_key_fields(started=device_fields)
 
 
 def kcache_problem(path: Path, manifest: dict, full_hash: bool = False) -> str | None:
@@ -325,10 +297,10 @@ def activate(path: Path, manifest: dict, device_type: str, compile: bool, trust:
     signed: the caller verified the artifact's signature against the user's key."""
     if "kcache" not in manifest:
         return {"status": "absent"}
-    # the cpu target's eager kernels are not compiled at run time: without compile only a plan is read
-    plan_only = not compile and device_type == "cpu"
+    target = device_target(device_type)
+    plan_only = not compile and not target.jit_kernels  # without compile only a plan is read
     if plan_only and PLAN not in manifest["kcache"].get("files", {}):
-        return {"status": "unused (no compile: the cpu target's eager kernels are not compiled at run time)"}
+        return {"status": f"unused (no compile: the {target.name} target's eager kernels are not compiled at run time)"}
     problem = kcache_problem(path, manifest)
     if problem:
         return _ignored(f"{problem}; ignoring it (re-run `quantprep warm {path}`)")
@@ -340,7 +312,8 @@ def activate(path: Path, manifest: dict, device_type: str, compile: bool, trust:
         warnings.warn(untrusted_message(path), stacklevel=3)
         return {"status": "untrusted"}
     rewarm = f"ignoring it (re-run `quantprep warm {path}` on this machine)"
-    if mismatch := key_mismatch(entry["key"], cache_key(device_type, device_fields=device_type != "xpu"), partial=device_type == "xpu"):
+    late = bool(target.driver_cache)  # the key's device fields start the device: after its driver's variables
+    if mismatch := key_mismatch(entry["key"], cache_key(device_type, device_fields=not late), partial=late):
         return _ignored(f"{path}: {mismatch}; {rewarm}")
     if plan_only:  # read from the artifact (runtime/plan.py checks its sha256): nothing to copy or point a runtime at
         return {"status": "used", "trusted": reason, "plan_dir": str(path / KCACHE)}
@@ -349,15 +322,15 @@ def activate(path: Path, manifest: dict, device_type: str, compile: bool, trust:
     except (ArtifactError, OSError) as e:
         return _ignored(f"kernel cache not usable: {e}")
     env = cache_env(root)
-    if device_type == "xpu":
+    if late:
         # The driver reads its cache location when the device starts, and the device fields of the
         # key need a started device: so the device-free key first, then the variables, then the
         # rest. The driver checks its own entries against the device it finds.
-        if torch.xpu.is_initialized():
-            warnings.warn(f"{path}: the XPU was initialised before quantprep.load, so the driver/SYCL caches in kcache/ "
-                          f"are not used; start serving with `quantprep exec {path} -- CMD` instead", stacklevel=3)
+        if target.started():
+            warnings.warn(f"{path}: the {device_type} device was initialised before quantprep.load, so the driver caches in "
+                          f"kcache/ are not used; start serving with `quantprep exec {path} -- CMD` instead", stacklevel=3)
         else:
-            os.environ.update({k: v for k, v in env.items() if k.startswith(("NEO_", "SYCL_"))})
+            os.environ.update({k: v for k, v in env.items() if k.startswith(target.driver_cache)})
         if mismatch := key_mismatch(entry["key"], cache_key(device_type)):
             return _ignored(f"{path}: {mismatch}; {rewarm}")
     # Not set here: load holds these for its own duration only (scoped_env), so a second model or a
@@ -414,22 +387,11 @@ def exec_env(path: str | os.PathLike, trust: bool = False) -> dict[str, str]:
     if mismatch:
         raise ArtifactError(f"{path}: {mismatch}; re-run `quantprep warm {path}` on this machine")
     env = dict(os.environ, **cache_env(materialize(path, manifest)))  # ArtifactError: a file does not match
-    if device == "xpu":
-        env.update(xpu_primitive_env(manifest, env) | triton_native_env(manifest["kcache"], env))
-        if msg := cache_warning(env, xpu_driver_version()):
-            print(f"quantprep: warning: {msg}", file=sys.stderr)
+    target = device_target(device)
+    env.update(target.run_env(manifest, env) | triton_native_env(manifest["kcache"], env))
+    if msg := target.cache_warning(env):
+        print(f"quantprep: warning: {msg}", file=sys.stderr)
     return env
-
-
-def xpu_warm_env(manifest: dict, env: dict[str, str]) -> dict[str, str]:
-    """What warm's child gets on xpu beyond cache_env: the primitive cache size, and native code from
-    Triton when `ocloc` is on PATH (TRITON_XPU_GEN_NATIVE_CODE: Triton compiles SPIR-V to a zebin
-    with ocloc, so kcache/triton holds binaries instead of SPIR-V that only the driver cache could
-    keep compiled)."""
-    extra = xpu_primitive_env(manifest, env)
-    if shutil.which("ocloc", path=env.get("PATH")) and "TRITON_XPU_GEN_NATIVE_CODE" not in env:
-        extra["TRITON_XPU_GEN_NATIVE_CODE"] = "1"
-    return extra
 
 
 def triton_native_env(entry: dict, env: dict[str, str]) -> dict[str, str]:
@@ -439,10 +401,3 @@ def triton_native_env(entry: dict, env: dict[str, str]) -> dict[str, str]:
         return {"TRITON_XPU_GEN_NATIVE_CODE": "1"}
     return {}
 
-
-def xpu_primitive_env(manifest: dict, env: dict[str, str]) -> dict[str, str]:
-    """ONEDNN_PRIMITIVE_CACHE_CAPACITY for the warmed prompt lengths x the int4 linear shapes, when
-    oneDNN's default would evict some of them (intel_runtime.primitive_cache_env)."""
-    lengths = manifest.get("kcache", manifest.get("serving", {})).get("shapes", [])
-    linears = {(m["in_features"], m["out_features"]) for m in manifest.get("modules", {}).values() if m.get("bits") == 4}
-    return primitive_cache_env(len(lengths) + 1, len(linears), env)  # + 1: decode (M=1)

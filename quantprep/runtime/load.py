@@ -31,9 +31,8 @@ from quantprep.runtime.checked import checked_manifest
 from quantprep.runtime.experts import check_experts_installed, install_experts
 from quantprep.runtime.fused import in_model
 from quantprep.runtime.fused import install as install_fused
-from quantprep.runtime.kcache import MEGACACHE, PLAN, activate, scoped_env, xpu_driver_version, xpu_primitive_env
-from quantprep.targets import Target, act_dtype_problem, get_target
-from quantprep.targets.intel_runtime import cache_warning
+from quantprep.runtime.kcache import MEGACACHE, PLAN, activate, scoped_env
+from quantprep.targets import Target, act_dtype_problem, device_target, get_target
 
 DECODE_STEPS = 2
 
@@ -122,8 +121,7 @@ def run_shapes(model, shapes: list[int], each=None) -> list[dict]:
         with torch.inference_mode():
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=DECODE_STEPS,
                            min_new_tokens=DECODE_STEPS, do_sample=False, pad_token_id=0)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        device_target(device.type).synchronize()
         timings.append({"prefill": length, "decode_steps": DECODE_STEPS, "s": round(time.perf_counter() - t0, 3)})
         if each:
             each(length)
@@ -176,8 +174,8 @@ def open_artifact(path: Path, device: str | torch.device | None, dtype: torch.dt
     result), then this machine's compatibility key, the device and dtype. Returns what the later
     steps need (OpenedArtifact), read and checked once."""
     manifest, target = checked or checked_artifact(path, verify, key)
-    if target.name == "openvino":
-        raise ArtifactMismatch(f"{path}: an openvino artifact runs in OpenVINO: load it with quantprep.load, "
+    if target.kind != "torch":
+        raise ArtifactMismatch(f"{path}: an {target.name} artifact runs in OpenVINO: load it with quantprep.load, "
                                "`quantprep generate` or `quantprep serve`")
     emulate = device is not None and torch.device(device).type == "cpu" and target.device != "cpu"
     check_compat(path, manifest, target, emulate)
@@ -194,14 +192,14 @@ def open_artifact(path: Path, device: str | torch.device | None, dtype: torch.dt
         raise ArtifactMismatch(f"{path}: dtype={dtype}: {problem}; pass one of those or leave dtype out")
     if not emulate and (note := target.load_warning()):
         warnings.warn(f"{path}: {note}", stacklevel=3)
-    if target.device == "xpu" and not emulate:  # before the first oneDNN primitive is created
-        os.environ.update(xpu_primitive_env(manifest, dict(os.environ)))
+    if not emulate:  # before the device starts
+        os.environ.update(target.run_env(manifest, dict(os.environ)))
     return OpenedArtifact(path, manifest, target, device, dtype, packed_dtype, emulate)
 
 
 def activate_kcache(path: Path, art: OpenedArtifact, kcache: bool, compile: bool, trust_kcache: bool, signed: bool) -> dict:
     status = activate(path, art.manifest, art.device.type, compile, trust_kcache, signed=signed) if kcache else {"status": "off"}
-    if art.target.device == "xpu" and not art.emulate and (msg := cache_warning(dict(os.environ), xpu_driver_version())):
+    if not art.emulate and (msg := art.target.cache_warning(dict(os.environ))):
         warnings.warn(f"{path}: {msg}", stacklevel=3)
     return status
 
@@ -407,7 +405,7 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
         signed = key is not None
     path = Path(path)
     manifest, target = checked_artifact(path, verify, None if pulled else key)
-    if target.name == "openvino":  # OpenVINO runs it (runtime/genai.py); nothing of torch's model here
+    if target.kind == "graph":  # OpenVINO runs it (runtime/genai.py); nothing of torch's model here
         from quantprep.runtime import genai
 
         check_compat(path, manifest, target)

@@ -36,7 +36,7 @@ from quantprep.format import safetensors_numpy
 from quantprep.format.model_config import MAX_SIZE
 from quantprep.runtime.architectures import ANY, ARCHITECTURES, Architecture
 from quantprep.runtime.checked import checked_manifest
-from quantprep.targets import cpu_c, native
+from quantprep.targets import KERNEL_GROUP_SIZES, cpu_c, native
 
 FUSED_MEMBERS = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}  # in the order C reads them
 
@@ -325,7 +325,7 @@ class NativeModel:
         group, fused = fields[2], meta.get("fused")
         members = FUSED_MEMBERS.get(name.rpartition(".")[2])
         shape = [(fused or {}).get("members"), (fused or {}).get("sizes")] if fused else [None, None]
-        if not all(type(f) is int for f in fields) or group not in (32, 64, 128, 256) or \
+        if not all(type(f) is int for f in fields) or group not in KERNEL_GROUP_SIZES or \
                 fields[:2] + fields[3:5] + shape != [k, n, -(-k // group) * group, n, members, parts]:
             raise refuse(self.path, f"module {name} has (in, out, group, padded in, padded out, block, fused) "
                                     f"{(*fields, fused)!r}, not the {k}x{n} (fused {members}: {parts}) the config makes")

@@ -31,8 +31,8 @@ import torch
 from quantprep._io.jsonfile import parse_json_object
 from quantprep.errors import ArtifactError
 from quantprep.runtime.kcache import PLAN, cache_key, key_mismatch
+from quantprep.targets import device_target
 from quantprep.targets.common import PackedLinear
-from quantprep.targets.native import cpuinfo
 
 VERSION = 1
 MAX_BYTES = 1 << 20  # a plan is a few kilobytes
@@ -50,12 +50,9 @@ SHORT_CALL_S, SHORT_REPS = 1e-3, 10
 
 
 def plan_key(device_type: str) -> dict:
-    """What the timings depend on: the kernel cache's key (versions, ISA or GPU), and on a CPU its
-    model and the threads torch runs with."""
-    key = cache_key(device_type)
-    if device_type == "cpu":
-        key.update(processor=cpuinfo("model name"), threads=torch.get_num_threads())
-    return key
+    """What the timings depend on: the kernel cache's key (versions, ISA or GPU), and what else the
+    device says (a CPU: its model and the threads torch runs with)."""
+    return cache_key(device_type) | device_target(device_type).plan_key_fields()
 
 
 def planned_modules(model) -> dict[str, list[PackedLinear]]:
@@ -97,7 +94,7 @@ def time_paths(module: PackedLinear, x: torch.Tensor, paths: tuple[str, ...]) ->
                 replays = {p: cuda_graph(lambda p=p: call(p)) for p in paths}
             except RuntimeError:  # a path that cannot be captured: every path timed from the host
                 torch.cuda.synchronize()
-        sync = {"cuda": torch.cuda.synchronize, "xpu": torch.xpu.synchronize}.get(x.device.type, lambda: None)  # kernels run async
+        sync = device_target(x.device.type).synchronize  # kernels may run async
         for r in range(SHORT_REPS if cpu and min(first.values()) < SHORT_CALL_S else REPS):
             for p in paths:
                 if p in once or (p in long and r > 0):

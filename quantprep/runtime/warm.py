@@ -28,9 +28,9 @@ from quantprep.errors import QuantprepError
 from quantprep.format.artifact import DEFAULT_SHAPES, read_checked, republish, sha256_file
 from quantprep.runtime import plan
 from quantprep.runtime.aot import compile_regions
-from quantprep.runtime.kcache import KCACHE, MEGACACHE, cache_env, cache_key, record_trust, xpu_driver_version, xpu_warm_env
+from quantprep.runtime.kcache import KCACHE, MEGACACHE, cache_env, cache_key, record_trust
 from quantprep.runtime.load import DECODE_STEPS, run_shapes, usable_shapes
-from quantprep.targets.intel_runtime import cache_warning
+from quantprep.targets import device_target, get_target
 
 STEP_DONE = "quantprep-warm: step done"  # the child's line on stderr for each shape it ran (warm's bar)
 AOT_TIMEOUT_S = 1800  # per phase of warm that builds or checks compiled MLP packages
@@ -108,7 +108,7 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
     Defaults come from the manifest's `serving` entry (written from the recipe at build)."""
     path = Path(path).absolute()
     manifest = read_checked(path)
-    if manifest["target"]["name"] == "openvino":
+    if get_target(manifest["target"]["name"]).kind == "graph":
         return warm_openvino(path, manifest, device, progress)
     serving = manifest.get("serving", {})
     device = device or manifest["target"]["device"]
@@ -121,10 +121,10 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
     with tempfile.TemporaryDirectory(prefix="quantprep-warm-") as tmp:
         scratch = Path(tmp)
         env = dict(os.environ, **cache_env(scratch))
-        if device == "xpu":
-            env.update(xpu_warm_env(manifest, env))
-            if msg := cache_warning(env, xpu_driver_version()):
-                print(f"quantprep: warning: {msg}; kcache/neo stays empty", file=sys.stderr)
+        target = device_target(device)
+        env.update(target.warm_env(manifest, env))
+        if msg := target.cache_warning(env):
+            print(f"quantprep: warning: {msg}; kcache/ keeps none of the driver's kernels", file=sys.stderr)
         if progress:
             print(f"warm {path} on {device}: prefill {shapes} + {DECODE_STEPS} decode steps"
                   f"{', torch.compile' if compile else ''}{' + compiled MLP packages' if compile and aot else ''} (fresh processes)",
@@ -172,7 +172,7 @@ def warm_openvino(path: Path, manifest: dict, device: str | None, progress: bool
         entry = {"key": report["key"], "shapes": report["shapes"], "compile": False, "files": files}
         republish(path, scratch, KCACHE, [*files], {"kcache": entry})
         record_trust(entry)
-    return dict(report, path=str(path), files=len(files), bytes=sum(f["size"] for f in files.values()))
+    return dict(report, path=str(path), files=len(files), bytes=sum(f["size"] for f in files.values()), what="OpenVINO's model cache")
 
 
 def _aot_phases(path: Path, device: str, env: dict, scratch: Path, bar, **args) -> dict:

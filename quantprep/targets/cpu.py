@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import platform
 import threading
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 
 from quantprep import settings
 from quantprep.format.gptq import PrepackLayer
-from quantprep.targets import native
+from quantprep.targets import KERNEL_GROUP_SIZES, native
 from quantprep.targets.common import (
     Int8PerChannelLinear,
     PackedLinear,
@@ -43,7 +44,6 @@ from quantprep.targets.common import (
     torch_base_version,
 )
 
-KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 N_ALIGN = 16
 
 
@@ -433,12 +433,31 @@ class CpuTarget(Target):
     default_act_dtype = torch.bfloat16
     act_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     layout_version = 1
+    preference = 2  # after the accelerators
+    jit_kernels = False  # torch's and quantprep's C kernels are built ahead: a kcache without compile holds only a plan
 
     def compat_key(self) -> dict:
         return {"torch": torch_base_version(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
     def runtime_problem(self) -> str | None:
         return None  # a CPU is always present
+
+    def present(self) -> bool:
+        return True
+
+    def cache_key_fields(self, started: bool = True) -> dict:
+        return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine()}
+
+    def plan_key_fields(self) -> dict:
+        return {"processor": native.cpuinfo("model name"), "threads": torch.get_num_threads()}
+
+    def describe(self) -> dict:
+        return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+
+    def variant_name(self, manifest: dict) -> str:
+        """cpu-avx2, cpu-avx512: the packed layout depends on the ISA."""
+        cap = manifest["compat"].get("cpu_capability")
+        return f"{self.name}-{str(cap).lower()}" if cap else self.name
 
     def kernel(self, bits: int) -> str:
         return "aten._weight_int4pack_mm_for_cpu" if bits == 4 else "aten._weight_int8pack_mm|dequant-int8-matmul"
@@ -449,7 +468,7 @@ class CpuTarget(Target):
             int8, meta["int8_kernel"] = pack_int8(layer, act_dtype, per_channel_kernel=True)
             return tensors | int8, meta
         K, N = layer.in_features, layer.out_features
-        c, Kp, s, z = regroup(layer, KERNEL_GROUP_SIZES, self.name)
+        c, Kp, s, z = regroup(layer, self.group_sizes, self.name)
         Np = round_up(N, N_ALIGN)
         sz = F.pad(torch.stack([s, (8 - z.float()) * s], dim=-1), (0, 0, 0, Np - N))  # [Kp/c, Np, 2]
         capability = torch.backends.cpu.get_cpu_capability()

@@ -30,12 +30,15 @@ than it at every M on an H100 (benchmarks/experiments/results/int8-switch-cuda-h
 
 from __future__ import annotations
 
+import subprocess
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from quantprep.format import gptq
 from quantprep.format.gptq import PrepackLayer, pack_rows, unpack_rows
+from quantprep.targets import KERNEL_GROUP_SIZES
 from quantprep.targets.common import (
     PackedLinear,
     Target,
@@ -50,7 +53,6 @@ from quantprep.targets.common import (
     torch_base_version,
 )
 
-KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 N_ALIGN = 8
 DECODE_MAX_M = 16  # tinygemm up to here: the crossover on an H200 (benchmarks/experiments/results/cuda-h200.json)
 PREFILL_CONFIG = (64, 64, 128, 4, 3)  # Triton tiles, picked by benchmarks/experiments/cuda_kernels.py --sweep
@@ -449,14 +451,38 @@ class CudaTarget(Target):
     device = "cuda"
     default_act_dtype = torch.bfloat16
     act_dtypes = (torch.bfloat16,)
+    act_dtype_note = " (tinygemm, its decode kernel, is bf16-only)"
     layout_version = 1
     cpu_emulator = True  # off a GPU the modules dequantize each copy of the codes with tensor ops (verify, tests)
+    preference = 1
 
     def compat_key(self) -> dict:
         return {"torch": torch_base_version()}
 
     def runtime_problem(self) -> str | None:
-        return None if torch.cuda.is_available() else "no CUDA device here (torch.cuda.is_available() is False)"
+        return None if self.present() else "no CUDA device here (torch.cuda.is_available() is False)"
+
+    def present(self) -> bool:
+        return torch.cuda.is_available()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def cache_key_fields(self, started: bool = True) -> dict:
+        if not started:
+            return {}
+        major, minor = torch.cuda.get_device_capability()
+        return {"name": torch.cuda.get_device_name(), "capability": f"sm_{major}{minor}", "cuda": torch.version.cuda,
+                "driver": driver_version()}
+
+    def describe(self) -> dict:
+        return {"name": torch.cuda.get_device_name(), "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+                "cuda": torch.version.cuda, "triton": None if triton is None else triton.__version__}
+
+    def variant_name(self, manifest: dict) -> str:
+        """cuda-sm_90: the GPU its kcache was warmed on, where it has one."""
+        kcap = manifest.get("kcache", {}).get("key", {}).get("capability")
+        return f"{self.name}-{kcap}" if kcap else self.name
 
     def kernel(self, bits: int) -> str:
         return "aten._weight_int4pack_mm+dequant-bf16-matmul" if bits == 4 else "dequant-int8-matmul"
@@ -473,7 +499,7 @@ class CudaTarget(Target):
         if layer.bits == 8:
             int8, meta["int8_kernel"] = pack_int8(layer, act_dtype, per_channel_kernel=True)
             return tensors | int8, meta
-        c, Kp, s, z = regroup(layer, KERNEL_GROUP_SIZES, self.name)  # Kp is a multiple of c >= 32
+        c, Kp, s, z = regroup(layer, self.group_sizes, self.name)  # Kp is a multiple of c >= 32
         ikt, Np = inner_k_tiles(Kp), round_up(N, N_ALIGN)
         codes = layer.codes
         if (Kp, Np) != (K, N):
@@ -485,6 +511,15 @@ class CudaTarget(Target):
 
     def make_module(self, meta: dict, act_dtype: torch.dtype) -> nn.Module:
         return CudaInt4Linear(meta, act_dtype) if meta["bits"] == 4 else make_int8_module(meta, act_dtype)
+
+
+def driver_version() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
 
 
 TARGET = CudaTarget()

@@ -120,6 +120,29 @@ def cache_warning(env: dict[str, str], driver_version: str | None = None) -> str
     return None if s["enabled"] else f"the Intel driver's kernel cache is {'off' if s['enabled'] is False else 'maybe off'}: {s['why']}"
 
 
+def xpu_cache_report(env: dict[str, str], arch_list: list[str], device_name: str, architecture: int | None = None,
+                     driver_version: str | None = None) -> list[str]:
+    """What will make first runs slow on this XPU machine, and how to fix it (selftest's notes)."""
+    notes = []
+    aot = aot_name(architecture, device_name)
+    if warning := arch_warning(device_name, arch_list, architecture):
+        notes.append(warning)
+    else:
+        notes.append(f"torch has AOT kernels for {device_name} ({aot})")
+    cache = neo_cache_state(env, driver_version)
+    if cache["enabled"]:
+        notes.append(f"driver kernel cache {cache['why']}, at {cache['dir']} (driver {driver_version or 'version unknown'})")
+    else:
+        notes.append(f"driver kernel cache {'OFF' if cache['enabled'] is False else 'MAYBE OFF'}: {cache['why']}")
+    if env.get("SYCL_CACHE_PERSISTENT") != "1":
+        notes.append("SYCL program cache off: set SYCL_CACHE_PERSISTENT=1 (and SYCL_CACHE_DIR) to keep JIT results across processes")
+    else:
+        notes.append(f"SYCL program cache on, at {env.get('SYCL_CACHE_DIR', '~/.cache/libsycl_cache')}")
+    notes.append("oneDNN builds one int4 primitive per prompt length, per thread, and keeps none across processes: "
+                 "warm the serving lengths with load(warmup=True) in the serving thread, and pad prompts to them (quantprep.tools.serving)")
+    return notes
+
+
 # oneDNN verbose lines (uxlfoundation/oneDNN doc/performance_considerations/verbose.md; src/common/verbose.cpp):
 #   onednn_verbose[,v1][,timestamp],primitive,<exec|create:cache_miss|create:cache_hit|...>,<engine>,<primitive>,
 #   <implementation>,<prop_kind>,<memory descriptors>,<attributes>,<auxiliary>,<problem>,<time ms>
@@ -163,6 +186,19 @@ def int4_matmul_report(lines) -> list[dict]:
             p["exec_ms"].append(r["ms"])
         p["impl"], p["reference"] = r["impl"], r["reference"]
     return list(by_problem.values())
+
+
+def onednn_notes(problems: list[dict]) -> list[str]:
+    """Plain words for int4_matmul_report: which implementation ran each int4 matmul."""
+    if not problems:
+        return ["oneDNN verbose showed no int4 matmul (is ONEDNN_VERBOSE supported by this torch build?)"]
+    notes = []
+    for p in problems:
+        create = f"created in {p['create_ms']:.1f} ms" if p["create_ms"] is not None else "creation not logged"
+        run = f", runs in {sorted(p['exec_ms'])[len(p['exec_ms']) // 2]:.3f} ms" if p["exec_ms"] else ""
+        slow = " -- a REFERENCE kernel: this card takes oneDNN's slow fallback path" if p["reference"] else ""
+        notes.append(f"int4 matmul {p['problem']}: {p['impl']}, {create}{run}{slow}")
+    return notes
 
 
 # PyTorch's int4 primitive cache (aten/src/ATen/native/mkldnn/xpu/detail/DnnlExt.h) is keyed by M

@@ -74,6 +74,12 @@ def float_storage(t: torch.Tensor) -> torch.Tensor:
 class OpenVINOTarget(Target):
     name = "openvino"
     device = "openvino"  # OpenVINO picks the device (CPU, GPU) at load; torch runs nothing
+    kind = "graph"
+    # its model cache is for the serving device (`quantprep warm DIR --device GPU` on the Arc); on a CPU
+    # it did not shorten the start and doubled the artifact (BENCHMARKS.md, "OpenVINO target")
+    warm_at_build = False
+    quantized_lm_head = False  # the IR keeps the checkpoint's lm_head
+    model_format = "openvino"
     default_act_dtype = torch.float32  # the IR's activations; the plugin's inference precision is a load option
     act_dtypes = (torch.float32,)
     layout_version = 3  # 2: the pad value explicit in the IR (a rebuilt graph compares equal); 3: traced from transformers

@@ -11,6 +11,9 @@ int8: the exact dequantize + matmul path shared with the other targets.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import torch
 from torch import nn
 
@@ -26,11 +29,18 @@ from quantprep.targets.common import (
     regroup,
     torch_base_version,
 )
-from quantprep.targets.intel_runtime import arch_warning
+from quantprep.targets.intel_runtime import (
+    aot_name,
+    arch_warning,
+    cache_warning,
+    int4_matmul_report,
+    onednn_notes,
+    primitive_cache_env,
+    xpu_cache_report,
+)
 
 KERNEL = "aten._weight_int4pack_mm_with_scales_and_zeros"
-# Any multiple of 32 is accepted (Blas.cpp); these are the ones GPTQ group sizes divide into.
-KERNEL_GROUP_SIZES = (256, 128, 64, 32)
+# Its group size may be any multiple of 32 (Blas.cpp): the common KERNEL_GROUP_SIZES are those GPTQ groups divide into.
 # XpuInt4Linear.kernel's call: every argument by position, as (its name in torch 2.8's schema, the
 # type passed). pytorch#194692 (open) makes qZeros `Tensor?` and allows float32 scales: the call
 # fits both, since int8 zero points stay valid.
@@ -68,6 +78,25 @@ def kernel_schema_problem(schema: torch.FunctionSchema) -> str | None:
     return None
 
 
+def xpu_op_note(schema: torch.FunctionSchema | None) -> str:
+    """This torch's schema of the xpu int4 op (its arguments' names, types and optionality, as torch
+    prints them) and whether quantprep's call fits it (kernel_schema_problem)."""
+    if schema is None:
+        return f"int4 op {KERNEL}: not in this torch"
+    if why := kernel_schema_problem(schema):
+        return f"int4 op `{schema}`: quantprep's call does NOT fit it: {why}"
+    optional = [a.name for a in schema.arguments if isinstance(a.type, torch.OptionalType)]
+    also = f"; optional here: {', '.join(optional)} (quantprep still passes int8 zero points)" if optional else ""
+    return f"int4 op `{schema}`: quantprep's call fits it{also}"
+
+
+def driver_version() -> str | None:
+    """The Level Zero driver version of XPU 0 (starts the device), None without an XPU."""
+    if not TARGET.present():
+        return None
+    return getattr(torch.xpu.get_device_properties(), "driver_version", None)
+
+
 def pack_int4_nk(codes: torch.Tensor, block: int = 1 << 24) -> torch.Tensor:
     """uint8 codes [K, N] -> int32 [N, K/8], element k at bits 4*(k%8) (little-endian bytes).
     About `block` codes (a slab of columns) at a time: nibble pairs packed along K, then only the
@@ -102,11 +131,63 @@ class XpuTarget(Target):
     device = "xpu"
     default_act_dtype = torch.float16
     act_dtypes = xpu_emulator.ACT_DTYPES  # oneDNN has no fp32 int4 primitive (docs/xpu.md)
+    act_dtype_note = " (oneDNN has no float32 int4 matmul; docs/xpu.md)"
     layout_version = 1
     cpu_emulator = True  # xpu_emulator runs the int4 kernel's semantics on CPU
+    preference = 0
+    driver_cache = ("NEO_", "SYCL_")  # compute-runtime's and SYCL's kernel caches (docs/xpu.md)
+    log_env = {"ONEDNN_VERBOSE": "2"}  # legacy level 2: creation and execution, understood by every oneDNN 3.x
 
     def compat_key(self) -> dict:
         return {"torch": torch_base_version()}
+
+    def present(self) -> bool:
+        return hasattr(torch, "xpu") and torch.xpu.is_available()
+
+    def synchronize(self) -> None:
+        torch.xpu.synchronize()
+
+    def started(self) -> bool:
+        return torch.xpu.is_initialized()
+
+    def cache_key_fields(self, started: bool = True) -> dict:
+        key = {"arch_list": torch.xpu.get_arch_list()}  # compiled into torch: no device start
+        if started:
+            props = torch.xpu.get_device_properties()
+            key.update(name=props.name, driver=getattr(props, "driver_version", None))
+        return key
+
+    def describe(self) -> dict:
+        props = torch.xpu.get_device_properties()
+        arch, architecture, driver = torch.xpu.get_arch_list(), getattr(props, "architecture", None), getattr(props, "driver_version", None)
+        return {"name": props.name, "driver": driver, "architecture": architecture, "aot_name": aot_name(architecture, props.name),
+                "arch_list": arch, "notes": [xpu_op_note(kernel_schema()),
+                                             *xpu_cache_report(dict(os.environ), arch, props.name, architecture, driver)]}
+
+    def run_env(self, manifest: dict, env: dict[str, str]) -> dict[str, str]:
+        """ONEDNN_PRIMITIVE_CACHE_CAPACITY for the warmed prompt lengths x the int4 linear shapes, when
+        oneDNN's default would evict some of them (intel_runtime.primitive_cache_env); before the
+        first oneDNN primitive is created."""
+        lengths = manifest.get("kcache", manifest.get("serving", {})).get("shapes", [])
+        linears = {(m["in_features"], m["out_features"]) for m in manifest.get("modules", {}).values() if m.get("bits") == 4}
+        return primitive_cache_env(len(lengths) + 1, len(linears), env)  # + 1: decode (M=1)
+
+    def warm_env(self, manifest: dict, env: dict[str, str]) -> dict[str, str]:
+        """run_env, and native code from Triton when `ocloc` is on PATH (TRITON_XPU_GEN_NATIVE_CODE:
+        Triton compiles SPIR-V to a zebin with ocloc, so kcache/triton holds binaries instead of
+        SPIR-V that only the driver cache could keep compiled)."""
+        extra = self.run_env(manifest, env)
+        if shutil.which("ocloc", path=env.get("PATH")) and "TRITON_XPU_GEN_NATIVE_CODE" not in env:
+            extra["TRITON_XPU_GEN_NATIVE_CODE"] = "1"
+        return extra
+
+    def cache_warning(self, env: dict[str, str]) -> str | None:
+        return cache_warning(env, driver_version())
+
+    def read_log(self, lines: list[str]) -> tuple[list[dict], list[str]]:
+        """oneDNN's verbose output: which implementation ran each int4 matmul (intel_runtime)."""
+        rows = int4_matmul_report(lines)
+        return rows, onednn_notes(rows)
 
     def load_warning(self) -> str | None:
         """Checked at every load on a real XPU: a card torch has no AOT kernels for works, but
@@ -124,7 +205,7 @@ class XpuTarget(Target):
             call = ", ".join(f"{t} {n}" for n, t in KERNEL_CALL)
             return (f"torch {torch.__version__}'s {KERNEL} is `{schema}`, which quantprep's call ({call}) does not fit: {why}; "
                     "install a torch whose op takes that call, or a quantprep that knows this schema")
-        if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        if not self.present():
             return "no XPU device here (torch.xpu.is_available() is False)"
         return None
 
@@ -136,7 +217,7 @@ class XpuTarget(Target):
         if layer.bits == 8:
             int8, meta["int8_kernel"] = pack_int8(layer, act_dtype, per_channel_kernel=False)
             return tensors | int8, meta
-        c, Kp, scales, zeros = regroup(layer, KERNEL_GROUP_SIZES, self.name)
+        c, Kp, scales, zeros = regroup(layer, self.group_sizes, self.name)
         codes = layer.codes
         if Kp != layer.in_features:
             codes = torch.nn.functional.pad(codes, (0, 0, 0, Kp - layer.in_features), value=8)

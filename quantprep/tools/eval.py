@@ -198,14 +198,14 @@ def evaluate(path: str | os.PathLike, reference: str | os.PathLike | None = None
                              "eval needs the tokenizer files next to config.json") from None
     windows = token_windows(tokenizer, text, ctx, max_tokens)
     kind, ref_path = find_reference(manifest, reference)
+    from quantprep.targets import get_target
+
     target = manifest["target"]["name"]
     if device is None:  # the target's device, else its CPU emulator (xpu: slow; --max-tokens bounds it)
-        from quantprep.targets import get_target
-
         t = get_target(target)
         device = "cpu" if t.runtime_problem() is not None and t.cpu_emulator else None
     model = load(path, device=device, dtype=getattr(torch, dtype) if dtype else None)
-    if target == "openvino":  # OpenVINO runs it, with the plugin's defaults (what generate and serve run); the reference on the CPU
+    if get_target(target).kind == "graph":  # OpenVINO runs it, with the plugin's defaults (what generate and serve run); the reference on the CPU
         device, shown = "cpu", f"OpenVINO {model.device}"
     else:
         device = shown = str(next(model.parameters()).device)

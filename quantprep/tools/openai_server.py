@@ -160,10 +160,12 @@ class TorchBackend:
 
     def warm(self):
         """The artifact's warmed shapes, run once: on the worker thread, where every generation runs
-        (PyTorch's oneDNN primitive cache on xpu is per thread); cpu keeps no per-process kernel state."""
+        (PyTorch's oneDNN primitive cache on xpu is per thread); where kernels are built ahead (cpu) there is
+        no per-process kernel state to warm."""
         from quantprep.runtime.load import run_shapes
+        from quantprep.targets import device_target
 
-        if self.device.type == "cpu":
+        if not device_target(self.device.type).jit_kernels:
             return "none"
         return [t["prefill"] for t in run_shapes(self.model, self.model.quantprep_buckets)]
 

@@ -19,9 +19,7 @@ from quantprep.build.prepack import prepare_layer
 from quantprep.build.source import QuantConfig, _validate_layer
 from quantprep.build.synthetic import random_gptq_tensors
 from quantprep.errors import QuantprepError
-from quantprep.targets import get_target
-from quantprep.targets.intel_runtime import aot_name, arch_warning, int4_matmul_report, neo_cache_state
-from quantprep.targets.xpu import KERNEL, kernel_schema, kernel_schema_problem
+from quantprep.targets import device_target, get_target
 from quantprep.tools.verify import REL_TOL
 
 CASES = [(bits, gs, act) for bits in (4, 8) for gs in (128, -1) for act in (True, False)]
@@ -49,116 +47,45 @@ def check_case(module, layer, dtype: torch.dtype, device: str, M: int = 8) -> di
     return {"rel_err": rel, "tol": tol, "ok": bool(rel <= tol)}
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-    elif device == "xpu":
-        torch.xpu.synchronize()
-
-
 def time_ms(module, K: int, M: int, dtype: torch.dtype, device: str, reps: int = 10) -> dict:
     x = torch.randn(M, K, device=device, dtype=dtype)
     with torch.no_grad():
-        _sync(device)
+        sync = device_target(device).synchronize
+        sync()
         t = time.perf_counter()
         module(x)  # first call: includes any JIT compilation or kernel selection
-        _sync(device)
+        sync()
         first = time.perf_counter() - t
         times = []
         for _ in range(reps):
             t = time.perf_counter()
             module(x)
-            _sync(device)
+            sync()
             times.append(time.perf_counter() - t)
     return {"first_ms": first * 1e3, "median_ms": statistics.median(times) * 1e3}
 
 
-def xpu_cache_report(env: dict[str, str], arch_list: list[str], device_name: str, architecture: int | None = None,
-                     driver_version: str | None = None) -> list[str]:
-    """What will make first runs slow on this XPU machine, and how to fix it (intel_runtime.py)."""
-    notes = []
-    aot = aot_name(architecture, device_name)
-    if warning := arch_warning(device_name, arch_list, architecture):
-        notes.append(warning)
-    else:
-        notes.append(f"torch has AOT kernels for {device_name} ({aot})")
-    cache = neo_cache_state(env, driver_version)
-    if cache["enabled"]:
-        notes.append(f"driver kernel cache {cache['why']}, at {cache['dir']} (driver {driver_version or 'version unknown'})")
-    else:
-        notes.append(f"driver kernel cache {'OFF' if cache['enabled'] is False else 'MAYBE OFF'}: {cache['why']}")
-    if env.get("SYCL_CACHE_PERSISTENT") != "1":
-        notes.append("SYCL program cache off: set SYCL_CACHE_PERSISTENT=1 (and SYCL_CACHE_DIR) to keep JIT results across processes")
-    else:
-        notes.append(f"SYCL program cache on, at {env.get('SYCL_CACHE_DIR', '~/.cache/libsycl_cache')}")
-    notes.append("oneDNN builds one int4 primitive per prompt length, per thread, and keeps none across processes: "
-                 "warm the serving lengths with load(warmup=True) in the serving thread, and pad prompts to them (quantprep.tools.serving)")
-    return notes
-
-
-def xpu_op_note(schema: torch.FunctionSchema | None) -> str:
-    """This torch's schema of the xpu int4 op (its arguments' names, types and optionality, as torch
-    prints them) and whether quantprep's call fits it (targets/xpu.py, kernel_schema_problem)."""
-    if schema is None:
-        return f"int4 op {KERNEL}: not in this torch"
-    if why := kernel_schema_problem(schema):
-        return f"int4 op `{schema}`: quantprep's call does NOT fit it: {why}"
-    optional = [a.name for a in schema.arguments if isinstance(a.type, torch.OptionalType)]
-    also = f"; optional here: {', '.join(optional)} (quantprep still passes int8 zero points)" if optional else ""
-    return f"int4 op `{schema}`: quantprep's call fits it{also}"
-
-
-def onednn_notes(problems: list[dict]) -> list[str]:
-    """Plain words for intel_runtime.int4_matmul_report: which implementation ran each int4 matmul."""
-    if not problems:
-        return ["oneDNN verbose showed no int4 matmul (is ONEDNN_VERBOSE supported by this torch build?)"]
-    notes = []
-    for p in problems:
-        create = f"created in {p['create_ms']:.1f} ms" if p["create_ms"] is not None else "creation not logged"
-        run = f", runs in {sorted(p['exec_ms'])[len(p['exec_ms']) // 2]:.3f} ms" if p["exec_ms"] else ""
-        slow = " -- a REFERENCE kernel: this card takes oneDNN's slow fallback path" if p["reference"] else ""
-        notes.append(f"int4 matmul {p['problem']}: {p['impl']}, {create}{run}{slow}")
-    return notes
-
-
-def _onednn_child() -> None:
-    """In a fresh process with ONEDNN_VERBOSE set: run the xpu int4 module at M = 1 and 512."""
-    target = get_target("xpu")
+def _log_child(device: str) -> None:
+    """In a fresh process with the target's log_env set: run its int4 module at M = 1 and 512."""
+    target = device_target(device)
     for M in (1, 512):
-        _, module, dtype = _module(target, 1024, 1024, 4, 128, True, "xpu")
-        time_ms(module, 1024, M, dtype, "xpu", reps=3)
+        _, module, dtype = _module(target, 1024, 1024, 4, 128, True, device)
+        time_ms(module, 1024, M, dtype, device, reps=3)
 
 
-def onednn_verbose_report() -> list[dict]:
-    """Run the int4 matmuls in a fresh process with oneDNN's verbose output on (legacy level 2:
-    creation and execution, understood by every oneDNN 3.x) and parse what it printed."""
-    env = dict(os.environ, ONEDNN_VERBOSE="2")
-    proc = subprocess.run([sys.executable, "-c", "from quantprep.tools.selftest import _onednn_child; _onednn_child()"],
-                          env=env, capture_output=True, text=True, timeout=600)
+def kernel_log_report(device: str) -> tuple[list[dict], list[str]]:
+    """Run the int4 matmuls in a fresh process with the target's kernel log on (xpu: oneDNN's verbose
+    output) and read what it printed (Target.read_log): rows and notes."""
+    target = device_target(device)
+    proc = subprocess.run([sys.executable, "-c", "import sys; from quantprep.tools.selftest import _log_child; _log_child(sys.argv[1])", device],
+                          env=dict(os.environ, **target.log_env), capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
-        raise QuantprepError(f"selftest --device xpu: the oneDNN verbose run failed: {proc.stderr.strip().splitlines()[-1:]}")
-    return int4_matmul_report(proc.stdout.splitlines())
+        raise QuantprepError(f"selftest --device {device}: the kernel log run failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return target.read_log(proc.stdout.splitlines())
 
 
 def environment(device: str) -> dict:
-    info: dict = {"torch": torch.__version__}
-    if device == "cpu":
-        info.update(cpu_capability=torch.backends.cpu.get_cpu_capability(), threads=torch.get_num_threads())
-    elif device == "cuda":
-        info.update(name=torch.cuda.get_device_name(), capability=".".join(map(str, torch.cuda.get_device_capability())),
-                    cuda=torch.version.cuda)
-        try:
-            import triton
-
-            info["triton"] = triton.__version__
-        except ImportError:
-            info["triton"] = None
-    elif device == "xpu":
-        props = torch.xpu.get_device_properties()
-        arch, architecture, driver = torch.xpu.get_arch_list(), getattr(props, "architecture", None), getattr(props, "driver_version", None)
-        info.update(name=props.name, driver=driver, architecture=architecture, aot_name=aot_name(architecture, props.name),
-                    arch_list=arch, notes=[xpu_op_note(kernel_schema()), *xpu_cache_report(dict(os.environ), arch, props.name, architecture, driver)])
-    return info
+    return {"torch": torch.__version__} | device_target(device).describe()
 
 
 OPENVINO_DEVICES = ("CPU", "GPU")  # OpenVINO's names, upper case: `--device GPU` is an Arc through OpenVINO's GPU plugin
@@ -272,7 +199,7 @@ def run_openvino_selftest(device: str) -> dict:
 def run_selftest(device: str, K: int = 1024, N: int = 1024) -> dict:
     if device in OPENVINO_DEVICES:
         return run_openvino_selftest(device)
-    target = get_target(device)
+    target = device_target(device)
     problem = target.runtime_problem()
     if problem:
         raise QuantprepError(f"selftest --device {device}: {problem}")
@@ -286,9 +213,9 @@ def run_selftest(device: str, K: int = 1024, N: int = 1024) -> dict:
         _, module, dtype = _module(target, K, N, bits, 128, True, device)
         for M in (1, 512):
             report["timings"].append({"bits": bits, "K": K, "N": N, "M": M} | time_ms(module, K, M, dtype, device))
-    if device == "xpu":
-        report["onednn"] = onednn_verbose_report()
-        report["environment"]["notes"] += onednn_notes(report["onednn"])
+    if target.log_env:
+        report["kernel_log"], notes = kernel_log_report(device)
+        report["environment"]["notes"] = report["environment"].get("notes", []) + notes
     report["ok"] = all(c["ok"] for c in report["checks"])
     return report
 

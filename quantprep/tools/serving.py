@@ -97,8 +97,8 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
 
     from quantprep.distribution.signing import configured_key
     from quantprep.errors import QuantprepError
-    from quantprep.format.artifact import WEIGHTS_INDEX, read_manifest
-    from quantprep.runtime.load import is_reference, open_artifact
+    from quantprep.format.artifact import WEIGHTS_INDEX
+    from quantprep.runtime.load import check_compat, checked_artifact, is_reference, open_artifact
     from quantprep.tools import openai_server
 
     key, signed = configured_key(verify_key), False
@@ -110,11 +110,10 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
     path = Path(src).absolute()
     if not (path / "manifest.json").is_file():
         raise QuantprepError(f"{src}: not an artifact directory (no manifest.json) nor a published reference")
-    if read_manifest(path)["target"]["name"] == "openvino":
+    manifest, target = checked_artifact(path, None, key)  # every file hashed; a target this quantprep has
+    if target.kind == "graph":
         from quantprep.runtime import genai
-        from quantprep.runtime.load import check_compat, checked_artifact
 
-        manifest, target = checked_artifact(path, None, key)
         check_compat(path, manifest, target)
         model = genai.load(path, manifest, None if device == "auto" else device, exact=False, kcache=True,
                            trust=trust_kcache, signed=signed or key is not None)
@@ -124,7 +123,7 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
         if not (path / WEIGHTS_INDEX).is_file():  # artifacts before from_pretrained support kept the source's GPTQ config
             raise QuantprepError(f"{path}: built by an older quantprep (no {WEIGHTS_INDEX}); rebuild it with `quantprep build` "
                                  "or `quantprep prepack` to serve it")
-        open_artifact(path, None if device == "auto" else device, None, None, key)  # refusals in one line (every file hashed), before loading
+        open_artifact(path, None if device == "auto" else device, None, None, key, checked=(manifest, target))  # refusals in one line, before loading
         hub_offline()
         backend = openai_server.TorchBackend(path, device, trust_kcache, key, signed or key is not None)
     openai_server.run(backend, host, port, warmup, ready)

@@ -138,7 +138,7 @@ def verify_artifact(path: Path, strict: bool = True) -> dict:
     except ArtifactMismatch as e:
         report["skipped"] = f"numeric check skipped: {e}"
         return report
-    if target.name == "openvino":
+    if target.kind == "graph":
         from quantprep.build.openvino_ir import tokenizer_difference
 
         report["probes"] = run_openvino_probes(path, manifest)
