@@ -53,15 +53,7 @@ def make_tiny_float_model(out: Path, seed: int = 0, model_type: str = "qwen2", *
 
 def quantize_tiny(float_dir: Path, out: Path, **qc) -> Path:
     """Quantize in a subprocess: gptqmodel starts worker pools we do not want inside pytest."""
-    code = (
-        "import sys, json; from quantprep.build.quantize import quantize_gptq, builtin_calibration; "
-        "from pathlib import Path; a = json.loads(sys.argv[1]); "
-        "quantize_gptq(Path(a['src']), Path(a['out']), a['bits'], a['group_size'], a['desc_act'], a['sym'], builtin_calibration(17), "
-        "checkpoint_format=a.get('checkpoint_format', 'gptq'))"
-    )
-    arg = json.dumps({"src": str(float_dir), "out": str(out), **qc})
-    proc = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    quantize_tinies(float_dir, {out: qc})
     return out
 
 
@@ -134,31 +126,66 @@ def tiny_gptq8(tiny_float, tmp_path_factory) -> Path:
     return quantize_tiny(tiny_float, tmp_path_factory.mktemp("q8") / "gptq", bits=8, group_size=32, desc_act=False, sym=False)
 
 
-GPTQMODEL_RUN = r"""
-import sys, torch
+def gptqmodel_run(gptq_dir: Path, input_ids: torch.Tensor, tmp: Path, new_tokens: int = 16) -> dict[str, torch.Tensor]:
+    """Logits and a greedy continuation from the real GPTQModel, in a fresh process."""
+    return gptqmodel_runs([(gptq_dir, input_ids, new_tokens)], tmp)[0]
+
+
+QUANTIZE_MANY = (
+    "import sys, json; from quantprep.build.quantize import quantize_gptq, builtin_calibration; "
+    "from pathlib import Path\n"
+    "for a in json.loads(sys.argv[1]):\n"
+    "    quantize_gptq(Path(a['src']), Path(a['out']), a['bits'], a['group_size'], a['desc_act'], a['sym'], builtin_calibration(17), "
+    "checkpoint_format=a.get('checkpoint_format', 'gptq'))"
+)
+
+
+def quantize_tinies(float_dir: Path, outs: dict[Path, dict]) -> None:
+    """quantize_tiny for several recipes ({out dir: quantize options}) in ONE subprocess: gptqmodel's
+    import and worker pools are paid once. quantize_gptq seeds every generator per call, so each
+    checkpoint is the one quantize_tiny would write."""
+    arg = json.dumps([{"src": str(float_dir), "out": str(out), **qc} for out, qc in outs.items()])
+    proc = subprocess.run([sys.executable, "-c", QUANTIZE_MANY, arg], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+GPTQMODEL_RUNS = r"""
+import json, sys, torch
 from safetensors.torch import load_file, save_file
 from gptqmodel import BACKEND, GPTQModel
-gptq_dir, io = sys.argv[1], sys.argv[2]
-ids = load_file(io)["input_ids"]
-# TORCH backend: GPTQModel's default CPU kernels crash on K % group_size != 0; it runs fp16/bf16 only.
-gm = GPTQModel.load(gptq_dir, backend=BACKEND.TORCH, device="cpu", dtype=torch.float16)
-with torch.no_grad():
-    logits = gm.model(input_ids=ids).logits.float()
-    greedy = gm.generate(input_ids=ids[:1], attention_mask=torch.ones_like(ids[:1]), max_new_tokens=int(sys.argv[3]), do_sample=False)
-save_file({"logits": logits, "greedy": greedy[:, ids.shape[1]:].contiguous()}, io)
+for job in json.loads(sys.argv[1]):
+    ids = load_file(job["io"])["input_ids"]
+    # TORCH backend: GPTQModel's default CPU kernels crash on K % group_size != 0; it runs fp16/bf16 only.
+    gm = GPTQModel.load(job["gptq_dir"], backend=BACKEND.TORCH, device="cpu", dtype=torch.float16)
+    with torch.no_grad():
+        if job["teacher_forced"]:  # logits over the prompt + GPTQModel's own greedy continuation
+            greedy = gm.generate(input_ids=ids[:1], attention_mask=torch.ones_like(ids[:1]),
+                                 max_new_tokens=job["new_tokens"], do_sample=False)[:, ids.shape[1]:]
+            logits = gm.model(input_ids=torch.cat([ids[:1], greedy], 1)).logits.float()
+        else:  # logits of the ids; no generate (the slow part: seconds a token on 2 cores) for 0 new tokens
+            logits = gm.model(input_ids=ids).logits.float()
+            greedy = gm.generate(input_ids=ids[:1], attention_mask=torch.ones_like(ids[:1]),
+                                 max_new_tokens=job["new_tokens"], do_sample=False)[:, ids.shape[1]:] if job["new_tokens"] else ids[:1, :0]
+    save_file({"logits": logits, "greedy": greedy.contiguous()}, job["io"])
+    del gm
 """
 
 
-def gptqmodel_run(gptq_dir: Path, input_ids: torch.Tensor, tmp: Path, new_tokens: int = 16) -> dict[str, torch.Tensor]:
-    """Logits and a greedy continuation from the real GPTQModel, in a fresh process."""
+def gptqmodel_runs(jobs: list[tuple[Path, torch.Tensor, int]], tmp: Path,
+                   teacher_forced: bool = False) -> list[dict[str, torch.Tensor]]:
+    """gptqmodel_run for several (gptq dir, input ids, new tokens) jobs in ONE fresh process (GPTQModel's
+    import, seconds on 2 cores, is paid once; each checkpoint is loaded anew); 0 new tokens: logits only. With teacher_forced the
+    logits are over the first row of ids followed by GPTQModel's own greedy continuation."""
     from safetensors.torch import load_file, save_file
 
-    io = tmp / "gptqmodel_io.safetensors"
-    save_file({"input_ids": input_ids.contiguous()}, str(io))
-    proc = subprocess.run([sys.executable, "-c", GPTQMODEL_RUN, str(gptq_dir), str(io), str(new_tokens)],
-                          capture_output=True, text=True)
+    spec = []
+    for i, (gptq_dir, input_ids, new_tokens) in enumerate(jobs):
+        io = tmp / f"gptqmodel_io_{i}.safetensors"
+        save_file({"input_ids": input_ids.contiguous()}, str(io))
+        spec.append({"gptq_dir": str(gptq_dir), "io": str(io), "new_tokens": int(new_tokens), "teacher_forced": teacher_forced})
+    proc = subprocess.run([sys.executable, "-c", GPTQMODEL_RUNS, json.dumps(spec)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return load_file(io)
+    return [load_file(s["io"]) for s in spec]
 
 
 def dense_reference_model(gptq_dir: Path, dtype: torch.dtype = torch.float32):

@@ -12,12 +12,13 @@ token ids); measured when set (2026-11-21): fp32 3e-7 (int4) / 0 (int8), bf16 6e
   difference is GPTQModel's fp16 arithmetic.
 """
 
+import json
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import dense_reference_model, gptqmodel_run, rel_err, top1
+from conftest import dense_reference_model, gptqmodel_runs, quantize_tinies, rel_err, top1
 
 import quantprep
 from quantprep.build.pipeline import prepack
@@ -25,23 +26,31 @@ from quantprep.build.pipeline import prepack
 
 @pytest.fixture(scope="module", params=["tiny_gptq4", "tiny_gptq8"])
 def case(request, tmp_path_factory):
-    """(gptq dir, default bf16 artifact, float32 artifact)."""
+    """(gptq dir, default bf16 artifact, float32 artifact, GPTQModel's outputs). GPTQModel runs once
+    per case, in one fresh process, on both tests' inputs: fresh random ids (2, 48) for the logits,
+    and the seeded (1, 12) prompt for the greedy continuation of 16 tokens."""
     gptq_dir = request.getfixturevalue(request.param)
     root = tmp_path_factory.mktemp("art")
     prepack(gptq_dir, "cpu", root / "cpu")
     prepack(gptq_dir, "cpu", root / "cpu-fp32", "float32")
-    return gptq_dir, root / "cpu", root / "cpu-fp32"
+    vocab = json.loads((gptq_dir / "config.json").read_text())["vocab_size"]
+    logits_ids = torch.randint(2, vocab, (2, 48))  # fresh ids each run
+    # Seeded: a random tiny model has near-tied logits, and a fresh prompt could land on a tie
+    # that fp16 (GPTQModel) and fp32 (quantprep) break differently; logits are compared above.
+    greedy_ids = torch.randint(2, vocab, (1, 12), generator=torch.Generator().manual_seed(0))
+    for_logits, for_greedy = gptqmodel_runs([(gptq_dir, logits_ids, 0), (gptq_dir, greedy_ids, 16)], root)
+    ref = {"logits_ids": logits_ids, "logits": for_logits["logits"], "greedy_ids": greedy_ids, "greedy": for_greedy["greedy"]}
+    return gptq_dir, root / "cpu", root / "cpu-fp32", ref
 
 
-def test_logits_match_dense_and_gptqmodel(case, tmp_path):
-    gptq_dir, art, art32 = case
+def test_logits_match_dense_and_gptqmodel(case):
+    gptq_dir, art, art32, ref = case
     dense_model = dense_reference_model(gptq_dir)
-    ids = torch.randint(2, dense_model.config.vocab_size, (2, 48))  # fresh ids each run
+    ids = ref["logits_ids"]  # fresh ids each run (the case fixture's)
     with torch.no_grad():
         dense = dense_model(input_ids=ids).logits
         q32 = quantprep.load(art32)(input_ids=ids).logits
         q16 = quantprep.load(art)(input_ids=ids).logits
-    ref = gptqmodel_run(gptq_dir, ids, tmp_path)
     measured = {"fp32-vs-dense": (rel_err(q32, dense), top1(q32, dense)),
                 "bf16-vs-dense": (rel_err(q16, dense), top1(q16, dense)),
                 "gptqmodel-vs-fp32": (rel_err(ref["logits"], q32), top1(ref["logits"], q32))}
@@ -51,29 +60,27 @@ def test_logits_match_dense_and_gptqmodel(case, tmp_path):
     assert measured["gptqmodel-vs-fp32"][0] < 1e-2 and measured["gptqmodel-vs-fp32"][1] >= 0.95, measured
 
 
-def test_loaded_model_generates_like_gptqmodel(case, tmp_path):
-    gptq_dir, _, art32 = case
+def test_loaded_model_generates_like_gptqmodel(case):
+    _, _, art32, refs = case
     model = quantprep.load(art32)
-    # Seeded: a random tiny model has near-tied logits, and a fresh prompt could land on a tie
-    # that fp16 (GPTQModel) and fp32 (quantprep) break differently; logits are compared above.
-    ids = torch.randint(2, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    ids = refs["greedy_ids"]  # seeded (see the case fixture)
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
                          min_new_tokens=16)
-    ref = gptqmodel_run(gptq_dir, ids, tmp_path, new_tokens=16)["greedy"]
+    ref = refs["greedy"]
     assert out.shape[1] == 12 + 16
     # Random tiny models have flat logits, so near-ties can flip late tokens; require the first 8.
     assert torch.equal(out[0, 12:20], ref[0, :8]), (out[0, 12:], ref[0])
 
 
 def test_load_does_not_import_gptqmodel(case):
-    _, art, _ = case
+    _, art, _, _ = case
     code = f"import sys, quantprep; quantprep.load({str(art)!r}); print('gptqmodel' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip().splitlines()[-1] == "False"
 
 
 def test_float_tensors_are_stored_in_act_dtype_and_tied(case):
-    _, art, _ = case
+    _, art, _, _ = case
     model = quantprep.load(art)
     assert model.get_input_embeddings().weight.dtype == torch.bfloat16
     assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
@@ -164,22 +171,31 @@ PARITY = {
 }
 
 
+PARITY_IDS = torch.randint(2, 400, (2, 48), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def parity_refs(tiny_float, tmp_path_factory):
+    """{name: (gptq dir, GPTQModel's logits on PARITY_IDS)}: every PARITY recipe quantized in one
+    subprocess, then run by GPTQModel in one fresh process (each checkpoint loaded anew)."""
+    root = tmp_path_factory.mktemp("parity")
+    dirs = {name: root / name / "gptq" for name in sorted(PARITY)}
+    quantize_tinies(tiny_float, {dirs[name]: PARITY[name] for name in dirs})
+    runs = gptqmodel_runs([(dirs[name], PARITY_IDS, 0) for name in dirs], root)
+    return {name: (dirs[name], run["logits"]) for name, run in zip(dirs, runs, strict=True)}
+
+
 @pytest.mark.parametrize("name", sorted(PARITY))
-def test_gptqmodel_parity(name, tiny_float, tmp_path):
-    import json
-
-    from conftest import quantize_tiny
-
-    gptq_dir = quantize_tiny(tiny_float, tmp_path / "gptq", **PARITY[name])
+def test_gptqmodel_parity(name, parity_refs, tmp_path):
+    gptq_dir, ref = parity_refs[name]
     qc = json.loads((gptq_dir / "quantize_config.json").read_text())
     assert qc.get("checkpoint_format", qc.get("format", "gptq")) == PARITY[name].get("checkpoint_format", "gptq"), qc
     art32 = tmp_path / "art32"
     prepack(gptq_dir, "cpu", art32, "float32")
-    ids = torch.randint(2, 400, (2, 48), generator=torch.Generator().manual_seed(1))
+    ids = PARITY_IDS
     with torch.no_grad():
         q32 = quantprep.load(art32)(input_ids=ids).logits
         dense = dense_reference_model(gptq_dir)(input_ids=ids).logits
-    ref = gptqmodel_run(gptq_dir, ids, tmp_path)["logits"]
     measured = {"gptqmodel-vs-fp32": (rel_err(ref, q32), top1(ref, q32)), "fp32-vs-dense": (rel_err(q32, dense), top1(q32, dense))}
     print(name, measured)
     assert measured["gptqmodel-vs-fp32"][0] < 1e-2 and measured["gptqmodel-vs-fp32"][1] >= 0.95, measured

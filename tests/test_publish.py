@@ -157,16 +157,12 @@ def test_an_artifact_signed_before_publish_carries_its_signature(built, cache, t
     assert (pull(str(tmp_path / "ref"), verify_key=pub) / "model.sig").read_bytes() == (art / "model.sig").read_bytes()
 
 
-def test_a_verified_signature_trusts_the_kcache(cache, tmp_path, monkeypatch):
+def test_a_verified_signature_trusts_the_kcache(cache, warmed_aot, copy_of, tmp_path, monkeypatch):
     """Rule (b) of the trust boundary: a pulled kcache runs when its signature verifies with the
-    user's key, and not otherwise (another user: an empty trust store)."""
-    from test_warm import _build
-
-    from quantprep.runtime.warm import warm
-
+    user's key, and not otherwise (another user: an empty trust store). The artifact: a copy of the
+    session's warmed one (its warm is shared with test_aot.py)."""
     key, pub = keypair(tmp_path / "keys")
-    art = _build(tmp_path / "b")
-    warm(art, shapes=[1, 4], progress=False)
+    art = copy_of(warmed_aot[0])
     publish([art], str(tmp_path / "ref"), sign_key=key)
     monkeypatch.setenv("QUANTPREP_TRUST_DIR", str(tmp_path / "elsewhere-trust"))  # another user/machine
     with pytest.warns(UserWarning, match="not trusted"):

@@ -26,7 +26,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, dense_reference_model, gptqmodel_run, rel_err, top1
+from conftest import REPO, dense_reference_model, gptqmodel_runs, rel_err, top1
 from native_c import require_int4_a8, require_native_model
 
 import quantprep
@@ -71,9 +71,10 @@ def test_verify_cli(smollm2):
 def test_greedy_matches_gptqmodel_teacher_forced(smollm2, tmp_path):
     gptq_dir, art, _ = smollm2
     ids = _prompt_ids(art)
-    greedy = gptqmodel_run(gptq_dir, ids, tmp_path, new_tokens=32)["greedy"]
-    seq = torch.cat([ids, greedy], 1)
-    theirs = gptqmodel_run(gptq_dir, seq, tmp_path, new_tokens=1)["logits"][0]
+    # One GPTQModel process: its greedy continuation of 32 tokens, then its logits over prompt + continuation.
+    [run] = gptqmodel_runs([(gptq_dir, ids, 32)], tmp_path, teacher_forced=True)
+    seq = torch.cat([ids, run["greedy"]], 1)
+    theirs = run["logits"][0]
     with torch.no_grad():
         ours = quantprep.load(art)(input_ids=seq).logits.float()[0]
     pos = torch.arange(ids.shape[1] - 1, seq.shape[1] - 1)  # the positions that predicted GPTQModel's tokens
