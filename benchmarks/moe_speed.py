@@ -138,11 +138,15 @@ def build(work: Path, config: dict, desc_act: bool) -> dict[str, Path]:
 
     from quantprep.build.pipeline import prepack
     from quantprep.build.synthetic import write_random_checkpoint
+    from quantprep.format.artifact import read_manifest
+    from quantprep.runtime.kcache import trust_reason
     from quantprep.runtime.warm import warm
 
     paths = {"gptqmodel": work / "gptq", "cpu": work / "cpu", "openvino": work / "openvino"}
     for name, path in paths.items():
         if path.exists():
+            if name == "openvino" and trust_reason(path, read_manifest(path)) is None:  # warmed by another trust store
+                warm(path, device="CPU", progress=False)
             continue
         t = time.perf_counter()
         if name == "gptqmodel":
@@ -231,6 +235,10 @@ def main() -> None:
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
     tmp = tempfile.TemporaryDirectory()
     work = Path(args.work or tmp.name)
+    # this user's state, as a serving machine keeps it between starts: the kcache's trust (warm records it)
+    # and its runtime copy (the first start copies it); set before tests/conftest.py (build) sets its own
+    os.environ.setdefault("QUANTPREP_TRUST_DIR", str(work / "user" / "trusted-kcache"))
+    os.environ.setdefault("QUANTPREP_KCACHE_DIR", str(work / "user" / "kcache"))
     paths = build(work / f"layers-{args.layers}", config, args.desc_act)
     deeper = build(work / f"layers-{args.more_layers}", dict(config, num_hidden_layers=args.more_layers), args.desc_act) \
         if args.more_layers else None
