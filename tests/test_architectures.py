@@ -26,11 +26,9 @@ Exact where it can be: openvino computes in f32 (runtime.genai.EXACT) and must e
 float32 artifact within 1e-5 relative, and that dense float32 model (tools/eval.dequantized_model) as
 closely; openvino.genai's greedy tokens equal transformers' generate on the dense model.
 
-One pair is not run on gptqmodel's checkpoint: DeepSeek-V2 and -V3 on openvino, whose artifact of it
-is refused at load ("no constant 'model.layers.0.self_attn.kv_a_proj_with_mqa.perm', which the graph
-reads": gptqmodel gives q_proj and kv_a_proj_with_mqa, of one input, one act-order, and the IR keeps
-one of the two equal perm constants). There, random GPTQ codes (build/synthetic.py) against the dense
-model, as the table says.
+DeepSeek's q_proj (V2) or q_a_proj (V3) and kv_a_proj_with_mqa read one input, and gptqmodel gives
+them one act-order: OpenVINO keeps one of the two equal Gathers, and the manifest says which
+(`perm_of`), where load's rebuild and verify read it.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, add_chat_tokenizer, dense_reference_model, rel_err, top1
+from conftest import REPO, dense_reference_model, rel_err, top1
 from safetensors.torch import load_file
 
 import quantprep
@@ -78,7 +76,6 @@ TARGETS = ("cpu", "xpu", "cuda", "openvino", "native")
 PROMPT = torch.randint(2, 256, (1, 24), generator=torch.Generator().manual_seed(0))
 NEXT = 5
 DATA = REPO / "tests" / "data" / "gptqmodel"  # tests/make_gptqmodel_matrix.py writes it
-RANDOM_CODES = {("deepseek_v2", "openvino"), ("deepseek_v3", "openvino")}  # gptqmodel's checkpoint refused: the docstring
 # (relative error, top-1 share) against GPTQModel's float16 logits, per artifact (the docstring: measured)
 TOLERANCE = {"cpu": (3e-2, 0.9), "cuda": (3e-2, 0.9), "native": (2e-2, 0.9), "xpu": (5e-3, 0.95), "cpu-float32": (5e-3, 0.95),
              "openvino": (5e-3, 0.95)}
@@ -86,9 +83,7 @@ TOLERANCE = {"cpu": (3e-2, 0.9), "cuda": (3e-2, 0.9), "native": (2e-2, 0.9), "xp
 
 def where_tested(arch: str, target: str) -> str:
     """The table's cell: what the pair is checked against (a refused pair is checked refused in one line)."""
-    if target == "native" and arch not in NATIVE:
-        return "refused"
-    return "vs dense, random codes" if (arch, target) in RANDOM_CODES else "vs GPTQModel"
+    return "refused" if target == "native" and arch not in NATIVE else "vs GPTQModel"
 
 
 def render_table() -> str:
@@ -101,13 +96,6 @@ def render_table() -> str:
 def gptqmodel_logits() -> dict[str, torch.Tensor]:
     """arch -> GPTQModel's logits on its checkpoint, as recorded: [PROMPT positions + 1, vocab]."""
     return load_file(DATA / "gptqmodel_logits.safetensors")
-
-
-def random_checkpoint(arch: str, root):
-    gptq = write_random_checkpoint(root / "gptq", dict(BASE, model_type=arch, **ARCHITECTURES[arch]), bits=4, group_size=32,
-                                   desc_act=True, sym=False)
-    add_chat_tokenizer(gptq, BASE["vocab_size"])
-    return gptq
 
 
 def within(got: torch.Tensor, want: torch.Tensor, arch: str, artifact: str) -> None:
@@ -161,7 +149,7 @@ def test_each_target_is_gptqmodels_runtime_within_its_precision(arch, artifact, 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_openvino_is_the_model_in_f32_and_genai_runs_it(arch, gptqmodel_logits, tmp_path):
-    gptq = random_checkpoint(arch, tmp_path) if (arch, "openvino") in RANDOM_CODES else DATA / arch
+    gptq = DATA / arch
     reference = dense_reference_model(gptq, torch.float32).eval()
     prepack(gptq, "openvino", tmp_path / "openvino")
     prepack(gptq, "cpu", tmp_path / "cpu32", "float32")
@@ -172,13 +160,35 @@ def test_openvino_is_the_model_in_f32_and_genai_runs_it(arch, gptqmodel_logits, 
     assert rel_err(cpu, want) < 1e-5 and top1(cpu, want) == 1.0
     assert rel_err(got, cpu) < 1e-5, rel_err(got, cpu)
     assert rel_err(got, want) < 1e-5 and top1(got, want) == 1.0
-    if gptq == DATA / arch:
-        within(got, gptqmodel_logits[arch], arch, "openvino")
+    within(got, gptqmodel_logits[arch], arch, "openvino")
     with torch.no_grad():
         greedy = reference.generate(PROMPT, max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, PROMPT.shape[1]:].tolist()
     config = model.generation_config(8)
     config.ignore_eos = True
     assert model.generate_ids(PROMPT[0].tolist(), config) == greedy
+
+
+def test_a_permutation_openvino_kept_once_is_named_and_checked(tmp_path):
+    """DeepSeek-V2's q_proj and kv_a_proj_with_mqa (one input, one act-order from gptqmodel): the IR
+    keeps one permutation, the other module's metadata names it; verify checks such a module's probe;
+    a manifest that names another module's permutation is refused at load, in one line."""
+    from quantprep.errors import ArtifactError
+    from quantprep.format.artifact import manifest_digest
+    from quantprep.tools.verify import verify_artifact
+
+    prepack(DATA / "deepseek_v2", "openvino", tmp_path / "ov")
+    manifest = json.loads((tmp_path / "ov" / "manifest.json").read_text())
+    shared = {name: meta["perm_of"] for name, meta in manifest["modules"].items() if "perm_of" in meta}
+    assert len(shared) == 2 and all(name.rpartition(".")[0] == other.rpartition(".")[0] for name, other in shared.items()), shared
+    rows = verify_artifact(tmp_path / "ov")["probes"]
+    assert {row["layer"] for row in rows} & set(shared) and all(row["ok"] for row in rows)  # the probed of them
+    name, other = next(iter(shared.items()))
+    manifest["modules"][name]["perm_of"] = other.rpartition(".")[0] + ".o_proj"  # act-order too, of as many inputs
+    manifest["manifest_sha256"] = manifest_digest({k: v for k, v in manifest.items() if k != "manifest_sha256"})
+    (tmp_path / "ov" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError) as e:
+        quantprep.load(tmp_path / "ov")
+    assert "\n" not in str(e.value) and "openvino_model.xml: not the IR quantprep writes" in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("arch", sorted(set(ARCHITECTURES) - NATIVE))

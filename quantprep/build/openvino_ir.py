@@ -137,10 +137,26 @@ class OpenVINOWriter(ArtifactWriter):
             raise SourceError(f"{self.ckpt.path / 'config.json'}: OpenVINO cannot convert this {config.get('model_type')} model "
                               f"({type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}); "
                               "build the cpu target for it") from None
+        point_to_kept_perms(model, modules, quantized)
         ov.save_model(model, self.tmp / OPENVINO_MODEL, compress_to_fp16=False)
         del model, quantized
         write_tokenizers(self.ckpt.path, self.tmp)
         return super().finish(manifest, probes, weights_index=False)
+
+
+def point_to_kept_perms(model, modules: dict[str, dict], quantized: dict[str, torch.Tensor]) -> None:
+    """Modules of one input and one act-order (DeepSeek's q_proj and kv_a_proj_with_mqa, as gptqmodel
+    writes them) gather it equally, and OpenVINO keeps one of the equal Gathers and its permutation
+    constant: each other module's metadata names that module (`perm_of`), where load's rebuild and
+    verify read its permutation."""
+    kept = {op.get_friendly_name() for op in model.get_ops() if op.get_type_name() == "Constant"}
+    for name, meta in modules.items():
+        if meta["act_order"] and f"{name}.perm" not in kept:
+            perm = quantized[f"{name}.perm"]
+            same = [other for other in modules if f"{other}.perm" in kept and torch.equal(quantized[f"{other}.perm"], perm)]
+            if not same:
+                raise ValueError(f"OpenVINO dropped {name}.perm, and kept no equal permutation")
+            meta["perm_of"] = same[0]
 
 
 def read_config(path: Path) -> dict:

@@ -325,10 +325,11 @@ class IRWeights:
         self.bin = np.memmap(bin_path, dtype=np.uint8, mode="r") if Path(bin_path).stat().st_size else np.zeros(0, np.uint8)
         self.modules = modules
 
-    def _constant(self, name: str, types: tuple[str, ...], want: list[int]):
+    def _constant(self, name: str, types: tuple[str, ...], want: list[int], stored: str | None = None):
+        """The constant `name`, read from the IR's constant `stored` (default: the same name)."""
         import openvino as ov
 
-        layer = self.named.get(name)
+        layer = self.named.get(stored or name)
         data = None if layer is None else layer.find("data")
         if data is None:
             raise ValueError(f"no constant {name!r}, which the graph reads")
@@ -346,7 +347,8 @@ class IRWeights:
     def module(self, name: str) -> dict:
         meta = self.modules[name]
         required = {"weight", "scales"} | ({"zeros"} if not meta["sym"] else set()) | ({"perm"} if meta["act_order"] else set())
-        parts = {part: self._constant(f"{name}.{part}", *expected(name, part, meta))
+        stored = {"perm": f"{meta['perm_of']}.perm"} if "perm_of" in meta else {}
+        parts = {part: self._constant(f"{name}.{part}", *expected(name, part, meta), stored.get(part))
                  for part in PARTS if part in required or f"{name}.{part}" in self.named}
         if "perm" in parts and not np.array_equal(np.sort(parts["perm"].get_data()), np.arange(meta["in_features"])):
             raise ValueError(f"constant {name + '.perm'!r} is not a permutation of its {meta['in_features']} inputs")
@@ -604,6 +606,10 @@ def shape_problem(config: dict, modules: dict[str, dict], names: set[str]) -> st
                 and meta.get("bits") in (4, 8) and type(meta.get("sym")) is bool and type(meta.get("act_order")) is bool
                 and type(meta.get("bias")) is bool and meta["padded_in"] % meta["groups"] == 0 and meta["padded_in"] >= meta["in_features"]):
             return f"module {name} in manifest.json: its metadata is not the openvino target's"
+        if "perm_of" in meta and not (meta["act_order"] and isinstance(other := modules.get(meta["perm_of"]), dict)
+                                      and other.get("act_order") is True and "perm_of" not in other
+                                      and other.get("in_features") == meta["in_features"]):
+            return f"module {name} in manifest.json: its perm_of names no act-order module of its {meta['in_features']} inputs"
     return None
 
 

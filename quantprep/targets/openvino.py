@@ -172,12 +172,13 @@ def float_constant(t: torch.Tensor, name: str):
     return c
 
 
-def ir_constants(model, name: str) -> dict:
+def ir_constants(model, name: str, meta: dict) -> dict:
     """A module's constants found again in a read IR (verify), by the names `constants` gave them;
-    an expert's, where its layer's experts are stacked (tiled), as its rows of the stacked ones."""
+    an expert's, where its layer's experts are stacked (tiled), as its rows of the stacked ones; a
+    permutation, where OpenVINO kept one of equal Gathers (`perm_of`), as the one kept."""
     import openvino.opset13 as ops
 
-    wanted = {f"{name}.{part}": part for part in PARTS}
+    wanted = {f"{name}.{part}": part for part in PARTS} | ({f"{meta['perm_of']}.perm": "perm"} if "perm_of" in meta else {})
     named = {op.get_friendly_name(): op for op in model.get_ops() if op.get_type_name() == "Constant"}
     found = {part: named[n] for n, part in wanted.items() if n in named}
     if found or (e := expert_linear(name)) is None:

@@ -89,8 +89,8 @@ def run_openvino_probes(path: Path, manifest: dict) -> list[dict]:
     with safe_open(path / PROBES_FILE, framework="pt") as probes:
         for name in sorted({k.rsplit(".", 1)[0] for k in probes.keys()}):
             meta = manifest["modules"].get(name)
-            consts = ir_constants(model, name)
-            if meta is None or not {"weight", "scales"} <= consts.keys():
+            consts = ir_constants(model, name, meta) if isinstance(meta, dict) else {}
+            if not {"weight", "scales"} <= consts.keys():
                 raise ArtifactError(f"{path / OPENVINO_MODEL}: module {name} (probed) is missing from the IR or manifest.json; rebuild the artifact")
             x = ops.parameter([-1, meta["in_features"]], ov.Type.f32)
             try:
