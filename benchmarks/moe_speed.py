@@ -145,7 +145,8 @@ def build(work: Path, config: dict, desc_act: bool) -> dict[str, Path]:
     paths = {"gptqmodel": work / "gptq", "cpu": work / "cpu", "openvino": work / "openvino"}
     for name, path in paths.items():
         if path.exists():
-            if name == "openvino" and trust_reason(path, read_manifest(path)) is None:  # warmed by another trust store
+            if name == "openvino" and "kcache" in (manifest := read_manifest(path)) and trust_reason(path, manifest) is None:
+                # warmed by another trust store
                 warm(path, device="CPU", progress=False)
             continue
         t = time.perf_counter()

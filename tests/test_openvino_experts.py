@@ -50,3 +50,25 @@ def test_experts_with_act_order_keep_the_per_expert_form(tmp_path):
     prepack(gptq, "openvino", tmp_path / "openvino")
     types = layer_types(quantprep.load(tmp_path / "openvino", dtype=torch.float32))
     assert types["GatherMatmul"] == 0 and types["NonZero"] > 0, types
+
+
+def test_warm_ships_no_cache_that_openvino_would_compile_again(tmp_path, capsys):
+    """OpenVINO 2026.4.1's CPU plugin cannot import its own compiled model of tiled experts
+    (GatherMatmulCompressed): a second compile with the cache rewrites it. warm finds that out and
+    ships no kcache (each start would pay the blob's export for nothing); load then sets no CACHE_DIR.
+    The per-expert form (act-order) is reused, and its cache ships."""
+    from quantprep.runtime.warm import warm
+
+    arts = {}
+    for desc_act in (False, True):
+        gptq = write_random_checkpoint(tmp_path / f"gptq-{desc_act}", dict(BASE, model_type="qwen3_moe", **ARCHITECTURES["qwen3_moe"]),
+                                       bits=4, group_size=32, desc_act=desc_act, sym=False)
+        add_chat_tokenizer(gptq, BASE["vocab_size"])
+        prepack(gptq, "openvino", tmp_path / f"ov-{desc_act}")
+        arts[desc_act] = warm(tmp_path / f"ov-{desc_act}", progress=False)
+    assert not arts[False]["reused"] and arts[False]["files"] == 0, arts[False]
+    assert "compiles this model again at every start" in capsys.readouterr().err
+    model = quantprep.load(tmp_path / "ov-False")
+    assert model.quantprep_kcache["status"] == "absent" and "CACHE_DIR" not in model.config
+    assert arts[True]["reused"] and arts[True]["files"] >= 1, arts[True]
+    assert quantprep.load(tmp_path / "ov-True").quantprep_kcache["status"] == "used"

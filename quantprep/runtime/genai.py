@@ -317,10 +317,20 @@ def load(path: Path, manifest: dict, device: str | None, exact: bool, kcache: bo
 
 def warm(path: Path, manifest: dict, device: str | None, scratch: Path) -> dict:
     """Compile the pipeline with OpenVINO's cache in scratch/openvino and generate one token: what
-    `quantprep warm` ships for an openvino artifact. Returns the report's fields."""
+    `quantprep warm` ships for an openvino artifact. Returns the report's fields; `reused`: whether
+    OpenVINO compiling it again read that cache, and did not write it anew. (OpenVINO 2026.4.1's CPU
+    plugin cannot import its own compiled model of tiled experts, GatherMatmulCompressed: it
+    compiles again and rewrites the blob, which then costs its export at every start.)"""
     device = device_name(device)
-    (scratch / CACHE_SUBDIR).mkdir(parents=True, exist_ok=True)
-    model = OpenVINOModel(path, manifest, checked_ir(path, manifest), device, {}, {"status": "used", "dir": str(scratch / CACHE_SUBDIR)})
+    cache = scratch / CACHE_SUBDIR
+    cache.mkdir(parents=True, exist_ok=True)
+    ir = checked_ir(path, manifest)
+    model = OpenVINOModel(path, manifest, ir, device, {}, {"status": "used", "dir": str(cache)})
     t0 = time.perf_counter()
     model.generate_ids([0], model.generation_config(1))
-    return {"key": cache_key(device), "s": round(time.perf_counter() - t0, 3), "shapes": [1], "compiled_regions": 0, "aot": []}
+    s = round(time.perf_counter() - t0, 3)
+    del model
+    written = {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in cache.iterdir()}
+    assert OpenVINOModel(path, manifest, ir, device, {}, {"status": "used", "dir": str(cache)}).pipeline is not None  # compiled again
+    reused = written == {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in cache.iterdir()}
+    return {"key": cache_key(device), "s": s, "shapes": [1], "compiled_regions": 0, "aot": [], "reused": reused}

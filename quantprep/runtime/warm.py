@@ -168,6 +168,10 @@ def warm_openvino(path: Path, manifest: dict, device: str | None, progress: bool
     with tempfile.TemporaryDirectory(prefix="quantprep-warm-") as tmp:
         scratch = Path(tmp)
         report = genai.warm(path, manifest, device, scratch)
+        if not report["reused"]:  # a cache OpenVINO would only write again, each start: none ships
+            print(f"quantprep: warning: OpenVINO {report['key']['openvino']} compiles this model again at every start, its "
+                  "cache unused (docs/openvino.md); kcache/ unchanged", file=sys.stderr)
+            return dict(report, path=str(path), files=0, bytes=0, what="nothing (OpenVINO does not reuse its cache of this model)")
         files = _collect(scratch)
         entry = {"key": report["key"], "shapes": report["shapes"], "compile": False, "files": files}
         republish(path, scratch, KCACHE, [*files], {"kcache": entry})
