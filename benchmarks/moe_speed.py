@@ -286,6 +286,9 @@ def main() -> None:
                 few = 1000 / result["decode_tok_s"][n]["median"]
                 per_layer = (1000 / deep["median"] - few) / (args.more_layers - args.layers)
                 result["per_layer_ms"][n] = per_layer
+                if per_layer <= 0:  # deeper ran faster: the host's speed moved between the runs, no estimate holds
+                    result["errors"][f"{n} per layer"] = f"{per_layer:.2f} ms per layer (not positive): measure again on a quiet machine"
+                    continue
                 result["decode_48_layers_tok_s"][n] = {"median": 1000 / (few + (48 - args.layers) * per_layer)}
             # the floor no runtime can pass: a layer's bytes at this machine's read rate
             result["layer_bytes"], result["read_bandwidth_gb_s"] = layer_bytes(config), read_bandwidth_gb_s()
