@@ -315,20 +315,25 @@ def _openvino(speed: dict, *starts: dict) -> str:
 
 
 # 14. MoE
+MOE_PARTS = (("first token", "first_token_s", "time"), ("decode", "decode_tok_s", "speed"),
+             ("decode at 48 layers (est.)", "decode_48_layers_tok_s", "speed"))
+
+
 def _moe(r: dict) -> str:
     parts = []
-    for what, key, unit in (("first token", "first_token_s", "time"), ("decode", "decode_tok_s", "speed")):
+    for what, key, unit in MOE_PARTS:
         ratios = [f"{name} {r[key][f'{name}_over_gptqmodel']['ratio']:.2f}x" for name in ("cpu", "openvino")
                   if f"{name}_over_gptqmodel" in r.get(key, {})]
-        parts.append(f"{what}: " + (", ".join(ratios) + f" GPTQModel's {unit}" if ratios else "not measured"))
+        if ratios or key != "decode_48_layers_tok_s":
+            parts.append(f"{what}: " + (", ".join(ratios) + f" GPTQModel's {unit}" if ratios else "not measured"))
     errors = "; errors: " + ", ".join(r["errors"]) if r.get("errors") else ""
-    return f"{r['config']['num_hidden_layers']} layers, BACKEND.{r['backend']}; " + "; ".join(parts) + errors
+    depth = f"{r['config']['num_hidden_layers']}" + (f" and {r['more_layers']}" if r.get("more_layers") else "")
+    return f"{depth} layers, BACKEND.{r['backend']}; " + "; ".join(parts) + errors
 
 
 def _moe_met(r: dict) -> str:
     return _verdict([(f"{name} {what} ({r[key][f'{name}_over_gptqmodel']['goal']})", r[key][f"{name}_over_gptqmodel"]["met"])
-                     for what, key in (("first token", "first_token_s"), ("decode", "decode_tok_s"))
-                     for name in ("cpu", "openvino") if f"{name}_over_gptqmodel" in r.get(key, {})])
+                     for what, key, _ in MOE_PARTS for name in ("cpu", "openvino") if f"{name}_over_gptqmodel" in r.get(key, {})])
 
 
 # 15. kcache
