@@ -183,7 +183,9 @@ def gptqmodel_runs(jobs: list[tuple[Path, torch.Tensor, int]], tmp: Path,
         io = tmp / f"gptqmodel_io_{i}.safetensors"
         save_file({"input_ids": input_ids.contiguous()}, str(io))
         spec.append({"gptq_dir": str(gptq_dir), "io": str(io), "new_tokens": int(new_tokens), "teacher_forced": teacher_forced})
-    proc = subprocess.run([sys.executable, "-c", GPTQMODEL_RUNS, json.dumps(spec)], capture_output=True, text=True)
+    # eager: GPTQModel's TORCH kernel torch.compiles its dequantize (about 10 s a model here), to the same logits bit for bit
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1"}
+    proc = subprocess.run([sys.executable, "-c", GPTQMODEL_RUNS, json.dumps(spec)], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [load_file(s["io"]) for s in spec]
 
