@@ -80,9 +80,11 @@ def test_prepack_inspect_verify(capsys, random_gptq, tmp_path):
 
 
 def test_build_with_source_loads_in_fresh_process(tiny_gptq4, tmp_path):
-    """The real console script: build from an existing GPTQ dir, then the fresh-process generate."""
+    """The real console script: build from an existing GPTQ dir, then the fresh-process generate.
+    --no-warm: the recipe's warm (torch.compile and compiled MLP packages, 100 s here) is tested by
+    test_fused_mlp's build, test_warm and test_aot."""
     exe = [sys.executable, "-m", "quantprep"]
-    proc = subprocess.run(exe + ["build", "smollm2-135m", "--source", str(tiny_gptq4), "--out", str(tmp_path), "--json"],
+    proc = subprocess.run(exe + ["build", "smollm2-135m", "--source", str(tiny_gptq4), "--out", str(tmp_path), "--no-warm", "--json"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     [result] = json.loads(proc.stdout)
