@@ -263,3 +263,29 @@ def test_malformed_fused_metadata_is_refused_in_one_line(random_artifact, fused)
     for run in (lambda: quantprep.load(random_artifact), lambda: verify_artifact(random_artifact)):
         with pytest.raises(ArtifactError, match=rf"module {name!r} has malformed metadata"):
             run()
+
+
+@pytest.mark.parametrize("target,field,value", [("xpu", "kernel_group_size", 7), ("xpu", "padded_in", "160"),
+                                                ("cuda", "inner_k_tiles", 3), ("cuda", "padded_out", -1), ("cpu", "padded_in", 1 << 40)])
+def test_target_metadata_is_checked_at_the_boundary(random_gptq, tmp_path, target, field, value):
+    """Each target's layout fields are checked before its module is made (Target.meta_problem), in one
+    line naming the module; a down_proj's (K=160, a partial group) edited to what pack never writes."""
+    art = tmp_path / target
+    prepack(random_gptq, target, art)
+    edit_manifest(art, lambda m: m["modules"]["model.layers.0.mlp.down_proj"].update({field: value}))
+    with pytest.raises(ArtifactError, match=f"module model.layers.0.mlp.down_proj has malformed {target} metadata") as e:
+        quantprep.load(art, device="cpu")
+    assert "\n" not in str(e.value)
+
+
+def test_an_exception_inside_a_module_is_a_bug_not_a_damaged_artifact(random_artifact, monkeypatch):
+    """Past the metadata check, a module's own exception reaches the caller as itself: it is not
+    relabelled "rebuild the artifact" (issue 55, item 3)."""
+    from quantprep.targets import cpu
+
+    def broken(self, meta, act_dtype):
+        raise TypeError("a bug in new code")
+
+    monkeypatch.setattr(cpu.CpuInt4Linear, "__init__", broken)
+    with pytest.raises(TypeError, match="a bug in new code"):
+        quantprep.load(random_artifact)

@@ -78,11 +78,11 @@ def check_compat(path: Path, manifest: dict, target, emulate: bool = False) -> N
 
 
 def make_module(path: Path, target, name: str, meta: dict, dtype: torch.dtype) -> nn.Module:
-    """The target's module for one manifest entry; malformed target-specific metadata -> ArtifactError."""
-    try:
-        return target.make_module(meta, dtype)
-    except (KeyError, TypeError, ValueError, RuntimeError, ZeroDivisionError) as e:
-        raise ArtifactError(f"{path}: module {name} has malformed {target.name} metadata ({type(e).__name__}: {e}); rebuild the artifact") from None
+    """The target's module for one manifest entry, once its target-specific metadata is checked (the
+    boundary: ArtifactError is raised here, never made of the module's own exceptions)."""
+    if problem := target.meta_problem(meta):
+        raise ArtifactError(f"{path}: module {name} has malformed {target.name} metadata ({problem}); rebuild the artifact")
+    return target.make_module(meta, dtype)
 
 
 def _check_replaces(path: Path, config, name: str, in_features: int, out_features: int, model) -> bool:

@@ -61,8 +61,19 @@ class Target:
         """A layer -> (its tensors for the artifact, its manifest metadata)."""
         raise NotImplementedError
 
+    def meta_problem(self, meta: dict) -> str | None:
+        """What in a module's manifest metadata `make_module` would not read as `pack` wrote it, or
+        None. Load asks before it makes a module (format/artifact.read_manifest has checked the
+        fields every target writes), so a module's constructor never sees a malformed artifact and
+        an exception from it is a bug. Here: the paddings a PackedLinear reads."""
+        for key, size in (("padded_in", meta["in_features"]), ("padded_out", meta["out_features"])):
+            if key in meta and not (type(meta[key]) is int and size <= meta[key] <= 2 * size + 256):
+                return f"{key} {str(meta[key])[:40]!r} for {size} features"
+        return None
+
     def make_module(self, meta: dict, act_dtype: torch.dtype) -> nn.Module:
-        """The module that reads what `pack` wrote, on the meta device until the tensors are assigned."""
+        """The module that reads what `pack` wrote, on the meta device until the tensors are assigned
+        (for metadata that passed `meta_problem`)."""
         raise NotImplementedError
 
     def load_warning(self) -> str | None:

@@ -277,13 +277,6 @@ class CpuInt4Linear(PackedLinear):
         super().__init__(meta, act_dtype)
         self.kernel_group_size = meta["kernel_group_size"]
         self.pack_block_n = meta.get("pack_block_n")  # None: a layout we cannot unpack (DEFAULT ISA)
-        # the native dequantizer indexes memory by these: exactly what pack wrote on this ISA
-        c = self.kernel_group_size
-        if type(c) is not int or c not in KERNEL_GROUP_SIZES or self.padded_in != round_up(self.in_features, c) or \
-                self.padded_out != round_up(self.out_features, N_ALIGN) or \
-                self.pack_block_n != FAST_PACK_BLOCK_N.get(torch.backends.cpu.get_cpu_capability()):
-            raise ValueError(f"kernel_group_size {c!r}, padded_in {self.padded_in!r}, padded_out {self.padded_out!r} and "
-                             f"pack_block_n {self.pack_block_n!r} are not what the cpu target packs for {self.in_features}x{self.out_features}")
         dev = torch.device("meta")
         self.register_buffer("qweight", torch.empty(self.padded_out, self.padded_in // 2, dtype=torch.uint8, device=dev))
         n_groups = self.padded_in // self.kernel_group_size
@@ -483,6 +476,19 @@ class CpuTarget(Target):
         tensors["scales_and_zeros"] = sz.to(act_dtype)
         meta.update(kernel_group_size=c, padded_in=Kp, padded_out=Np, pack_block_n=block)
         return tensors, meta
+
+    def meta_problem(self, meta: dict) -> str | None:
+        """The native dequantizer indexes memory by these: exactly what pack wrote on this ISA."""
+        if meta["bits"] != 4:
+            return super().meta_problem(meta)
+        c, k, n = meta.get("kernel_group_size"), meta["in_features"], meta["out_features"]
+        if type(c) is not int or c not in KERNEL_GROUP_SIZES or meta.get("padded_in") != round_up(k, c) or \
+                meta.get("padded_out") != round_up(n, N_ALIGN) or \
+                meta.get("pack_block_n") != FAST_PACK_BLOCK_N.get(torch.backends.cpu.get_cpu_capability()):
+            return (f"kernel_group_size {str(c)[:20]!r}, padded_in {str(meta.get('padded_in'))[:20]!r}, padded_out "
+                    f"{str(meta.get('padded_out'))[:20]!r} and pack_block_n {str(meta.get('pack_block_n'))[:20]!r} are not what "
+                    f"the cpu target packs for {k}x{n} here")
+        return None
 
     def make_module(self, meta: dict, act_dtype: torch.dtype) -> nn.Module:
         return CpuInt4Linear(meta, act_dtype) if meta["bits"] == 4 else make_int8_module(meta, act_dtype, CpuInt8PerChannelLinear)

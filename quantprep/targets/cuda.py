@@ -285,11 +285,6 @@ class CudaInt4Linear(PackedLinear):
     def __init__(self, meta: dict, act_dtype: torch.dtype):
         super().__init__(meta, act_dtype)
         self.kernel_group_size, ikt = meta["kernel_group_size"], meta["inner_k_tiles"]
-        c = self.kernel_group_size  # the Triton kernels index memory by these: exactly what pack wrote
-        if type(c) is not int or c not in KERNEL_GROUP_SIZES or self.padded_in != round_up(self.in_features, c) or \
-                self.padded_out != round_up(self.out_features, N_ALIGN) or ikt != inner_k_tiles(self.padded_in):
-            raise ValueError(f"kernel_group_size {c!r}, padded_in {self.padded_in!r}, padded_out {self.padded_out!r} and "
-                             f"inner_k_tiles {ikt!r} are not what the cuda target packs for {self.in_features}x{self.out_features}")
         dev = torch.device("meta")
         shape = (self.padded_out // 8, self.padded_in // (16 * ikt), 32, ikt // 2)
         self.register_buffer("qweight", torch.empty(shape, dtype=torch.int32, device=dev))
@@ -508,6 +503,18 @@ class CudaTarget(Target):
         tensors.update(qweight=pack_tinygemm(codes, ikt), qweight_kn=pack_rows(codes, 4), scales_and_zeros=sz.to(act_dtype))
         meta.update(kernel_group_size=c, padded_in=Kp, padded_out=Np, inner_k_tiles=ikt)
         return tensors, meta
+
+    def meta_problem(self, meta: dict) -> str | None:
+        """The Triton kernels index memory by these: exactly what pack wrote."""
+        if meta["bits"] != 4:
+            return super().meta_problem(meta)
+        c, k, n, ikt = meta.get("kernel_group_size"), meta["in_features"], meta["out_features"], meta.get("inner_k_tiles")
+        if type(c) is not int or c not in KERNEL_GROUP_SIZES or meta.get("padded_in") != round_up(k, c) or \
+                meta.get("padded_out") != round_up(n, N_ALIGN) or type(ikt) is not int or ikt != inner_k_tiles(round_up(k, c)):
+            return (f"kernel_group_size {str(c)[:20]!r}, padded_in {str(meta.get('padded_in'))[:20]!r}, padded_out "
+                    f"{str(meta.get('padded_out'))[:20]!r} and inner_k_tiles {str(ikt)[:20]!r} are not what the cuda target "
+                    f"packs for {k}x{n}")
+        return None
 
     def make_module(self, meta: dict, act_dtype: torch.dtype) -> nn.Module:
         return CudaInt4Linear(meta, act_dtype) if meta["bits"] == 4 else make_int8_module(meta, act_dtype)

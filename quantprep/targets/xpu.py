@@ -225,6 +225,15 @@ class XpuTarget(Target):
         meta.update(kernel_group_size=c, padded_in=Kp)
         return tensors, meta
 
+    def meta_problem(self, meta: dict) -> str | None:
+        """The op reads [N, padded_in / 8] codes and padded_in / kernel_group_size groups."""
+        if problem := super().meta_problem(meta):
+            return problem
+        c, k = meta.get("kernel_group_size"), meta["in_features"]
+        if meta["bits"] == 4 and (type(c) is not int or c not in self.group_sizes or meta.get("padded_in") != -(-k // c) * c):
+            return f"kernel_group_size {str(c)[:20]!r} and padded_in {str(meta.get('padded_in'))[:20]!r} are not what the xpu target packs for {k} inputs"
+        return None
+
     def make_module(self, meta: dict, act_dtype: torch.dtype) -> nn.Module:
         return XpuInt4Linear(meta, act_dtype) if meta["bits"] == 4 else make_int8_module(meta, act_dtype)
 
