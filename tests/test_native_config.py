@@ -191,3 +191,32 @@ def test_case17_native_refusal_stays_one_line_for_a_hostile_key(llama, tmp_path,
     assert main(["generate", str(hostile), "--native", "--prompt", "b c d"]) == 2
     line = one_line_error(capsys)
     assert f"{hostile / 'config.json'}: 'is_causal\\nsecond line'='xxx" in line and len(line) < 1000, line
+
+
+ODD_VALUES = [None, True, -1, 0, 2**63, 1.5, "64", [1], {"a": 1}]
+
+
+def test_every_field_it_reads_is_checked_before_use(llama, tmp_path):
+    """native_model.load has no catch-all (issue 55, item 3): each config.json key and each of a
+    module's manifest fields, set to values of every JSON kind, loads (a value it may hold) or gives
+    ArtifactError or ArtifactMismatch, never another exception from inside the engine."""
+    from conftest import edit_manifest
+
+    from quantprep.errors import ArtifactError, ArtifactMismatch
+
+    art, _ = llama
+    config = json.loads((art / "config.json").read_text())
+    module = "model.layers.0.mlp.down_proj"
+    fields = json.loads((art / "manifest.json").read_text())["modules"][module]
+    edits = [(lambda d, k=k, v=v: resealed(art, d, lambda c: c.update({k: v}))) for k in [*config, "rope_scaling", "layer_types"]
+             for v in ODD_VALUES]
+    edits += [(lambda d, k=k, v=v: edit_manifest(shutil.copytree(art, d / "hostile"), lambda m: m["modules"][module].update({k: v}))
+               and d / "hostile") for k in [*fields, "fused"] for v in ODD_VALUES]
+    refused = 0
+    for i, edit in enumerate(edits):
+        (tmp_path / str(i)).mkdir()
+        try:
+            native_model.load(edit(tmp_path / str(i)))
+        except (ArtifactError, ArtifactMismatch):
+            refused += 1
+    assert refused > len(edits) // 2, refused
