@@ -22,7 +22,7 @@ from torch import nn
 
 from quantprep._io.background import in_thread
 from quantprep.distribution.signing import configured_key
-from quantprep.errors import ArtifactError, ArtifactMismatch
+from quantprep.errors import ArtifactError, ArtifactMismatch, RecipeError
 from quantprep.format.artifact import DEFAULT_SHAPES
 from quantprep.runtime import cpu_attention, cpu_layers, plan
 from quantprep.runtime.aot import compile_regions, prefetch_runtime
@@ -163,7 +163,7 @@ def checked_artifact(path: Path, verify: bool | None, key) -> tuple[dict, Target
     manifest = checked_manifest(path, verify, key)
     try:
         target = get_target(manifest["target"]["name"])
-    except Exception:
+    except RecipeError:  # a name this quantprep has no target for
         raise ArtifactMismatch(f"{path}: target {manifest['target'].get('name')!r} is not supported by this quantprep") from None
     return manifest, target
 
