@@ -1,7 +1,7 @@
 """Prompt text to first token from the command line, fresh processes (issue 32, item 3): what a user
 types, each tool's own tokenizer and chat template included. One run, round-robin, the same threads:
 
-  - `quantprep generate ART --native --max-new-tokens 1`: runtime/native_model.py with
+  - `quantprep generate ART --native --max-new-tokens 1`: runtime/engine.py with
     runtime/tokenizer.py, no torch or transformers;
   - `quantprep generate ART --max-new-tokens 1`: quantprep.load and transformers' tokenizer and generate;
   - llama.cpp on the GGUF the recipe starts from: `Llama(...).create_chat_completion(max_tokens=1)`

@@ -5,7 +5,7 @@ GPTQModel.load picks on this machine) on the GPTQ checkpoint that artifact was b
 the build cache by content), and, where they exist beside the cpu artifact, the
 same checkpoint's cpu artifacts built with `--lm-head int8` and `--lm-head int4` (RECIPE-int8-head/cpu,
 RECIPE-int4-head/cpu: quantprep_int8_head, quantprep_int4_head; opted-into changes of the model), and
-the same three artifacts run by runtime/native_model.py (native, native_int8_head, native_int4_head:
+the same three artifacts run by runtime/engine.py (native, native_int8_head, native_int4_head:
 quantprep's C without torch or transformers, int4_a8 at every length, the same threads). One
 run, on the same threads: llama.cpp gets n_threads = n_threads_batch = torch.get_num_threads(). Measured:
 
@@ -66,7 +66,7 @@ from load import fresh_process, medians
 
 RUNTIMES = ("llamacpp", "quantprep", "quantprep_int8_head", "quantprep_int4_head", "native", "native_int8_head", "native_int4_head",
             "gptqmodel")
-NATIVE = ("native", "native_int8_head", "native_int4_head")  # runtime/native_model.py on the same three artifacts
+NATIVE = ("native", "native_int8_head", "native_int4_head")  # runtime/engine.py on the same three artifacts
 HEADS = ("int8", "int4")  # --lm-head variants of the cpu artifact, at artifacts/RECIPE-<head>-head/cpu
 PROMPT, PREFILL = 16, 512
 # llama.cpp's settings: the context holds the prefill and the decode; one batch holds the prefill
@@ -89,9 +89,9 @@ print(json.dumps({"import": t1, "load": t2, "first": time.time()}))
 CHILD_NATIVE_FIRST = """
 import time, sys, json
 t0 = time.time()
-from quantprep.runtime import native_model
+from quantprep.runtime import engine
 t1 = time.time()
-m = native_model.load(sys.argv[1], threads=int(sys.argv[3]))
+m = engine.load(sys.argv[1], threads=int(sys.argv[3]))
 t2 = time.time()
 m.forward(json.loads(sys.argv[2])).argmax()
 print(json.dumps({"import": t1, "load": t2, "first": time.time()}))
@@ -243,13 +243,13 @@ class LlamaCppChild:
 
 
 class Native:
-    """runtime/native_model.py's model, measured as the torch models are: the prefill's last logits
+    """runtime/engine.py's model, measured as the torch models are: the prefill's last logits
     from an empty cache; greedy decode timed token by token after the first, which the prompt gives."""
 
     def __init__(self, path: Path, threads: int):
-        from quantprep.runtime import native_model
+        from quantprep.runtime import engine
 
-        self.model = native_model.load(path, threads=threads)
+        self.model = engine.load(path, threads=threads)
 
     def prefill(self, ids: list[int]) -> float:
         self.model.reset(capacity=2 * PREFILL)

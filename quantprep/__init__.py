@@ -40,7 +40,7 @@ elif not any(isinstance(f, _RegisterWithTransformers) for f in sys.meta_path):
 
 def __getattr__(name: str):
     """`quantprep.load` imports torch and the load path on first use: `import quantprep` stays
-    torch-free for runtime/native_model.py and the commands that need no model."""
+    torch-free for runtime/engine.py and the commands that need no model."""
     if name == "load":
         from quantprep.runtime.load import load
 

@@ -308,7 +308,7 @@ def cmd_generate(args) -> int:
 
     model = load(args.dir, trust_kcache=args.trust_kcache)
     t1 = time.perf_counter()
-    if hasattr(model, "pipeline"):  # an openvino artifact: openvino.genai generates (runtime/genai.py)
+    if hasattr(model, "pipeline"):  # an openvino artifact: openvino.genai generates (runtime/openvino.py)
         first = model.generate(args.prompt, max_new_tokens=1)
         t2 = time.perf_counter()
         completion = model.generate(args.prompt, max_new_tokens=args.max_new_tokens) if args.max_new_tokens > 1 else first
@@ -399,14 +399,14 @@ def _made_by_template(e: Exception) -> bool:
 
 
 def _generate_native(args, t0: float) -> int:
-    """generate without torch or transformers: runtime/native_model.py and runtime/tokenizer.py."""
+    """generate without torch or transformers: runtime/engine.py and runtime/tokenizer.py."""
     if "://" in args.dir or not Path(args.dir, "manifest.json").exists():
         raise QuantprepError(f"{args.dir}: --native runs an artifact directory (with a manifest.json); for a published reference, "
                              f"`quantprep pull {args.dir} --target cpu --out DIR` first")
-    from quantprep.runtime import native_model
+    from quantprep.runtime import engine
     from quantprep.runtime.tokenizer import ArtifactTokenizer
 
-    model = native_model.load(args.dir)
+    model = engine.load(args.dir)
     t1 = time.perf_counter()
     tok = ArtifactTokenizer(model.path, model.files)  # the directory load checked, the files its manifest lists
     ids, context = tok.prompt_ids(args.prompt), model.config.context

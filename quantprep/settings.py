@@ -6,7 +6,7 @@ User state (userdirs.py; each defaults to an XDG directory):
     QUANTPREP_VERIFIED_DIR   marks of artifacts hashed in full here (verified.py)
     QUANTPREP_PULL_CACHE     pulled artifacts (publish.py)
     QUANTPREP_POLICY         the signature policy file (policy.py)
-    QUANTPREP_NATIVE_DIR     quantprep's own C kernels, compiled here (targets/native.py)
+    QUANTPREP_NATIVE_DIR     quantprep's own C kernels, compiled here (targets/c_library.py)
 Trust:
     QUANTPREP_TRUST_KCACHE   1: run any artifact's kcache (kcache.trust_reason)
     QUANTPREP_VERIFY_KEY     a PEM public key or sigstore:IDENTITY that signatures must verify with
@@ -17,7 +17,7 @@ Build:
     QUANTPREP_CACHE          the build cache (default artifacts/.cache; build/pipeline.py)
     QUANTPREP_PACK           `torch`: the cpu target packs with tensor ops, not its compiled packer
 Run:
-    QUANTPREP_NATIVE         `0`: no C kernel is compiled or loaded; tensor ops instead (targets/native.py)
+    QUANTPREP_NATIVE         `0`: no C kernel is compiled or loaded; tensor ops instead (targets/c_library.py)
 """
 
 TRUST_DIR = "QUANTPREP_TRUST_DIR"

@@ -22,7 +22,7 @@ cache (native: token by token). Bounds against GPTQModel's float16 logits (relat
   error, as they are within 1e-6 of the checkpoint dequantized into transformers' float32 model.
 One scale of layer 1's down_proj made 4x in prepack fails cpu float32, xpu and openvino here (rel
 1.3e-2), which the dense model, dequantized by the same prepack code, does not see.
-Exact where it can be: openvino computes in f32 (runtime.genai.EXACT) and must equal the cpu
+Exact where it can be: openvino computes in f32 (runtime.openvino.EXACT) and must equal the cpu
 float32 artifact within 1e-5 relative, and that dense float32 model (tools/eval.dequantized_model) as
 closely; openvino.genai's greedy tokens equal transformers' generate on the dense model.
 
@@ -126,12 +126,12 @@ def openvino_logits(model) -> torch.Tensor:
 
 def native_logits(art) -> torch.Tensor:
     """The native runtime's logits token by token (it returns the last position's): the same rows."""
-    from quantprep.runtime import native_model
+    from quantprep.runtime import engine
     from quantprep.targets.cpu import native_a8_block
 
-    if native_a8_block() == 0 or native_model.libraries() is None:
+    if native_a8_block() == 0 or engine.libraries() is None:
         pytest.skip("no int4_a8 on this CPU (AVX2 and FMA, or AVX512-VNNI and VBMI) or no C compiler")
-    model = native_model.load(art)
+    model = engine.load(art)
     return torch.from_numpy(np.stack([model.forward([t]) for t in [*PROMPT[0].tolist(), NEXT]]))
 
 
@@ -193,11 +193,11 @@ def test_a_permutation_openvino_kept_once_is_named_and_checked(tmp_path):
 
 @pytest.mark.parametrize("arch", sorted(set(ARCHITECTURES) - NATIVE))
 def test_native_refuses_the_rest_in_one_line_pointing_to_openvino(arch, tmp_path):
-    from quantprep.runtime import native_model
+    from quantprep.runtime import engine
 
     prepack(DATA / arch, "cpu", tmp_path / "cpu")
     with pytest.raises(ArtifactMismatch) as e:
-        native_model.load(tmp_path / "cpu")
+        engine.load(tmp_path / "cpu")
     assert "\n" not in str(e.value) and "model_type" in str(e.value) and "openvino" in str(e.value), str(e.value)
 
 

@@ -1,8 +1,8 @@
 """Which modules of a loaded cpu artifact run quantprep's C kernels (issue 54, item 4): load sets
 `model.quantprep_c` (cpu_layers.c_modules) and warns once when quantprep has C for the model but its
-libraries did not build or load here (native.library returning None), not when QUANTPREP_NATIVE=0
+libraries did not build or load here (c_library.library returning None), not when QUANTPREP_NATIVE=0
 asked for torch's ops. The libraries are made unavailable the way a machine makes them: a cache
-directory others can write, which native.py refuses, in a fresh process (nothing compiled or cached
+directory others can write, which c_library.py refuses, in a fresh process (nothing compiled or cached
 by this one)."""
 
 import json
@@ -60,7 +60,7 @@ def test_a_plan_of_int4_a8_at_one_row_makes_each_decoder_layer_one_c_call(artifa
 def test_without_the_c_libraries_the_load_warns_once_naming_why(artifact, tmp_path):
     shared = tmp_path / "native"
     shared.mkdir()
-    shared.chmod(0o777)  # another user could plant a library here: native.py compiles and loads nothing
+    shared.chmod(0o777)  # another user could plant a library here: c_library.py compiles and loads nothing
     got, _ = fresh_process(LOAD_CHILD, artifact, env=dict(os.environ, QUANTPREP_NATIVE_DIR=str(shared)))
     assert got["c"] == NO_C
     [warning] = got["warnings"]

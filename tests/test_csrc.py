@@ -1,5 +1,5 @@
-"""quantprep's C kernels (quantprep/csrc, targets/native.py; issue 55): the ctypes side of the ABI is
-the header's (targets/cpu_c.py against quantprep.h, as the compiler lays the structs out), a file that
+"""quantprep's C kernels (quantprep/csrc, targets/c_library.py; issue 55): the ctypes side of the ABI is
+the header's (targets/c_abi.py against quantprep.h, as the compiler lays the structs out), a file that
 does not compile or load raises CompileError with the compiler's output where a missing compiler
 gives None and a reason, CI=true turns the C tests' skips into failures, and the kernels' own tests
 pass built with AddressSanitizer and UndefinedBehaviorSanitizer."""
@@ -17,9 +17,9 @@ from conftest import REPO
 from native_c import require_c
 
 from quantprep.errors import CompileError
-from quantprep.targets import cpu_c, native
+from quantprep.targets import c_abi, c_library
 
-FILES = sorted(p.stem for p in native.CSRC.glob("*.c"))
+FILES = sorted(p.stem for p in c_library.CSRC.glob("*.c"))
 C_TYPES = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}
 
 
@@ -29,27 +29,27 @@ def compiler() -> str:
     return cc
 
 
-def test_every_c_file_builds_and_exports_what_cpu_c_declares():
-    assert FILES == sorted(cpu_c.SIGNATURES) == ["a8", "attention", "dequant", "layers", "pack"]
+def test_every_c_file_builds_and_exports_what_c_abi_declares():
+    assert FILES == sorted(c_abi.SIGNATURES) == ["a8", "attention", "dequant", "layers", "pack"]
     for name in FILES:
-        require_c(native.library(name) is not None)  # declare() looked every function up: a missing one raises
+        require_c(c_library.library(name) is not None)  # declare() looked every function up: a missing one raises
 
 
 def header_prototypes() -> dict:
     """quantprep.h's function declarations as {name: (restype, argtypes)} in ctypes' terms."""
-    text = re.sub(r"/\*.*?\*/", "", native.HEADER.read_text(), flags=re.S)
+    text = re.sub(r"/\*.*?\*/", "", c_library.HEADER.read_text(), flags=re.S)
     found = {}
     for ret, name, params in re.findall(r"^(\w+) (\w+)\(([^)]*)\);", text, flags=re.M):
         args = []
         for param in ([] if params.strip() == "void" else params.split(",")):
             words = param.replace("*", " * ").split()[:-1]  # the type: all but the parameter's name
-            args.append((cpu_c.LAYER if "DecodeLayer" in words else cpu_c.P) if "*" in words else C_TYPES[words[-1]])
+            args.append((c_abi.LAYER if "DecodeLayer" in words else c_abi.P) if "*" in words else C_TYPES[words[-1]])
         found[name] = (None if ret == "void" else C_TYPES[ret], args)
     return found
 
 
 def test_each_signature_is_the_header_s():
-    declared = {fn: sig for functions in cpu_c.SIGNATURES.values() for fn, sig in functions.items()}
+    declared = {fn: sig for functions in c_abi.SIGNATURES.values() for fn, sig in functions.items()}
     header = header_prototypes()
     assert len(header) == 14 and header == declared
 
@@ -67,7 +67,7 @@ def test_every_isa_s_branch_compiles_without_warnings(isa):
     for name in FILES:
         for openmp in ([], ["-fopenmp"]):
             command = [cc, "-fsyntax-only", "-Wall", "-Werror", "-Wno-unknown-pragmas", "-march=x86-64", *ISAS[isa], *openmp]
-            done = subprocess.run([*command, str(native.CSRC / f"{name}.c")], capture_output=True, text=True)
+            done = subprocess.run([*command, str(c_library.CSRC / f"{name}.c")], capture_output=True, text=True)
             assert done.returncode == 0, f"{name}.c: {' '.join(command)}\n{done.stderr}"
 
 
@@ -83,14 +83,14 @@ int main(void) {
     return 0;
 }
 """
-KIND = {ctypes.c_void_p: "pointer", ctypes.c_float: "float", ctypes.c_int64: "int64_t", cpu_c.QuantLinearArgs: "QuantLinear"}
+KIND = {ctypes.c_void_p: "pointer", ctypes.c_float: "float", ctypes.c_int64: "int64_t", c_abi.QuantLinearArgs: "QuantLinear"}
 
 
 def test_the_structs_are_laid_out_as_the_compiler_lays_out_the_header_s(tmp_path):
     """Each ctypes field at the C field's offset, of its size and kind, and each struct of C's size
     (a field C has and Python lacks changes one or the other); MAX_D is MAX_HEAD_DIM."""
     lines, want = [], ["MAX_D 256"]
-    for struct, c_name in ((cpu_c.DecodeLayerArgs, "DecodeLayer"), (cpu_c.QuantLinearArgs, "QuantLinear")):
+    for struct, c_name in ((c_abi.DecodeLayerArgs, "DecodeLayer"), (c_abi.QuantLinearArgs, "QuantLinear")):
         lines.append(f'    printf("{c_name} %zu\\n", sizeof({c_name}));')
         want.append(f"{c_name} {ctypes.sizeof(struct)}")
         for field, kind in struct._fields_:
@@ -99,18 +99,18 @@ def test_the_structs_are_laid_out_as_the_compiler_lays_out_the_header_s(tmp_path
                          f"KIND({c_name}_.{c_field}));")
             want.append(f"{c_name}.{c_field} {getattr(struct, field).offset} {ctypes.sizeof(kind)} {KIND[kind]}")
     (tmp_path / "abi.c").write_text(ABI_C.replace("%s", "\n".join(lines)))
-    subprocess.run([compiler(), f"-I{native.CSRC}", str(tmp_path / "abi.c"), "-o", str(tmp_path / "abi")], check=True)
+    subprocess.run([compiler(), f"-I{c_library.CSRC}", str(tmp_path / "abi.c"), "-o", str(tmp_path / "abi")], check=True)
     assert subprocess.run([str(tmp_path / "abi")], capture_output=True, text=True, check=True).stdout.splitlines() == want
-    assert cpu_c.MAX_HEAD_DIM == 256
+    assert c_abi.MAX_HEAD_DIM == 256
 
 
 @pytest.fixture
 def csrc_copy(tmp_path, monkeypatch):
-    """A copy of quantprep/csrc that native.py compiles in place of the package's, into a fresh cache."""
+    """A copy of quantprep/csrc that c_library.py compiles in place of the package's, into a fresh cache."""
     copy = tmp_path / "csrc"
-    shutil.copytree(native.CSRC, copy)
-    monkeypatch.setattr(native, "CSRC", copy)
-    monkeypatch.setattr(native, "HEADER", copy / "quantprep.h")
+    shutil.copytree(c_library.CSRC, copy)
+    monkeypatch.setattr(c_library, "CSRC", copy)
+    monkeypatch.setattr(c_library, "HEADER", copy / "quantprep.h")
     monkeypatch.setenv("QUANTPREP_NATIVE_DIR", str(tmp_path / "cache"))
     return copy
 
@@ -124,7 +124,7 @@ def test_a_syntax_error_raises_with_the_compiler_s_output(csrc_copy, broken):
     target.write_text(target.read_text() + "int broken(void) { return 0 }\n")
     name = FILES[0] if broken.endswith(".h") else broken
     with pytest.raises(CompileError) as caught:
-        native.library.__wrapped__(name)  # not the per-process cache
+        c_library.library.__wrapped__(name)  # not the per-process cache
     message = str(caught.value)
     assert message.startswith(f"{csrc_copy / name}.c: does not compile with `") and "\n" not in message
     assert re.search(r"\.[ch]:\d+:\d+: error: expected .;. before .}.", message) and "QUANTPREP_NATIVE=0" in message
@@ -135,7 +135,7 @@ def test_a_library_that_does_not_load_raises(csrc_copy):
     compiler()
     (csrc_copy / "pack.c").write_text((csrc_copy / "pack.c").read_text() + "int missing(void);\nint broken(void) { return missing(); }\n")
     with pytest.raises(CompileError, match=r"pack\.c: its library .* does not load \(.*undefined symbol: missing"):
-        native.library.__wrapped__("pack")
+        c_library.library.__wrapped__("pack")
 
 
 def test_a_compiler_without_openmp_builds_without_it(csrc_copy, monkeypatch):
@@ -143,23 +143,23 @@ def test_a_compiler_without_openmp_builds_without_it(csrc_copy, monkeypatch):
     without it; where it can, the failure is the file's and raises."""
     compiler()
     (csrc_copy / "pack.c").write_text("#ifdef _OPENMP\n#error as a compiler without OpenMP would\n#endif\n" + (csrc_copy / "pack.c").read_text())
-    monkeypatch.setattr(native, "openmp", lambda cc: False)
-    assert native.library.__wrapped__("pack", ("-fopenmp",)).pack_int4_cpu
-    monkeypatch.setattr(native, "openmp", lambda cc: True)
+    monkeypatch.setattr(c_library, "openmp", lambda cc: False)
+    assert c_library.library.__wrapped__("pack", ("-fopenmp",)).pack_int4_cpu
+    monkeypatch.setattr(c_library, "openmp", lambda cc: True)
     with pytest.raises(CompileError, match="as a compiler without OpenMP would"):
-        native.library.__wrapped__("pack", ("-fopenmp",))
+        c_library.library.__wrapped__("pack", ("-fopenmp",))
 
 
 def test_without_a_compiler_or_with_c_turned_off_there_is_no_library_and_a_reason(monkeypatch):
-    monkeypatch.setattr(native, "_compiler", lambda: None)
-    assert native.library.__wrapped__("pack") is None and native.unavailable_reason() == "no C compiler: put `cc` on PATH"
+    monkeypatch.setattr(c_library, "_compiler", lambda: None)
+    assert c_library.library.__wrapped__("pack") is None and c_library.unavailable_reason() == "no C compiler: put `cc` on PATH"
     monkeypatch.undo()
     monkeypatch.setenv("QUANTPREP_NATIVE", "0")
-    assert native.library.__wrapped__("pack") is None and native.unavailable_reason() == "QUANTPREP_NATIVE=0"
+    assert c_library.library.__wrapped__("pack") is None and c_library.unavailable_reason() == "QUANTPREP_NATIVE=0"
 
 
 def test_ci_fails_where_a_missing_library_would_skip(monkeypatch):
-    monkeypatch.setattr(native, "_compiler", lambda: None)
+    monkeypatch.setattr(c_library, "_compiler", lambda: None)
     monkeypatch.delenv("CI", raising=False)
     with pytest.raises(pytest.skip.Exception, match="C kernels are not built here: no C compiler"):
         require_c(False)
@@ -179,8 +179,8 @@ SANITIZED = ["tests/test_cpu_attention.py", "tests/test_cpu_layers.py", "tests/t
 SANITIZE = ["-O1", "-g", "-march=native", "-shared", "-fPIC", "-fsanitize=address,undefined", "-fno-omit-frame-pointer",
             "-fno-sanitize-recover=all"]
 RUN = """import sys
-from quantprep.targets import native
-native.FLAGS[:] = sys.argv[1].split()
+from quantprep.targets import c_library
+c_library.FLAGS[:] = sys.argv[1].split()
 import pytest
 sys.exit(pytest.main(sys.argv[2:]))
 """

@@ -1,4 +1,4 @@
-"""`quantprep generate --native`: a cpu artifact run by runtime/native_model.py with its tokenizer and
+"""`quantprep generate --native`: a cpu artifact run by runtime/engine.py with its tokenizer and
 chat template read by runtime/tokenizer.py, in a process that imports neither torch nor transformers.
 Checked against transformers' own pipeline: AutoTokenizer's apply_chat_template ids, the native
 model's greedy tokens from them, AutoTokenizer's decode. The real SmolLM2 tokenizer: tests/test_smollm2.py."""
@@ -10,14 +10,14 @@ import sys
 
 import pytest
 from conftest import CHAT_TEMPLATE, REPO, TINY_LLAMA, add_chat_tokenizer, edit_manifest, one_line_error, relist
-from native_c import require_native_model
+from native_c import require_engine
 
 from quantprep.cli import main
 from quantprep.errors import ArtifactError
-from quantprep.runtime import native_model
+from quantprep.runtime import engine
 from quantprep.runtime.tokenizer import ArtifactTokenizer
 
-require_native_model()
+require_engine()
 PROMPT = "b c d e"
 # specials and the generation prompt, as real templates use them
 TEMPLATE = ("{{ pad_token }} {% if tools is not none or documents is not none %}z {% endif %}{% for m in messages %}{{ m['role'] }} "
@@ -92,7 +92,7 @@ def transformers_pipeline(art) -> tuple[list[int], str]:
                                       return_dict=True)["input_ids"]
     else:
         ids = tok(PROMPT)["input_ids"]
-    return ids, tok.decode(native_model.load(art).generate(ids, NEW), skip_special_tokens=True)
+    return ids, tok.decode(engine.load(art).generate(ids, NEW), skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("where", ["jinja", "tokenizer_config", "default_of_a_list", "empty", "none"])
@@ -117,7 +117,7 @@ def test_native_generate_stops_at_end_of_sequence(tmp_path, art, capsys):
     after it, as transformers' generate does (the token is kept, and shows unless it is a special token)."""
     copy = copy_of(art, tmp_path)
     ids = ArtifactTokenizer(copy, json.loads((copy / "manifest.json").read_text())["files"]).prompt_ids(PROMPT)
-    first, second = native_model.load(copy).generate(ids, 2)
+    first, second = engine.load(copy).generate(ids, 2)
     assert main(["generate", str(copy), "--native", "--json", "--prompt", PROMPT, "--max-new-tokens", "2"]) == 0
     two = json.loads(capsys.readouterr().out)["completion"]
     (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [first]}))
@@ -239,12 +239,12 @@ def test_native_generate_applies_the_repetition_penalty_as_transformers(tmp_path
     (copy / "generation_config.json").write_text(json.dumps({"repetition_penalty": 3.0}))
     relist(copy, "generation_config.json")
     ids = ArtifactTokenizer(copy, json.loads((copy / "manifest.json").read_text())["files"]).prompt_ids(PROMPT)
-    model, penalty, seq, want = native_model.load(copy), RepetitionPenaltyLogitsProcessor(3.0), list(ids), []
+    model, penalty, seq, want = engine.load(copy), RepetitionPenaltyLogitsProcessor(3.0), list(ids), []
     logits = model.forward(ids)
     for _ in range(NEW):
         want.append(int(penalty(torch.tensor([seq]), torch.from_numpy(logits.copy())[None]).argmax()))
         seq.append(want[-1])
         logits = model.forward(want[-1:])
-    assert want != native_model.load(copy).generate(ids, NEW)  # the penalty changes the greedy tokens here
+    assert want != engine.load(copy).generate(ids, NEW)  # the penalty changes the greedy tokens here
     assert main(["generate", str(copy), "--native", "--json", "--prompt", PROMPT, "--max-new-tokens", str(NEW)]) == 0
     assert json.loads(capsys.readouterr().out)["completion"] == AutoTokenizer.from_pretrained(copy).decode(want, skip_special_tokens=True)

@@ -15,7 +15,7 @@ import tempfile
 
 import pytest
 from conftest import REPO, TINY_LLAMA, add_chat_tokenizer, edit_manifest, relist
-from native_c import require_native_model
+from native_c import require_engine
 
 GENERATE = [sys.executable, "-m", "quantprep", "generate"]
 PROMPT = "a"  # id 0 of the word-level vocabulary below, the one word that is not hostile
@@ -133,7 +133,7 @@ PATHS = {
 @pytest.mark.parametrize("path", PATHS)
 def test_case23_a_completion_reaches_a_terminal_escaped_and_a_pipe_unchanged(artifact, path):
     if path == "native":
-        require_native_model()
+        require_engine()
     if path == "openvino":
         pytest.importorskip("openvino", reason="the openvino extra (make setup installs it)")
     target, options = PATHS[path]

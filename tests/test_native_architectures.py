@@ -1,7 +1,7 @@
 """Qwen3 (q_norm and k_norm) and Mistral (a sliding window) through quantprep's C decoder layer, as
-runtime/architectures.py describes them: the native runtime (runtime/native_model.py, `generate
+runtime/architectures.py describes them: the native runtime (runtime/engine.py, `generate
 --native`) and the torch path's C (runtime/cpu_layers.py) against quantprep.load's model, as
-tests/test_native_model.py checks Llama and Qwen2. The window (8, and 4 on one layer of a Qwen3 whose
+tests/test_engine.py checks Llama and Qwen2. The window (8, and 4 on one layer of a Qwen3 whose
 other layer attends to everything) is shorter than the tokens run, so that it matters."""
 
 import json
@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 import torch
 from conftest import add_chat_tokenizer
-from native_c import require_native_model
+from native_c import require_engine
 from test_cpu_layers import Counting
-from test_native_model import torch_token_by_token
+from test_engine import torch_token_by_token
 
 import quantprep
 from quantprep.cli import main
-from quantprep.runtime import cpu_layers, native_model
+from quantprep.runtime import cpu_layers, engine
 from quantprep.targets.cpu import CpuInt4Linear
 
-require_native_model()
+require_engine()
 SIZES = {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": False}
 MODELS = {"qwen3": {"model_type": "qwen3", **SIZES},
@@ -31,7 +31,7 @@ MODELS = {"qwen3": {"model_type": "qwen3", **SIZES},
           "qwen3-sliding": {"model_type": "qwen3", **SIZES, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}}
 WINDOWS = {"qwen3": [None, None], "mistral": [8, 8], "qwen3-sliding": [None, 4]}
 PROMPT = [5, 17, 42, 99, 3, 200, 64, 8, 150, 23, 77, 12, 9, 31]  # past every window
-TOLERANCE = 1e-2  # test_native_model's, against the same kernels behind transformers' code (measured 0)
+TOLERANCE = 1e-2  # test_engine's, against the same kernels behind transformers' code (measured 0)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -64,7 +64,7 @@ def test_native_logits_match_the_torch_models(art):
     kernels; its window and q/k norms in layer_rows, the torch path's in cpu_layers), and the prompt in
     one call (each row its own window) gives each position's values of token by token."""
     name, path = art
-    model = native_model.load(path)
+    model = engine.load(path)
     assert model.config.windows == WINDOWS[name] and model.config.qk_norm == name.startswith("qwen3")
     native = np.stack([model.forward([t]) for t in PROMPT])
     reference = torch_token_by_token(path, PROMPT)
@@ -155,7 +155,7 @@ def test_native_logits_are_the_model_without_c(art, tmp_path):
                           env=dict(os.environ, QUANTPREP_NATIVE="0"), timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not any(json.loads(proc.stdout.splitlines()[-1]).values())  # no C module at all
-    model = native_model.load(path)
+    model = engine.load(path)
     reference, native = np.load(out), np.stack([model.forward([t]) for t in PROMPT])
     print(name, "relative error", relative_error(native, reference), "top-1", (native.argmax(1) == reference.argmax(1)).mean())
     assert relative_error(native, reference) < 0.08
@@ -217,10 +217,10 @@ def test_config_is_read_as_transformers_reads_it(tmp_path, case):
     (tmp_path / "config.json").write_text(json.dumps(config))
     if refused:
         with pytest.raises(ArtifactMismatch, match=refused) as e:
-            native_model.Config(tmp_path)
+            engine.Config(tmp_path)
         assert "\n" not in str(e.value) and "--target openvino" in str(e.value)
         return
-    ours = native_model.Config(tmp_path)
+    ours = engine.Config(tmp_path)
     with torch.device("meta"):
         theirs = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
     attention = [layer.self_attn for layer in theirs.model.layers]

@@ -1,7 +1,7 @@
 """Case 17 (issue 53, case 4): `generate --native` reads config.json as transformers does, so it never
 runs another model than quantprep.load. transformers builds the class the config's model_type names
 (not its `architectures`), reads rope_scaling before rope_parameters, and its shared code reads keys
-no config class declares; runtime/native_model.py's Config refuses, in one line, every key it does not
+no config class declares; runtime/engine.py's Config refuses, in one line, every key it does not
 implement. Each hostile artifact is resealed as an attacker would (its manifest relisting the new
 config.json). The model_type and rope_scaling ones are shown to be real attacks: quantprep.load's
 logits differ from the native runtime's before this check, which ignored those keys and so computed
@@ -14,15 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import TINY_LLAMA, one_line_error, random_cpu_artifact, relist
-from native_c import require_native_model
+from native_c import require_engine
 from test_cpu_layers import TINY_QWEN2
-from test_native_model import PROMPT, torch_token_by_token
+from test_engine import PROMPT, torch_token_by_token
 
 from quantprep.cli import main
-from quantprep.runtime import native_model
+from quantprep.runtime import engine
 
-require_native_model()
-TOLERANCE = 1e-2  # test_native_model's: relative error per token of the native logits against quantprep.load's
+require_engine()
+TOLERANCE = 1e-2  # test_engine's: relative error per token of the native logits against quantprep.load's
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def qwen2(tmp_path_factory):
 
 
 def native_token_by_token(art) -> np.ndarray:
-    model = native_model.load(art)
+    model = engine.load(art)
     return np.stack([model.forward([t]) for t in PROMPT])
 
 
@@ -175,7 +175,7 @@ def test_case17_native_reads_configs_as_transformers(request, tmp_path, model, e
     art = art[0] if model == "llama" else art
     if edit:
         art = resealed(art, tmp_path, edit)
-    theirs, ours = AutoConfig.from_pretrained(art), native_model.Config(art)
+    theirs, ours = AutoConfig.from_pretrained(art), engine.Config(art)
     assert (ours.rope_theta, ours.head_dim, ours.kv_heads, ours.eps, ours.context, ours.tied) == \
         (theirs.rope_parameters["rope_theta"], theirs.head_dim if model == "llama" else theirs.hidden_size // theirs.num_attention_heads,
          theirs.num_key_value_heads, theirs.rms_norm_eps, theirs.max_position_embeddings, theirs.tie_word_embeddings)

@@ -5,7 +5,7 @@ dequantized), verify, refusals, the model cache, load, pull and serve.
 Tolerance for the decoder: relative error 1e-5 on the logits of an 8-token prefill and 4 decode
 steps through the KV state, and the same top-1 everywhere. Measured (2026-11-25, 2-core AVX512):
 2e-7 to 4e-7. A wrong RoPE, mask, GQA expansion, state update, fused split or head gives 1e-2 or
-more. The plugin runs exactly (runtime.genai.EXACT: f32, no dynamic quantization, f32 KV cache);
+more. The plugin runs exactly (runtime.openvino.EXACT: f32, no dynamic quantization, f32 KV cache);
 its default u8 KV cache alone gave 1e-3.
 """
 
@@ -372,7 +372,7 @@ def test_a_damaged_or_oversized_ir_is_refused_in_one_line(tmp_path, capsys):
     edit_manifest(art, lambda m: m["files"]["openvino_model.xml"].update(size=1 << 30))
     with pytest.raises(ArtifactError):  # the listed size is checked against the file first
         quantprep.load(art)
-    from quantprep.runtime.genai import check_files
+    from quantprep.runtime.openvino import check_files
 
     with pytest.raises(ArtifactError, match="MiB an IR graph may have"):
         check_files(art, json.loads((art / "manifest.json").read_text()))

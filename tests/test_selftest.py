@@ -6,7 +6,7 @@ import torch
 
 from quantprep.cli import main
 from quantprep.targets import get_target
-from quantprep.targets.intel_runtime import xpu_cache_report
+from quantprep.targets.xpu_env import xpu_cache_report
 from quantprep.tools.selftest import _module, check_case
 
 

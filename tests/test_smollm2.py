@@ -27,7 +27,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO, dense_reference_model, gptqmodel_runs, rel_err, top1
-from native_c import require_int4_a8, require_native_model
+from native_c import require_engine, require_int4_a8
 
 import quantprep
 from quantprep.build.pipeline import build_artifacts
@@ -150,10 +150,10 @@ def test_native_generate_on_the_real_tokenizer(smollm2):
     AutoTokenizer's decode of the native model's greedy tokens up to the end-of-turn id."""
     from transformers import AutoTokenizer
 
-    from quantprep.runtime import native_model
+    from quantprep.runtime import engine
     from quantprep.runtime.tokenizer import ArtifactTokenizer
 
-    require_native_model()
+    require_engine()
     _, art, _ = smollm2
     hf = AutoTokenizer.from_pretrained(art)
     ours = ArtifactTokenizer(art, json.loads((art / "manifest.json").read_text())["files"])
@@ -161,7 +161,7 @@ def test_native_generate_on_the_real_tokenizer(smollm2):
         ids = hf.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
                                      return_dict=True)["input_ids"]
         assert ours.prompt_ids(text) == ids, text
-    model, tokens = native_model.load(art), []
+    model, tokens = engine.load(art), []
     logits = model.forward(ids)
     while len(tokens) < 16 and (not tokens or tokens[-1] != hf.eos_token_id):
         tokens.append(int(logits.argmax()))

@@ -2,7 +2,7 @@
 made by quantprep, one file edited, the manifest resealed as anyone can (conftest.relist). Every
 program an openvino artifact holds (the model graph, the tokenizer graphs, the chat template) either
 never runs in quantprep or runs only once it equals what quantprep builds from the artifact's data
-(runtime/genai.py, docs/security.md).
+(runtime/openvino.py, docs/security.md).
 
 case18: a detokenizer whose string table points past its end (it read process memory).
 case19: a chat template nested 20,000 deep (genai's C++ Jinja recursed until it crashed).

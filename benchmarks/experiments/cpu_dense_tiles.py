@@ -21,8 +21,8 @@ from common import machine, save, timed
 from quantprep.build.prepack import prepare_layer
 from quantprep.build.source import QuantConfig, _validate_layer
 from quantprep.build.synthetic import random_gptq_tensors
-from quantprep.targets import cpu, get_target, native
-from quantprep.targets.common import dense_matmul
+from quantprep.targets import c_library, cpu, get_target
+from quantprep.targets.base import dense_matmul
 
 # per layer: fused q/k/v, o, fused gate/up, down
 SHAPES = {"qkv": (1536, 2048), "o": (1536, 1536), "gate_up": (1536, 17920), "down": (8960, 1536)}
@@ -30,7 +30,7 @@ SHAPES = {"qkv": (1536, 2048), "o": (1536, 1536), "gate_up": (1536, 17920), "dow
 
 def portable_dequantizer():
     """csrc/dequant.c without its AVX512-BF16 block: the compiler's loop alone (built as cpu.py builds it)."""
-    return native.library_with_torch_openmp("dequant", ("-DBF16_BLOCK64=0",)).dequant_int4_cpu
+    return c_library.library_with_torch_openmp("dequant", ("-DBF16_BLOCK64=0",)).dequant_int4_cpu
 
 
 def module(K: int, N: int):

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from common import artifact_codes, greedy_decode, machine, per_call_us, save
 
 from quantprep.runtime import cpu_layers
-from quantprep.targets import cpu, native
+from quantprep.targets import c_library, cpu
 
 REPLACED = (cpu_layers.CpuRMSNorm, cpu_layers.CpuGatedMLP, cpu_layers.CpuDecodeAttention, cpu_layers.CpuLinear,
             cpu_layers.CpuDecoderLayer)
@@ -44,7 +44,7 @@ AS_BUILT = (cpu.native_int4_a8, cpu.native_int8_a8)
 @functools.cache
 def without_prefetch() -> tuple:
     """Stand-ins for AS_BUILT: int4_a8 and int8_a8 from a build with -DA8_AHEAD=0."""
-    lib = native.library_with_torch_openmp("a8", ("-DA8_AHEAD=0",))
+    lib = c_library.library_with_torch_openmp("a8", ("-DA8_AHEAD=0",))
     four, eight = lib.int4_a8_cpu, lib.int8_a8_cpu
     return (lambda: four), (lambda: eight)
 

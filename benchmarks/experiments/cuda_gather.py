@@ -1,5 +1,5 @@
 """The act-order gather in front of an int4 GEMM on the GPU: torch's `index_select` (+ `F.pad` for
-K padding), as `common.gather_and_pad` runs it, against the cuda target's one Triton pass
+K padding), as `base.gather_and_pad` runs it, against the cuda target's one Triton pass
 (`cuda.gather_pad`) at several tile shapes, and a pass written here with one program per row
 (`rows_<warps>`). Every output is compared with torch's, bit for bit.
 Timed as CUDA graph replays (`runtime.plan.gpu_seconds`), medians of 5; TB/s of x read + out written.
@@ -19,7 +19,7 @@ from common import machine, save
 
 from quantprep.runtime.plan import cuda_graph, gpu_seconds
 from quantprep.targets import cuda
-from quantprep.targets.common import gather_and_pad
+from quantprep.targets.base import gather_and_pad
 
 SHAPES = {"1.5b qkv/gate_up": 1536, "1.5b down": 8960, "7b qkv/o/gate_up": 3584, "7b down": 18944}
 BLOCKS = [(1, 1024), (2, 1024), (4, 512), (8, 256)]

@@ -36,7 +36,7 @@ from cuda_dequant import SHAPES, random_weight
 from plan_prefill import MODELS, graph_replay
 
 from quantprep.runtime.plan import cuda_graph, gpu_seconds
-from quantprep.targets.common import PackedLinear
+from quantprep.targets.base import PackedLinear
 from quantprep.targets.cuda import CudaInt4Linear, dequantize_kn, int4_kn_gemm
 
 GS = 128

@@ -43,7 +43,7 @@ from torch import nn
 from triton.testing import do_bench
 
 from quantprep.format.gptq import unpack_rows
-from quantprep.targets.common import dequantize_folded_int4
+from quantprep.targets.base import dequantize_folded_int4
 from quantprep.targets.cuda import PREFILL_CONFIG, dequantize_kn, int4_kn_gemm
 
 GS = 128

@@ -7,7 +7,7 @@ one they can write).
     verified marks    $XDG_CACHE_HOME/quantprep/verified        (QUANTPREP_VERIFIED_DIR)  verified.py
     pulled artifacts  $XDG_CACHE_HOME/quantprep/pulled          (QUANTPREP_PULL_CACHE)    publish.py
     trust policy      $XDG_CONFIG_HOME/quantprep/policy.toml    (QUANTPREP_POLICY)        policy.py
-    C kernels         $XDG_CACHE_HOME/quantprep/native          (QUANTPREP_NATIVE_DIR)    targets/native.py
+    C kernels         $XDG_CACHE_HOME/quantprep/native          (QUANTPREP_NATIVE_DIR)    targets/c_library.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The openvino target's artifact: the decoder IR (runtime/openvino_graph.py makes the graph from
 transformers' modeling code) around the GPTQ integers, and the tokenizer IR openvino-tokenizers converts from the source's
 tokenizer, for runtimes that read the directory as it is (openvino.genai, OVMS). quantprep's own
-load never runs either as it comes (runtime/genai.py).
+load never runs either as it comes (runtime/openvino.py).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def write_tokenizers(src: Path, out: Path) -> list[str]:
 def tokenizer_difference(path: Path, files: dict) -> str | None:
     """How an artifact's tokenizer and detokenizer IR differ, as text and bytes, from what
     openvino-tokenizers converts here from the artifact's own tokenizer files, or None. quantprep
-    never runs them (runtime/genai.py), nor hands them to OpenVINO here (its reader evaluates
+    never runs them (runtime/openvino.py), nor hands them to OpenVINO here (its reader evaluates
     constant subgraphs, custom operations included); other runtimes of the directory run them, and
     their operations index string tables without bounds checks."""
     import tempfile

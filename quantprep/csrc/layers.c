@@ -1,7 +1,7 @@
 /* A decoder layer's steps besides its matmuls and attention (runtime/cpu_layers.py: RMSNorm, Qwen3's
    q/k norms, the rotary embedding, the SiLU product, the float lm_head's gemv_bf16), and a whole layer
    as one call (layer_rows, decode_layer) that calls int4_a8_cpu and decode_attention through the
-   pointers in its DecodeLayer (runtime/native_model.py, runtime/cpu_layers.py). */
+   pointers in its DecodeLayer (runtime/engine.py, runtime/cpu_layers.py). */
 #include "quantprep.h"
 #include <math.h>
 #include <stdlib.h>
@@ -157,7 +157,7 @@ static void add_to(const uint16_t *residual, uint16_t *y, int64_t n) {
    (benchmarks/experiments/README.md, "CPU decode layers"). x and out: `rows` rows of `hidden`; cos, sin: each row's rotary embedding; the new
    keys and values go into rows filled..filled+rows-1 of each head of k_cache, v_cache ([kv_heads,
    capacity, D]), and row r attends to rows 0..filled+r (causal: a prompt's tokens as one call,
-   runtime/native_model.py), the last L->window of them where that is not 0 (a sliding window). 0, -1 (no
+   runtime/engine.py), the last L->window of them where that is not 0 (a sliding window). 0, -1 (no
    memory) or a kernel's error. */
 int layer_rows(const DecodeLayer *L, const uint16_t *x, int64_t rows, uint16_t *out, const uint16_t *cos, const uint16_t *sin,
                uint16_t *k_cache, uint16_t *v_cache, int64_t capacity, int64_t filled, int threads) {

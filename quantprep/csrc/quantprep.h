@@ -1,9 +1,9 @@
 /* quantprep's C kernels: what the five .c files here share, and every function they export.
 
    This header is the ABI's one home. Each .c file includes it, so the compiler checks every
-   definition against the declaration here; targets/cpu_c.py mirrors the declarations for ctypes
+   definition against the declaration here; targets/c_abi.py mirrors the declarations for ctypes
    (SIGNATURES, QuantLinearArgs, DecodeLayerArgs) and tests/test_csrc.py checks that mirror against
-   this file. targets/native.py compiles each .c file on first use. */
+   this file. targets/c_library.py compiles each .c file on first use. */
 #ifndef QUANTPREP_H
 #define QUANTPREP_H
 
@@ -14,7 +14,7 @@
 
 #if defined(_OPENMP) && defined(__GNUC__) && !defined(__clang__)
 #include <omp.h>
-#define GNU_OPENMP 1 /* libgomp's: the runtime native.library_with_torch_openmp checked torch runs on */
+#define GNU_OPENMP 1 /* libgomp's: the runtime c_library.library_with_torch_openmp checked torch runs on */
 #endif
 
 /* bfloat16 <-> float: widening is exact; narrowing rounds to nearest even */

@@ -26,7 +26,7 @@ from quantprep._io.staging import MARKER, fsync_path, stage_reached, staging
 from quantprep.errors import ArtifactError, QuantprepError
 from quantprep.version import __version__
 
-if TYPE_CHECKING:  # torch is imported where tensors are written: the readers here run without it (runtime/native_model.py)
+if TYPE_CHECKING:  # torch is imported where tensors are written: the readers here run without it (runtime/engine.py)
     import torch
 
 FORMAT = "quantprep-artifact"

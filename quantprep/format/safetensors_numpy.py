@@ -1,4 +1,4 @@
-"""Safetensors files as numpy arrays, without torch (runtime/native_model.py reads artifacts this way).
+"""Safetensors files as numpy arrays, without torch (runtime/engine.py reads artifacts this way).
 
 The format (huggingface.co/docs/safetensors): an 8-byte little-endian header length, that many
 bytes of JSON ({name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}),

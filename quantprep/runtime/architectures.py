@@ -1,8 +1,8 @@
 """The decoders quantprep's C decode layer computes, one row per transformers model_type: what each
 adds to Llama's (RMSNorm, a SiLU-gated MLP, the default rotary embedding, causal attention), as
-transformers 5 builds it. runtime/native_model.py reads config.json by it, without torch;
+transformers 5 builds it. runtime/engine.py reads config.json by it, without torch;
 runtime/cpu_layers.py finds transformers' attention class by it (causal_lm) and runs its q/k norms;
-both fill cpu_c's DecodeLayer from it. (A sliding window is native_model's: in transformers' model it
+both fill c_abi's DecodeLayer from it. (A sliding window is engine's: in transformers' model it
 is the attention mask's and the cache's, which the torch path takes as they are.)
 """
 
@@ -27,7 +27,7 @@ class Architecture:
     # config.sliding_window (None: none).
     window: str
     defaults: dict  # the config class's values of keys config.json may leave out (head_dim None: hidden_size // heads)
-    read: frozenset[str]  # the keys of this model_type read beside native_model.READ_KEYS
+    read: frozenset[str]  # the keys of this model_type read beside engine.READ_KEYS
     neutral: dict  # keys of this model_type accepted unread, with the values that change nothing (ANY: whatever)
 
 

@@ -1,5 +1,5 @@
 """The checks every artifact gets before any of it is read, whatever runs it (runtime/load.py with
-torch, runtime/native_model.py without): the manifest and every file's sha256 (verified.py: once
+torch, runtime/engine.py without): the manifest and every file's sha256 (verified.py: once
 per file as it is; `verify` True: every time, False: sizes only), no code named by its configs,
 and the signature when a verify key is configured. Torch-free."""
 

@@ -24,18 +24,18 @@ import functools
 
 import torch
 
-from quantprep.targets import native
+from quantprep.targets import c_library
+from quantprep.targets.c_abi import MAX_HEAD_DIM
 from quantprep.targets.cpu import eager
-from quantprep.targets.cpu_c import MAX_HEAD_DIM
 
 NAME = "quantprep_cpu"
 
 
 @functools.cache
 def kernel() -> ctypes._CFuncPtr | None:
-    """`decode_attention` (csrc/attention.c; native.py compiles it, with torch's OpenMP where it can), or
+    """`decode_attention` (csrc/attention.c; c_library.py compiles it, with torch's OpenMP where it can), or
     None without a C compiler."""
-    lib = native.library_with_torch_openmp("attention")
+    lib = c_library.library_with_torch_openmp("attention")
     return None if lib is None else lib.decode_attention
 
 

@@ -37,19 +37,19 @@ from torch.nn.modules import module as torch_module
 from quantprep.runtime import cpu_attention
 from quantprep.runtime.architectures import ARCHITECTURES, Architecture
 from quantprep.runtime.fused import FusedMember
-from quantprep.targets import native
-from quantprep.targets.common import SLOW_HALF_GEMM, PackedLinear
+from quantprep.targets import c_library
+from quantprep.targets.base import SLOW_HALF_GEMM, PackedLinear
+from quantprep.targets.c_abi import DecodeLayerArgs, QuantLinearArgs
 from quantprep.targets.cpu import CpuInt4Linear, eager, native_dequantizer, native_int4_a8
-from quantprep.targets.cpu_c import DecodeLayerArgs, QuantLinearArgs
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """csrc/layers.c compiled (native.py, with torch's OpenMP where it can), or None without a C compiler."""
+    """csrc/layers.c compiled (c_library.py, with torch's OpenMP where it can), or None without a C compiler."""
     # No code here reads floating-point exception flags, and without trapping math gcc vectorizes
     # exp_poly's selects with AVX2 too (with AVX512 it used masks; on AVX2 silu_mul stayed scalar and
     # slower than torch's: benchmarks/experiments/cpu_layers.py times the two). The results are the same.
-    return native.library_with_torch_openmp("layers", ("-fno-trapping-math",))
+    return c_library.library_with_torch_openmp("layers", ("-fno-trapping-math",))
 
 
 def runs_here(x: torch.Tensor, weight: torch.Tensor | None = None, weight_shape: tuple[int, ...] | None = None) -> bool:

@@ -278,7 +278,7 @@ def check_tensors(path: Path, model, tensors: dict[str, tuple[torch.dtype, tuple
 
 def check_modules(path: Path, model) -> None:
     """Each packed module's own checks of the tensors it was given (PackedLinear.check_loaded)."""
-    from quantprep.targets.common import PackedLinear
+    from quantprep.targets.base import PackedLinear
 
     for name, m in model.named_modules():
         if isinstance(m, PackedLinear) and (problem := m.check_loaded()):
@@ -306,13 +306,13 @@ def apply_plan(model, path: Path, art: OpenedArtifact, kcache_status: dict) -> N
 def report_c(model, path: Path) -> None:
     """A CPU model's `quantprep_c`: how many modules run quantprep's C here, by kind (cpu_layers.c_modules).
     One warning when quantprep has C for some of them and none runs it: its libraries did not build or
-    load (targets/native.py), so torch's slower ops run; not when QUANTPREP_NATIVE=0 asked for that."""
-    from quantprep.targets import native
+    load (targets/c_library.py), so torch's slower ops run; not when QUANTPREP_NATIVE=0 asked for that."""
+    from quantprep.targets import c_library
 
     model.quantprep_c = counts = cpu_layers.c_modules(model)
-    if not any(counts.values()) and not native.turned_off() and cpu_layers.expects_c(model):
+    if not any(counts.values()) and not c_library.turned_off() and cpu_layers.expects_c(model):
         warnings.warn(f"{path}: none of this model's modules run quantprep's C kernels, which did not build or load here "
-                      f"({native.unavailable_reason()}); torch's slower ops run instead", stacklevel=4)
+                      f"({c_library.unavailable_reason()}); torch's slower ops run instead", stacklevel=4)
 
 
 def finish(model, path: Path, art: OpenedArtifact, kcache_status: dict, compile: bool, warmup: bool, prefetch=None):
@@ -383,7 +383,7 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     (cpu without compile: nothing to use). `model.quantprep_kcache` says what happened.
     verify_key: a PEM public key (default: QUANTPREP_VERIFY_KEY): the artifact must carry a
     signature (`quantprep sign`) that verifies with it, and its kcache is then trusted.
-    An openvino artifact comes back as runtime.genai.OpenVINOModel (openvino.genai's pipeline and
+    An openvino artifact comes back as runtime.openvino.OpenVINOModel (openvino.genai's pipeline and
     the IR's logits), device "CPU" (default) or "GPU"; dtype=torch.float32 runs the plugin exactly
     (f32, no dynamic quantization, f32 KV cache), None keeps the plugin's defaults; its kcache is
     OpenVINO's model cache.
@@ -405,12 +405,12 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
         signed = key is not None
     path = Path(path)
     manifest, target = checked_artifact(path, verify, None if pulled else key)
-    if target.kind == "graph":  # OpenVINO runs it (runtime/genai.py); nothing of torch's model here
-        from quantprep.runtime import genai
+    if target.kind == "graph":  # OpenVINO runs it (runtime/openvino.py); nothing of torch's model here
+        from quantprep.runtime import openvino
 
         check_compat(path, manifest, target)
-        return genai.load(path, manifest, None if device is None else str(device), exact=dtype == torch.float32,
-                             kcache=kcache, trust=trust_kcache, signed=signed)
+        return openvino.load(path, manifest, None if device is None else str(device), exact=dtype == torch.float32,
+                                kcache=kcache, trust=trust_kcache, signed=signed)
     art = open_artifact(path, device, dtype, verify, None, checked=(manifest, target))
     manifest, device, dtype = art.manifest, art.device, art.dtype
     kcache_status = activate_kcache(path, art, kcache, compile, trust_kcache, signed=signed)

@@ -153,21 +153,21 @@ def warm(path: str | os.PathLike, device: str | None = None, shapes: list[int] |
 
 def warm_openvino(path: Path, manifest: dict, device: str | None, progress: bool) -> dict:
     """An openvino artifact: openvino.genai compiles it once on `device` (CPU, GPU) with OpenVINO's
-    model cache in a scratch directory, which ships as kcache/openvino/ (runtime/genai.py)."""
+    model cache in a scratch directory, which ships as kcache/openvino/ (runtime/openvino.py)."""
     from quantprep.distribution.signing import configured_key
-    from quantprep.runtime import genai
+    from quantprep.runtime import openvino
     from quantprep.runtime.load import check_compat, checked_artifact
 
     # what OpenVINO compiles here becomes trusted: the checks of a load first (hashes, signature policy,
     # no remote code, the compatibility key, the IR's files and bounds)
     manifest, target = checked_artifact(path, None, configured_key())
     check_compat(path, manifest, target)
-    genai.check_files(path, manifest)
+    openvino.check_files(path, manifest)
     if progress:
-        print(f"warm {path} on OpenVINO {genai.device_name(device)}: compile and generate one token", file=sys.stderr, flush=True)
+        print(f"warm {path} on OpenVINO {openvino.device_name(device)}: compile and generate one token", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="quantprep-warm-") as tmp:
         scratch = Path(tmp)
-        report = genai.warm(path, manifest, device, scratch)
+        report = openvino.warm(path, manifest, device, scratch)
         if not report["reused"]:  # a cache OpenVINO would only write again, each start: none ships
             print(f"quantprep: warning: OpenVINO {report['key']['openvino']} compiles this model again at every start, its "
                   "cache unused (docs/openvino.md); kcache/ unchanged", file=sys.stderr)

@@ -5,7 +5,7 @@ A target turns an `PrepackLayer` into its kernel's tensors (`pack`), rebuilds th
 `nn.Module` at load (`make_module`), and says what the packed layout depends on (`compat_key`),
 so an artifact is refused on a machine whose kernels would read it differently; `act_dtypes`
 lists the activation dtypes its kernels run. It also answers what the rest of quantprep asks of
-its device (synchronize, the kernel cache's key, a description, ...: `common.Target`), so nothing
+its device (synchronize, the kernel cache's key, a description, ...: `base.Target`), so nothing
 outside this package branches on a target's or a device's name.
 """
 
@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 from quantprep.errors import RecipeError
 
-if TYPE_CHECKING:  # not imported here: targets.native and cpu_c are torch-free (runtime/native_model.py)
-    from quantprep.targets.common import Target
+if TYPE_CHECKING:  # not imported here: targets.c_library and c_abi are torch-free (runtime/engine.py)
+    from quantprep.targets.base import Target
 
 TARGET_NAMES = ("cpu", "xpu", "cuda", "openvino")
-# The int4 kernels' group sizes, largest first (common.regroup): one home, torch-free for runtime/native_model.py.
+# The int4 kernels' group sizes, largest first (base.regroup): one home, torch-free for runtime/engine.py.
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 
 
@@ -57,7 +57,7 @@ def act_dtype_problem(target, dtype) -> str | None:
 
 def __getattr__(name: str):
     if name == "Target":
-        from quantprep.targets.common import Target
+        from quantprep.targets.base import Target
 
         return Target
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

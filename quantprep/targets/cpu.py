@@ -6,11 +6,11 @@ compatibility key). The kernel computes w = (q - 8) * scale + zero per group, so
 w = (q - z) * s becomes zero = (8 - z) * s. Kernel limits (torch 2.14): group size in
 {32, 64, 128, 256}, K divisible by it, N divisible by 16.
 
-GPTQ groups are mapped to kernel groups by `common.regroup` (exact, see there).
+GPTQ groups are mapped to kernel groups by `base.regroup` (exact, see there).
 
 int8: `_weight_int8pack_mm` is per-channel symmetric, so it runs only the GPTQ layers where that
 is exact (one group per column, zero 128; faster than dequantizing at M=1, benchmarks/experiments/int8_switch.py); other
-layers keep int8 codes and dequantize per forward (`common.pack_int8`).
+layers keep int8 codes and dequantize per forward (`base.pack_int8`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from torch import nn
 
 from quantprep import settings
 from quantprep.format.gptq import PrepackLayer
-from quantprep.targets import KERNEL_GROUP_SIZES, native
-from quantprep.targets.common import (
+from quantprep.targets import KERNEL_GROUP_SIZES, c_library
+from quantprep.targets.base import (
     Int8PerChannelLinear,
     PackedLinear,
     Target,
@@ -81,7 +81,7 @@ def native_packer():
     """`pack_int4_cpu` (csrc/pack.c: pack_int4's layout straight from GPTQ's int32 codes, several times
     faster than the tensor ops); None without a C compiler or with QUANTPREP_PACK=torch (then the
     tensor ops)."""
-    lib = None if os.environ.get(settings.PACK) == "torch" else native.library("pack")
+    lib = None if os.environ.get(settings.PACK) == "torch" else c_library.library("pack")
     return None if lib is None else lib.pack_int4_cpu
 
 
@@ -91,7 +91,7 @@ def native_dequantizer():
     None (then the tensor ops). Built with OpenMP (GCC's) only where torch's runtime is the
     libgomp.so.1 already loaded: the library then binds to it (one runtime, torch's threads, torch's
     thread count); elsewhere one thread per call."""
-    lib = native.library_with_torch_openmp("dequant")
+    lib = c_library.library_with_torch_openmp("dequant")
     return None if lib is None else lib.dequant_int4_cpu
 
 
@@ -164,20 +164,20 @@ def native_a8_block() -> int:
     AVX512-VNNI and VBMI; 32: AVX2 and FMA), or 0: no compiler, or neither ISA (no int4_a8 or
     int8_a8 path). An AVX512 CPU without VNNI or VBMI gets 32, and torch packs 64 there: int8_a8
     only. OpenMP as native_dequantizer."""
-    lib = native.library_with_torch_openmp("a8")
+    lib = c_library.library_with_torch_openmp("a8")
     return 0 if lib is None else lib.a8_block()
 
 
 @functools.cache
 def native_int4_a8():
     """`int4_a8_cpu` (csrc/a8.c), or None without a kernel (native_a8_block)."""
-    return native.library_with_torch_openmp("a8").int4_a8_cpu if native_a8_block() else None
+    return c_library.library_with_torch_openmp("a8").int4_a8_cpu if native_a8_block() else None
 
 
 @functools.cache
 def native_int8_a8():
     """`int8_a8_cpu` (csrc/a8.c), or None without a kernel (native_a8_block)."""
-    return native.library_with_torch_openmp("a8").int8_a8_cpu if native_a8_block() else None
+    return c_library.library_with_torch_openmp("a8").int8_a8_cpu if native_a8_block() else None
 
 
 # The dense path multiplies one column tile of the weight at a time instead of dequantizing the
@@ -263,7 +263,7 @@ def unpack_int4(packed: torch.Tensor, K: int, N: int, block: int) -> torch.Tenso
 
 
 class CpuInt4Linear(PackedLinear):
-    """Paths: "int4", the kernel; "dequant" (or "dequant_f32", common.dense_path), dequantizing the
+    """Paths: "int4", the kernel; "dequant" (or "dequant_f32", base.dense_path), dequantizing the
     packed weight and a dense matmul, whose fixed cost the kernel's time, linear in M, passes at
     some M. Fixed rule: the dense path from DEQUANT_MIN_M rows, where it won on both machines
     measured (benchmarks/experiments/README.md, "CPU int4 and int8 at large M"); a kernel
@@ -442,7 +442,7 @@ class CpuTarget(Target):
         return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine()}
 
     def plan_key_fields(self) -> dict:
-        return {"processor": native.cpuinfo("model name"), "threads": torch.get_num_threads()}
+        return {"processor": c_library.cpuinfo("model name"), "threads": torch.get_num_threads()}
 
     def describe(self) -> dict:
         return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}

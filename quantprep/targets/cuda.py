@@ -24,8 +24,8 @@ Triton GEMM read a second copy of the codes in GPTQ's [K/8, N] words
 +0.5 byte per weight. Off a GPU and while torch.compile or export trace (verify on CPU, tests), the
 weight is dequantized with tensor ops instead.
 
-int8: dequantize + a dense matmul (`common.pack_int8`): torch's cuda `_weight_int8pack_mm` was slower
-than it at every M on an H100 (benchmarks/experiments/results/int8-switch-cuda-h100.json; common.Int8PerChannelLinear).
+int8: dequantize + a dense matmul (`base.pack_int8`): torch's cuda `_weight_int8pack_mm` was slower
+than it at every M on an H100 (benchmarks/experiments/results/int8-switch-cuda-h100.json; base.Int8PerChannelLinear).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from torch import nn
 from quantprep.format import gptq
 from quantprep.format.gptq import PrepackLayer, pack_rows, unpack_rows
 from quantprep.targets import KERNEL_GROUP_SIZES
-from quantprep.targets.common import (
+from quantprep.targets.base import (
     PackedLinear,
     Target,
     base_meta,
@@ -216,7 +216,7 @@ GATHER_ROW_MAX_K = 1 << 15
 
 
 def gather_pad(x: torch.Tensor, perm: torch.Tensor, padded_in: int) -> torch.Tensor:
-    """`common.gather_and_pad` in one Triton pass (torch's own at prefill beyond GATHER_ROW_MAX_K):
+    """`base.gather_and_pad` in one Triton pass (torch's own at prefill beyond GATHER_ROW_MAX_K):
     x [M, K], perm int32 [K] (a checked permutation: PackedLinear.check_loaded) -> [M, padded_in]."""
     M, K = x.shape
     if M > DECODE_MAX_M and padded_in > GATHER_ROW_MAX_K:

@@ -33,7 +33,7 @@ import torch
 
 from quantprep.format.expert_names import expert_linear
 from quantprep.format.gptq import PrepackLayer
-from quantprep.targets.common import Target, base_meta
+from quantprep.targets.base import Target, base_meta
 
 IR_VERSION = 11  # what ov.save_model writes (openvino 2026.4)
 PARTS = ("weight", "zeros", "scales", "perm", "bias")

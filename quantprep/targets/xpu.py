@@ -19,7 +19,7 @@ from torch import nn
 
 from quantprep.format.gptq import PrepackLayer
 from quantprep.targets import xpu_emulator
-from quantprep.targets.common import (
+from quantprep.targets.base import (
     PackedLinear,
     Target,
     base_meta,
@@ -29,7 +29,7 @@ from quantprep.targets.common import (
     regroup,
     torch_base_version,
 )
-from quantprep.targets.intel_runtime import (
+from quantprep.targets.xpu_env import (
     aot_name,
     arch_warning,
     cache_warning,
@@ -166,7 +166,7 @@ class XpuTarget(Target):
 
     def run_env(self, manifest: dict, env: dict[str, str]) -> dict[str, str]:
         """ONEDNN_PRIMITIVE_CACHE_CAPACITY for the warmed prompt lengths x the int4 linear shapes, when
-        oneDNN's default would evict some of them (intel_runtime.primitive_cache_env); before the
+        oneDNN's default would evict some of them (xpu_env.primitive_cache_env); before the
         first oneDNN primitive is created."""
         lengths = manifest.get("kcache", manifest.get("serving", {})).get("shapes", [])
         linears = {(m["in_features"], m["out_features"]) for m in manifest.get("modules", {}).values() if m.get("bits") == 4}
@@ -185,7 +185,7 @@ class XpuTarget(Target):
         return cache_warning(env, driver_version())
 
     def read_log(self, lines: list[str]) -> tuple[list[dict], list[str]]:
-        """oneDNN's verbose output: which implementation ran each int4 matmul (intel_runtime)."""
+        """oneDNN's verbose output: which implementation ran each int4 matmul (xpu_env)."""
         rows = int4_matmul_report(lines)
         return rows, onednn_notes(rows)
 

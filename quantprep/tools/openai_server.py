@@ -208,7 +208,7 @@ class TorchBackend:
 
 
 class OpenVINOBackend:
-    """An openvino artifact (runtime.genai.OpenVINOModel): its pipeline takes and gives token ids;
+    """An openvino artifact (runtime.openvino.OpenVINOModel): its pipeline takes and gives token ids;
     quantprep's ArtifactTokenizer renders the chat template and encodes and decodes, so the artifact's
     tokenizer IR and openvino.genai's C++ Jinja never run here."""
 

@@ -112,11 +112,11 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
         raise QuantprepError(f"{src}: not an artifact directory (no manifest.json) nor a published reference")
     manifest, target = checked_artifact(path, None, key)  # every file hashed; a target this quantprep has
     if target.kind == "graph":
-        from quantprep.runtime import genai
+        from quantprep.runtime import openvino
 
         check_compat(path, manifest, target)
-        model = genai.load(path, manifest, None if device == "auto" else device, exact=False, kcache=True,
-                           trust=trust_kcache, signed=signed or key is not None)
+        model = openvino.load(path, manifest, None if device == "auto" else device, exact=False, kcache=True,
+                              trust=trust_kcache, signed=signed or key is not None)
         hub_offline()
         backend = openai_server.OpenVINOBackend(model)
     else:

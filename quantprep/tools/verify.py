@@ -74,12 +74,12 @@ def run_probes(path: Path, manifest: dict, target, device: str | None = None) ->
 def run_openvino_probes(path: Path, manifest: dict) -> list[dict]:
     """The openvino target's probes: each probed module rebuilt from the IR's own constants (the
     codes, zero points, scales, permutation and bias as written, found by name) and run in the CPU
-    plugin computing exactly (f32, no dynamic quantization: runtime.genai.EXACT)."""
+    plugin computing exactly (f32, no dynamic quantization: runtime.openvino.EXACT)."""
     import openvino as ov
     import openvino.opset13 as ops
 
     from quantprep.format.artifact import OPENVINO_MODEL
-    from quantprep.runtime.genai import EXACT, check_files, checked_ir
+    from quantprep.runtime.openvino import EXACT, check_files, checked_ir
     from quantprep.targets.openvino import ir_constants, linear
 
     check_files(path, manifest)

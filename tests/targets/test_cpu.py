@@ -15,7 +15,7 @@ from native_c import require_c, require_int4_a8
 from quantprep.build.source import QuantConfig
 from quantprep.build.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
-from quantprep.targets.common import Int8PerChannelLinear, dequantize_folded_int4
+from quantprep.targets.base import Int8PerChannelLinear, dequantize_folded_int4
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 CPU = get_target("cpu")
@@ -164,7 +164,7 @@ from quantprep.build.prepack import prepare_layer
 from quantprep.build.source import QuantConfig, _validate_layer
 from quantprep.build.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
-from quantprep.targets.common import Int8PerChannelLinear, dequantize_folded_int4
+from quantprep.targets.base import Int8PerChannelLinear, dequantize_folded_int4
 cap = torch.backends.cpu.get_cpu_capability()
 codes = torch.randint(0, 16, (576, 208), dtype=torch.uint8)
 assert torch.equal(pack_int4(codes, cap), torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.T.to(torch.int32).contiguous(), 1))
@@ -283,15 +283,15 @@ def test_the_native_dequantizer_writes_unaligned_outputs():
 def test_the_native_dequantizer_without_openmp_writes_the_same_weight(monkeypatch):
     """Where torch's libgomp is not what the process loaded, the library is built without OpenMP
     (one thread per call): the same bytes as the OpenMP build, act-order and a partial block."""
-    from quantprep.targets import cpu, native
+    from quantprep.targets import c_library, cpu
 
-    if native.torch_openmp() is None or cpu.native_dequantizer() is None:
+    if c_library.torch_openmp() is None or cpu.native_dequantizer() is None:
         pytest.skip("the OpenMP build is not the one in use here")
     gen = torch.Generator().manual_seed(9)
     _, module, _ = _module_for(random_gptq_tensors(576, 208, 4, 128, False, True, True, generator=gen),
                                QuantConfig(4, 128, False, True, "gptq"), torch.bfloat16)
     with_openmp = module.dequantize()
-    monkeypatch.setattr(native, "torch_openmp", lambda: None)
+    monkeypatch.setattr(c_library, "torch_openmp", lambda: None)
     cpu.native_dequantizer.cache_clear()
     try:
         assert cpu.native_dequantizer() is not None
@@ -428,9 +428,9 @@ def test_the_avx2_int4_a8_kernel_on_any_x86_host(K_in, Kp, N, gs, act_order, M):
     activations gathered by perm (packed row k reads x[perm[k]], rows past K_in read 0), rounded per
     group to round(x / a), a = max|x| / 127, times w = (q - 8) * scale + zero. Tolerance as above."""
 
-    from quantprep.targets import cpu, native
+    from quantprep.targets import c_library, cpu
 
-    lib = native.library("a8", ("-mno-avx512f",))
+    lib = c_library.library("a8", ("-mno-avx512f",))
     require_c(lib is not None)
     if lib.a8_block() != 32:
         pytest.skip("this CPU has no AVX2 and FMA")
@@ -456,7 +456,7 @@ def test_the_avx2_int4_a8_kernel_on_any_x86_host(K_in, Kp, N, gs, act_order, M):
     ref = xq @ w
     assert rel_err(out.double(), ref) < 2.5e-3
     # built without its prefetch (benchmarks/experiments/cpu_layers.py's baseline): the same bits, int8_a8's too
-    plain = native.library("a8", ("-mno-avx512f", "-DA8_AHEAD=0"))
+    plain = c_library.library("a8", ("-mno-avx512f", "-DA8_AHEAD=0"))
     assert lib.a8_ahead() > 0 and plain.a8_ahead() == 0
     again = torch.empty_like(out)
     assert plain.int4_a8_cpu(x.data_ptr(), M, K_in, None if perm is None else perm.data_ptr(), K_in, packed.data_ptr(),

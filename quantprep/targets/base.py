@@ -24,7 +24,7 @@ class Target:
     name: str
     device: str  # the torch device type its kernels run on
     # "torch": load builds a transformers model of its modules; "graph": the artifact is an OpenVINO IR
-    # that runtime/genai.py runs (load returns that pipeline; build writes the IR, build/openvino_ir.py)
+    # that runtime/openvino.py runs (load returns that pipeline; build writes the IR, build/openvino_ir.py)
     kind: str = "torch"
     default_act_dtype: torch.dtype
     act_dtypes: tuple[torch.dtype, ...]

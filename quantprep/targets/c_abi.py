@@ -1,9 +1,9 @@
 """The Python side of quantprep's C kernels' ABI: quantprep/csrc/quantprep.h declares the structs and
 every exported function once, and this module mirrors them for ctypes. tests/test_csrc.py checks
 the mirror against the header: the structs' field offsets and sizes as the compiler lays them out,
-and each prototype's argument and return types. native.library sets these signatures on each
+and each prototype's argument and return types. c_library.library sets these signatures on each
 library it loads. No torch here: targets/cpu.py and runtime/cpu_attention.py and cpu_layers.py call
-the kernels on torch's tensors, runtime/native_model.py on numpy arrays.
+the kernels on torch's tensors, runtime/engine.py on numpy arrays.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """quantprep's own C kernels: quantprep/csrc, one .c file per kernel family and the header they share
-(quantprep.h, the ABI; targets/cpu_c.py mirrors it for ctypes). `library(name)` compiles csrc/<name>.c
+(quantprep.h, the ABI; targets/c_abi.py mirrors it for ctypes). `library(name)` compiles csrc/<name>.c
 with this machine's C compiler (`cc -O3 -march=native`) on first use, keeps the library in this user's
 private cache under a name made of the sha256 of the file and the header, the compiler's version, the
 flags and this CPU's flags, and loads it with its functions' signatures set. They are quantprep's
@@ -28,7 +28,7 @@ from pathlib import Path
 from quantprep import settings
 from quantprep._io.userdirs import private_dir, user_dir
 from quantprep.errors import ArtifactError, CompileError
-from quantprep.targets.cpu_c import declare
+from quantprep.targets.c_abi import declare
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 HEADER = CSRC / "quantprep.h"
@@ -87,7 +87,7 @@ def turned_off() -> bool:
 @functools.cache
 def library(name: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """csrc/<name>.c compiled with FLAGS + flags as a shared library (cached, see above) and loaded
-    with its signatures (cpu_c.SIGNATURES), or None: no compiler, the variable set, or a cache
+    with its signatures (c_abi.SIGNATURES), or None: no compiler, the variable set, or a cache
     directory that is not this user's alone. Raises CompileError when the file does not compile or
     the library does not load."""
     cc = _compiler()

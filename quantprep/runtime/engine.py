@@ -5,7 +5,7 @@ modeling code, not the artifact's work (BENCHMARKS.md, "llama.cpp, the CPU ancho
 imports numpy: it maps the artifact's safetensors (format/safetensors_numpy.py) and runs each
 decoder layer as one C call (csrc/layers.c's layer_rows: a prompt's tokens in one call, then
 one token at a time), every projection through int4_a8, the activations rounded to int8 per group:
-the numerics of `warm --int8-activations` decode, at every length here (tests/test_native_model.py
+the numerics of `warm --int8-activations` decode, at every length here (tests/test_engine.py
 compares it with quantprep.load's model). The lm_head runs on the last position only: gemv_bf16 for
 a bfloat16 head (or the tied embedding), int8_a8 for `--lm-head int8`, int4_a8 for `--lm-head int4`.
 
@@ -16,7 +16,7 @@ nothing: Config), on a CPU whose int4_a8 reads the artifact's pack layout (AVX2 
 AVX512-VNNI and VBMI: 64). Anything else is refused with ArtifactMismatch saying why; quantprep.load
 runs it, and without torch the openvino target (docs/openvino.md) where it builds the model.
 
-    model = native_model.load("artifacts/qwen2.5-coder-1.5b/cpu")
+    model = engine.load("artifacts/qwen2.5-coder-1.5b/cpu")
     tokens = model.generate([9707, 11, 1879], max_new_tokens=16)  # greedy
 """
 
@@ -36,18 +36,18 @@ from quantprep.format import safetensors_numpy
 from quantprep.format.model_config import MAX_SIZE
 from quantprep.runtime.architectures import ANY, ARCHITECTURES, Architecture
 from quantprep.runtime.checked import checked_manifest
-from quantprep.targets import KERNEL_GROUP_SIZES, cpu_c, native
+from quantprep.targets import KERNEL_GROUP_SIZES, c_abi, c_library
 
 FUSED_MEMBERS = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}  # in the order C reads them
 
 
 @functools.cache
 def libraries() -> tuple[ctypes.CDLL, ctypes.CDLL, ctypes.CDLL] | None:
-    """(int8-activation matmuls, attention, layers) compiled with OpenMP (native.py: the same builds
+    """(int8-activation matmuls, attention, layers) compiled with OpenMP (c_library.py: the same builds
     as torch's process uses where torch's OpenMP is libgomp), or None without a C compiler."""
-    a8 = native.library("a8", ("-fopenmp",))
-    attention = native.library("attention", ("-fopenmp",))
-    layers = native.library("layers", ("-fopenmp", "-fno-trapping-math"))  # cpu_layers.library's flags
+    a8 = c_library.library("a8", ("-fopenmp",))
+    attention = c_library.library("attention", ("-fopenmp",))
+    layers = c_library.library("layers", ("-fopenmp", "-fno-trapping-math"))  # cpu_layers.library's flags
     return None if None in (a8, attention, layers) else (a8, attention, layers)
 
 
@@ -193,7 +193,7 @@ class Config:
         if type(context) is not int or context <= 0:
             raise ArtifactError(f"{where}: max_position_embeddings is {context!r}, not a size; {fix}")
         self.context = min(context, MAX_SIZE)  # the positions it was trained for
-        if self.heads % self.kv_heads or self.head_dim % 16 or self.head_dim > cpu_c.MAX_HEAD_DIM or self.hidden % 32:
+        if self.heads % self.kv_heads or self.head_dim % 16 or self.head_dim > c_abi.MAX_HEAD_DIM or self.hidden % 32:
             raise refuse(path, f"{self.heads} heads of {self.head_dim} over {self.kv_heads} key/value heads, hidden size {self.hidden}")
         self.windows = layer_windows(c, arch, self.layers, path)
         key, rope = rotary(c, where, fix)
@@ -272,7 +272,7 @@ class NativeModel:
     def __init__(self, path: Path, manifest: dict, threads: int | None = None):
         libs = libraries()
         if libs is None:
-            raise refuse(path, f"quantprep's C kernels are not built here ({native.unavailable_reason()})")
+            raise refuse(path, f"quantprep's C kernels are not built here ({c_library.unavailable_reason()})")
         a8, attention, self.lib = libs
         self.block, self.threads = a8.a8_block(), threads or default_threads()
         set_openmp_threads(self.threads)
@@ -302,7 +302,7 @@ class NativeModel:
                                                  ("self_attn.o_proj", q, c.hidden, None),
                                                  ("mlp.gate_up_proj", c.hidden, 2 * c.intermediate, [c.intermediate] * 2),
                                                  ("mlp.down_proj", c.intermediate, c.hidden, None))]
-            self.layers.append(cpu_c.DecodeLayerArgs(
+            self.layers.append(c_abi.DecodeLayerArgs(
                 int4_a8=ctypes.cast(self.int4_a8, ctypes.c_void_p).value,
                 attention=ctypes.cast(attention.decode_attention, ctypes.c_void_p).value,
                 norm1=norms[0].ctypes.data, norm2=norms[1].ctypes.data, q_norm=qk[0], k_norm=qk[1],
@@ -316,7 +316,7 @@ class NativeModel:
         self.inv_freq = (np.float32(1.0) / np.power(np.float32(c.rope_theta), half)).astype(np.float32)  # as transformers' default
         self.reset()
 
-    def quant_linear(self, modules: dict, name: str, k: int, n: int, parts: list[int] | None) -> cpu_c.QuantLinearArgs:
+    def quant_linear(self, modules: dict, name: str, k: int, n: int, parts: list[int] | None) -> c_abi.QuantLinearArgs:
         """int4_a8's arguments for one projection the manifest lists, its tensors checked."""
         meta = modules.get(name)
         if not isinstance(meta, dict) or meta.get("bits") != 4:
@@ -341,7 +341,7 @@ class NativeModel:
         if perm is not None and not np.array_equal(np.sort(perm), np.arange(k, dtype=np.int32)):
             raise ArtifactError(f"{self.path}: tensor {name}.perm is not a permutation of 0..{k - 1}; rebuild the artifact")
         bias = self.weights.take(f"{name}.bias", "BF16", (n,)) if meta.get("bias") else None
-        return cpu_c.QuantLinearArgs(None if perm is None else perm.ctypes.data, qweight.ctypes.data, sz.ctypes.data,
+        return c_abi.QuantLinearArgs(None if perm is None else perm.ctypes.data, qweight.ctypes.data, sz.ctypes.data,
                                      None if bias is None else bias.ctypes.data, k, kp, n, group, self.block)
 
     def lm_head(self, modules: dict):
@@ -380,7 +380,7 @@ class NativeModel:
             return int4
         raise refuse(self.path, f"an lm_head of {meta.get('bits')!r} bits ({meta.get('int8_kernel')!r}, act_order {meta.get('act_order')!r})")
 
-    def linear(self, p: cpu_c.QuantLinearArgs, x: np.ndarray, rows: int, y: np.ndarray) -> None:
+    def linear(self, p: c_abi.QuantLinearArgs, x: np.ndarray, rows: int, y: np.ndarray) -> None:
         status = self.int4_a8(x.ctypes.data, rows, p.in_features, p.perm, p.in_features, p.qweight, p.scales_and_zeros, p.padded_in,
                               p.out, p.group, p.block, y.ctypes.data, p.out, self.threads)
         if status:

@@ -1,4 +1,4 @@
-"""runtime/native_model.py: a cpu artifact run by quantprep's C without torch, against quantprep.load's
+"""runtime/engine.py: a cpu artifact run by quantprep's C without torch, against quantprep.load's
 model with int4_a8 planned for every module (the same kernels behind transformers' code)."""
 
 import json
@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY_LLAMA, edit_manifest, random_cpu_artifact, relist
-from native_c import require_native_model
+from native_c import require_engine
 from test_cpu_layers import TINY_QWEN2
 
 import quantprep
 from quantprep.errors import ArtifactError, ArtifactMismatch
-from quantprep.runtime import native_model
+from quantprep.runtime import engine
 from quantprep.targets.cpu import CpuInt4Linear
 
-require_native_model()
+require_engine()
 PROMPT = [5, 17, 42, 99, 3, 200, 64, 8, 150, 23, 77]
 
 
@@ -45,7 +45,7 @@ def test_native_logits_match_the_torch_models(tmp_path, config):
     the prompt in one call (layer_rows over its rows) gives each position's values of token by token."""
     art = random_cpu_artifact(tmp_path, config, bits=4, group_size=64, desc_act=True, sym=False)
     reference = torch_token_by_token(art, PROMPT)
-    model = native_model.load(art)
+    model = engine.load(art)
     native = np.stack([model.forward([t]) for t in PROMPT])
     rel = np.linalg.norm(native - reference, axis=1) / np.linalg.norm(reference, axis=1)
     print("relative error per token", rel.max())
@@ -67,7 +67,7 @@ def test_rotary_embedding_is_transformers(tmp_path):
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
     art = random_cpu_artifact(tmp_path, dict(TINY_QWEN2, rope_theta=1e6), bits=4, group_size=64, desc_act=True, sym=False)
-    model = native_model.load(art)
+    model = engine.load(art)
     model.filled = 0
     cos, sin = model.rotary(300)
     x = torch.zeros(1, 300, 8, dtype=torch.bfloat16)
@@ -79,7 +79,7 @@ def test_rotary_embedding_is_transformers(tmp_path):
 
 def test_a_fresh_process_imports_no_torch(tmp_path):
     art = random_cpu_artifact(tmp_path, TINY_QWEN2, bits=4, group_size=64, desc_act=True, sym=False)
-    code = ("import sys; from quantprep.runtime import native_model; m = native_model.load(sys.argv[1]); "
+    code = ("import sys; from quantprep.runtime import engine; m = engine.load(sys.argv[1]); "
             "t = m.generate([1, 2, 3], 4); print(len(t), sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'transformers')))")
     out = subprocess.run([sys.executable, "-c", code, str(art)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.split() == ["4", "[]"], out.stderr[-2000:]
@@ -115,12 +115,12 @@ def test_what_it_cannot_run_is_refused_with_one_line(tmp_path):
         if edit:
             edit_manifest(art, edit)
         with pytest.raises(error, match=words) as e:
-            native_model.load(art)
+            engine.load(art)
         assert "\n" not in str(e.value) and str(art) in str(e.value)
         (art / "manifest.json").write_text(json.dumps(manifest))
     (art / "config.json").write_text(json.dumps(config))
     relist(art, "config.json")
-    native_model.load(art)
+    engine.load(art)
 
 
 def test_hostile_tensors_are_refused_before_c_reads_them(tmp_path):
@@ -140,9 +140,9 @@ def test_hostile_tensors_are_refused_before_c_reads_them(tmp_path):
     raw[begin:begin + 4] = (10 ** 6).to_bytes(4, "little")
     shard.write_bytes(raw)
     with pytest.raises(ArtifactError, match="sha256"):  # the checks of every load come first
-        native_model.load(art)
+        engine.load(art)
     with pytest.raises(ArtifactError, match=f"{name} is not a permutation"):
-        native_model.load(art, verify=False)
+        engine.load(art, verify=False)
     raw[begin:begin + 4] = first
 
     def rewritten(change) -> None:
@@ -162,4 +162,4 @@ def test_hostile_tensors_are_refused_before_c_reads_them(tmp_path):
     rewritten(lambda h: h.update({"model.extra": h[name]}))  # one more tensor than the model reads (aliasing another's bytes)
     relist(art, shard.name)
     with pytest.raises(ArtifactError, match="'model.extra' is not one the"):
-        native_model.load(art)
+        engine.load(art)

@@ -1,4 +1,4 @@
-"""intel_runtime.py: the Intel GPU runtime's rules, read from its source (docs/xpu.md), checked on
+"""xpu_env.py: the Intel GPU runtime's rules, read from its source (docs/xpu.md), checked on
 the CPU. No Arc card is reachable: these test our reading of the source, not a driver.
 
 The oneDNN verbose lines below are the verbatim examples of oneDNN's docs
@@ -8,7 +8,7 @@ src/common/verbose.cpp (v3.6+) for the int4 matmul that PyTorch's WoQMatmul.cpp 
 
 import pytest
 
-from quantprep.targets.intel_runtime import (
+from quantprep.targets.xpu_env import (
     ARCHITECTURES,
     aot_name,
     arch_warning,
