@@ -197,7 +197,7 @@ ODD_VALUES = [None, True, -1, 0, 2**63, 1.5, "64", [1], {"a": 1}]
 
 
 def test_every_field_it_reads_is_checked_before_use(llama, tmp_path):
-    """native_model.load has no catch-all (issue 55, item 3): each config.json key and each of a
+    """engine.load has no catch-all (issue 55, item 3): each config.json key and each of a
     module's manifest fields, set to values of every JSON kind, loads (a value it may hold) or gives
     ArtifactError or ArtifactMismatch, never another exception from inside the engine."""
     from conftest import edit_manifest
@@ -216,7 +216,7 @@ def test_every_field_it_reads_is_checked_before_use(llama, tmp_path):
     for i, edit in enumerate(edits):
         (tmp_path / str(i)).mkdir()
         try:
-            native_model.load(edit(tmp_path / str(i)))
+            engine.load(edit(tmp_path / str(i)))
         except (ArtifactError, ArtifactMismatch):
             refused += 1
     assert refused > len(edits) // 2, refused
