@@ -389,8 +389,6 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     OpenVINO's model cache.
     Raises ArtifactMismatch for an artifact built for another machine, ArtifactError if corrupt.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     key = configured_key(verify_key)
     pulled = is_reference(path)
     if pulled:  # a published reference: pull the variant that fits (verified, its signature too) into the cache first,
@@ -411,6 +409,8 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
         check_compat(path, manifest, target)
         return openvino.load(path, manifest, None if device is None else str(device), exact=dtype == torch.float32,
                                 kcache=kcache, trust=trust_kcache, signed=signed)
+    from transformers import AutoConfig, AutoModelForCausalLM  # 2-4 s of imports an openvino artifact does without
+
     art = open_artifact(path, device, dtype, verify, None, checked=(manifest, target))
     manifest, device, dtype = art.manifest, art.device, art.dtype
     kcache_status = activate_kcache(path, art, kcache, compile, trust_kcache, signed=signed)
