@@ -29,7 +29,8 @@ build: setup
 
 test: setup
 	$(BIN)/ruff check quantprep tests benchmarks
-	$(BIN)/pytest -q
+	# two workers, a file each (module fixtures stay in one process); one hash seed, so both collect alike
+	PYTHONHASHSEED=0 $(BIN)/pytest -q -n 2 --dist loadfile
 
 bench: setup
 	# transformers' GPTQ integration (the baseline of benchmarks/serve.py) needs optimum besides gptqmodel

@@ -135,7 +135,7 @@ def native_logits(art) -> torch.Tensor:
     return torch.from_numpy(np.stack([model.forward([t]) for t in [*PROMPT[0].tolist(), NEXT]]))
 
 
-MATRIX = [(a, t) for a in ARCHITECTURES for t in ("cpu", "cpu-float32", "xpu", "cuda")] + [(a, "native") for a in NATIVE]
+MATRIX = [(a, t) for a in ARCHITECTURES for t in ("cpu", "cpu-float32", "xpu", "cuda")] + [(a, "native") for a in sorted(NATIVE)]
 
 
 @pytest.mark.parametrize("arch,artifact", MATRIX)
