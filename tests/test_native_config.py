@@ -208,10 +208,15 @@ def test_every_field_it_reads_is_checked_before_use(llama, tmp_path):
     config = json.loads((art / "config.json").read_text())
     module = "model.layers.0.mlp.down_proj"
     fields = json.loads((art / "manifest.json").read_text())["modules"][module]
+
+    def with_module_field(d: Path, key: str, value) -> Path:
+        copy = shutil.copytree(art, d / "hostile")
+        edit_manifest(copy, lambda m: m["modules"][module].update({key: value}))
+        return copy
+
     edits = [(lambda d, k=k, v=v: resealed(art, d, lambda c: c.update({k: v}))) for k in [*config, "rope_scaling", "layer_types"]
              for v in ODD_VALUES]
-    edits += [(lambda d, k=k, v=v: edit_manifest(shutil.copytree(art, d / "hostile"), lambda m: m["modules"][module].update({k: v}))
-               and d / "hostile") for k in [*fields, "fused"] for v in ODD_VALUES]
+    edits += [(lambda d, k=k, v=v: with_module_field(d, k, v)) for k in [*fields, "fused"] for v in ODD_VALUES]
     refused = 0
     for i, edit in enumerate(edits):
         (tmp_path / str(i)).mkdir()

@@ -330,8 +330,12 @@ def warm(path: Path, manifest: dict, device: str | None, scratch: Path) -> dict:
     model.generate_ids([0], model.generation_config(1))
     s = round(time.perf_counter() - t0, 3)
     del model
-    written = {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in cache.iterdir()}
+
+    def listing() -> dict:
+        return {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in cache.iterdir()}
+
+    written = listing()
     again = OpenVINOModel(path, manifest, ir, device, {}, {"status": "used", "dir": str(cache)}).pipeline  # compiled again
     del again
-    reused = written == {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in cache.iterdir()}
+    reused = written == listing()
     return {"key": cache_key(device), "s": s, "shapes": [1], "compiled_regions": 0, "aot": [], "reused": reused}
