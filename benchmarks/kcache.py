@@ -56,7 +56,8 @@ if mode == "kcache_megacache":  # the kcache without its AOTInductor packages: t
     import quantprep.runtime.aot
     quantprep.runtime.aot.install = lambda *args, **kwargs: 0
 if mode == "kcache_noprefetch":
-    sys.modules["quantprep.runtime.load"].prefetch_runtime = lambda entries: None
+    import quantprep.runtime.torch_model
+    quantprep.runtime.torch_model.prefetch_runtime = lambda entries: None
 model = quantprep.load(path, compile=mode not in ("eager", "kcache_eager"), kcache=mode.startswith("kcache"))
 loaded = time.time()
 if os.path.exists(os.path.join(path, "tokenizer_config.json")):

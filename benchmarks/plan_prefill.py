@@ -48,7 +48,7 @@ def one_model(name: str, target: str, runs: int, root: Path) -> dict:
     from quantprep.build.pipeline import prepack
     from quantprep.build.synthetic import write_random_checkpoint_sharded
     from quantprep.runtime.warm import warm
-    from quantprep.targets.base import PackedLinear
+    from quantprep.targets.packed import PackedLinear
     from quantprep.tools.eval import dequantized_model
 
     gptq = write_random_checkpoint_sharded(root / f"gptq-{name}", MODELS[name], bits=4, group_size=128, desc_act=True, sym=True)

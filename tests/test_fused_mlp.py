@@ -33,7 +33,7 @@ from conftest import dense_reference_model, edit_manifest, make_tiny_float_model
 import quantprep
 from quantprep.build.pipeline import prepack
 from quantprep.errors import ArtifactError, SourceError
-from quantprep.targets.base import PackedLinear
+from quantprep.targets.packed import PackedLinear
 
 MODELS = {"phi3": {}, "glm4": {"head_dim": 32}}  # GLM-4's default head_dim is 128
 RECIPE = """name = "tiny-{model}"

@@ -20,8 +20,8 @@ from quantprep.build.synthetic import write_random_checkpoint
 from quantprep.cli import main
 from quantprep.errors import RecipeError
 from quantprep.format.artifact import read_manifest
-from quantprep.targets.base import Int8PerChannelLinear
 from quantprep.targets.cpu import CpuInt4Linear
+from quantprep.targets.packed import Int8PerChannelLinear
 
 
 def _stored(art) -> set[str]:

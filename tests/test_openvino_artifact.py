@@ -151,8 +151,8 @@ def test_an_untrusted_model_cache_is_not_used(tmp_path, monkeypatch):
     assert model.quantprep_kcache["status"] == "untrusted" and "CACHE_DIR" not in model.config
 
 
-def test_a_torch_load_refuses_an_openvino_artifact_and_its_loads_never_import_the_build_or_transformers(tmp_path):
-    from quantprep.runtime.load import open_artifact
+def test_a_torch_load_refuses_an_openvino_artifact_and_its_loads_import_neither_the_build_nor_torch(tmp_path):
+    from quantprep.runtime.torch_model import open_artifact
 
     _, art = openvino_artifact(tmp_path, LLAMA, bits=4, group_size=64)
     with pytest.raises(quantprep.ArtifactMismatch, match="runs in OpenVINO"):
@@ -161,11 +161,13 @@ def test_a_torch_load_refuses_an_openvino_artifact_and_its_loads_never_import_th
 
     with pytest.raises(quantprep.ArtifactMismatch, match="OpenVINO IR"):
         AutoModelForCausalLM.from_pretrained(art)
-    code = (f"import sys, quantprep; m = quantprep.load({str(art)!r}); "
-            "print('OV', sorted(n for n in sys.modules if n.startswith('quantprep.build')), 'transformers' in sys.modules)")
+    code = (f"import sys, quantprep; m = quantprep.load({str(art)!r}); ids = m.generate_ids([1, 2], m.generation_config(1)); "
+            "print('OV', len(ids), sorted(n for n in sys.modules if n.startswith('quantprep.build')), "
+            "[n for n in ('transformers', 'torch') if n in sys.modules])")
     first, again = (subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO) for _ in range(2))
-    assert first.returncode == 0 and "OV [] True" in first.stdout, first.stderr[-2000:]  # the IR's check, once: a trace
-    assert again.returncode == 0 and "OV [] False" in again.stdout, again.stderr[-2000:]  # then 2-4 s of imports less
+    assert first.returncode == 0 and "OV 1 [] ['transformers', 'torch']" in first.stdout, first.stderr[-2000:]  # the IR's check, once: a trace
+    # then a load and its first token without torch's and transformers' imports (2-4 s)
+    assert again.returncode == 0 and "OV 1 [] []" in again.stdout, (again.stdout, again.stderr[-2000:])
 
 
 def test_pull_takes_the_openvino_variant_only_when_asked(tmp_path, monkeypatch):

@@ -15,8 +15,8 @@ from quantprep.format.artifact import read_manifest, sha256_file
 from quantprep.runtime import plan
 from quantprep.runtime.kcache import KCACHE, PLAN
 from quantprep.runtime.warm import warm
-from quantprep.targets.base import PackedLinear, dense_path
 from quantprep.targets.cpu import CpuInt4Linear
+from quantprep.targets.packed import PackedLinear, dense_path
 
 LENGTHS = [1, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 104, 120, 136, 152, 168, 192, 216, 240, 264, 296, 328, 368,
            408, 456, 504, 512]  # the 1.5B recipe's warm shapes

@@ -46,7 +46,7 @@ def warmed(tmp_path_factory):
 CHILD = """
 import json, sys, torch
 import quantprep
-from quantprep.runtime.load import run_shapes
+from quantprep.runtime.torch_model import run_shapes
 from torch._dynamo.utils import counters
 model = quantprep.load(sys.argv[1], compile=sys.argv[2] == "1", kcache=sys.argv[2] == "1")
 if sys.argv[2] == "0":  # the control runs the kcache's kernel plan too, compiled afresh

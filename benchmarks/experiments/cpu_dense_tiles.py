@@ -22,7 +22,7 @@ from quantprep.build.prepack import prepare_layer
 from quantprep.build.source import QuantConfig, _validate_layer
 from quantprep.build.synthetic import random_gptq_tensors
 from quantprep.targets import c_library, cpu, get_target
-from quantprep.targets.base import dense_matmul
+from quantprep.targets.packed import dense_matmul
 
 # per layer: fused q/k/v, o, fused gate/up, down
 SHAPES = {"qkv": (1536, 2048), "o": (1536, 1536), "gate_up": (1536, 17920), "down": (8960, 1536)}

@@ -19,7 +19,7 @@ from common import machine, save
 
 from quantprep.runtime.plan import cuda_graph, gpu_seconds
 from quantprep.targets import cuda
-from quantprep.targets.base import gather_and_pad
+from quantprep.targets.packed import gather_and_pad
 
 SHAPES = {"1.5b qkv/gate_up": 1536, "1.5b down": 8960, "7b qkv/o/gate_up": 3584, "7b down": 18944}
 BLOCKS = [(1, 1024), (2, 1024), (4, 512), (8, 256)]

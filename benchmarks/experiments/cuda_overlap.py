@@ -36,8 +36,8 @@ from cuda_dequant import SHAPES, random_weight
 from plan_prefill import MODELS, graph_replay
 
 from quantprep.runtime.plan import cuda_graph, gpu_seconds
-from quantprep.targets.base import PackedLinear
 from quantprep.targets.cuda import CudaInt4Linear, dequantize_kn, int4_kn_gemm
+from quantprep.targets.packed import PackedLinear
 
 GS = 128
 

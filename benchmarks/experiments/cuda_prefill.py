@@ -43,8 +43,8 @@ from torch import nn
 from triton.testing import do_bench
 
 from quantprep.format.gptq import unpack_rows
-from quantprep.targets.base import dequantize_folded_int4
 from quantprep.targets.cuda import PREFILL_CONFIG, dequantize_kn, int4_kn_gemm
+from quantprep.targets.packed import dequantize_folded_int4
 
 GS = 128
 QWEN_7B = QWEN_1_5B | {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,

@@ -18,7 +18,7 @@ from quantprep.build.prepack import prepare_layer
 from quantprep.build.source import QuantConfig, _validate_layer
 from quantprep.build.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
-from quantprep.targets.base import Int8PerChannelLinear, dense_matmul
+from quantprep.targets.packed import Int8PerChannelLinear, dense_matmul
 
 SHAPES = {"qwen gate/up": (1536, 8960), "qwen down": (8960, 1536), "qwen q/o": (1536, 1536),
           "smollm2 gate/up": (576, 1536), "smollm2 down": (1536, 576)}

@@ -38,9 +38,9 @@ from quantprep.runtime import cpu_attention
 from quantprep.runtime.architectures import ARCHITECTURES, Architecture
 from quantprep.runtime.fused import FusedMember
 from quantprep.targets import c_library
-from quantprep.targets.base import SLOW_HALF_GEMM, PackedLinear
 from quantprep.targets.c_abi import DecodeLayerArgs, QuantLinearArgs
 from quantprep.targets.cpu import CpuInt4Linear, eager, native_dequantizer, native_int4_a8
+from quantprep.targets.packed import SLOW_HALF_GEMM, PackedLinear
 
 
 @functools.cache

@@ -165,7 +165,7 @@ class QuantizedExperts(nn.Module):
 
 def install_experts(model: nn.Module, path: Path, modules: dict[str, dict]) -> None:
     """Replace each transformers experts module whose experts manifest.json's `modules` holds by a
-    QuantizedExperts of empty slots, which load.install_modules then fills like any other Linear."""
+    QuantizedExperts of empty slots, which torch_model.install_modules then fills like any other Linear."""
     by_experts: dict[str, list[str]] = {}
     for name in modules:
         if (e := stacked_expert(model, name)) is not None:

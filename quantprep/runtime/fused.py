@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quantprep.targets.base import PackedLinear
+from quantprep.targets.packed import PackedLinear
 
 
 class FusedGroup:

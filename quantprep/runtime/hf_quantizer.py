@@ -4,9 +4,9 @@ An artifact's config.json carries `quantization_config = {"quant_method": "quant
 (artifact.transformers_config). `import quantprep` registers this config class and quantizer with
 transformers, so from_pretrained, `pipeline("text-generation", model=artifact_dir)` and any serving
 code written against transformers load an artifact as `quantprep.load` does: the same checks and
-refusals (load.open_artifact: manifest, signature with QUANTPREP_VERIFY_KEY, compatibility key,
-device, dtype), the same modules (load.install_modules), every tensor checked against the model
-before a byte is read (load.check_tensors, from the safetensors headers), the kcache rules
+refusals (torch_model.open_artifact: manifest, signature with QUANTPREP_VERIFY_KEY, compatibility key,
+device, dtype), the same modules (torch_model.install_modules), every tensor checked against the model
+before a byte is read (torch_model.check_tensors, from the safetensors headers), the kcache rules
 unchanged (QUANTPREP_TRUST_KCACHE). transformers then reads the shards into the swapped modules.
 
 The shards are listed in artifact.WEIGHTS_INDEX, a name transformers does not look for on its own:
@@ -31,7 +31,7 @@ from quantprep.distribution.policy import check_signature, signature_policy
 from quantprep.distribution.signing import configured_key
 from quantprep.errors import ArtifactError, ArtifactMismatch
 from quantprep.format.artifact import WEIGHTS_INDEX, torch_dtypes
-from quantprep.runtime.load import (
+from quantprep.runtime.torch_model import (
     activate_kcache,
     check_tensors,
     finish,

@@ -36,8 +36,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-
 from quantprep import settings
 from quantprep._io.userdirs import private_dir, user_dir
 from quantprep.distribution.signing import configured_key, verify
@@ -84,6 +82,8 @@ def _version(dist: str) -> str | None:
 def cache_key(device_type: str, device_fields: bool = True) -> dict:
     """What a compiled kernel depends on: a cache built under another key is not used.
     device_fields=False leaves out what only a started device can say (name, driver)."""
+    import torch  # here: an openvino artifact's load reads its kcache without torch
+
     key = {"device": device_type, "torch": torch.__version__, "python": platform.python_version(),
            "triton": _version("triton") or _version("pytorch-triton-xpu")}
     return key | device_target(device_type).cache_key_fields(started=device_fields)

@@ -272,7 +272,6 @@ def checked_ir(path: Path, manifest: dict, marked: bool = True):
     from quantprep._io.jsonfile import read_json_object
     from quantprep._io.userdirs import private_dir
     from quantprep.format.verified import marks_dir
-    from quantprep.runtime.openvino_graph import rebuilt_difference
     from quantprep.targets.openvino import ir_tree
     from quantprep.version import __version__
 
@@ -285,6 +284,8 @@ def checked_ir(path: Path, manifest: dict, marked: bool = True):
     except (OSError, ArtifactError):  # no usable cache: compare every time
         mark = None
     if not marked or mark is None or not mark.is_file():
+        from quantprep.runtime.openvino_graph import rebuilt_difference  # torch and transformers: the trace it compares with
+
         config = read_json_object(path / "config.json", ArtifactError, "rebuild the artifact")
         try:
             root = ir_tree((path / OPENVINO_MODEL).read_bytes())

@@ -89,7 +89,7 @@ def skeleton(config: dict, modules: dict[str, dict]) -> tuple[nn.Module, list[st
     GraphLinear; the names in GraphLinear index order."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from quantprep.runtime.load import params_on_meta
+    from quantprep.runtime.torch_model import params_on_meta
 
     if problem := traced_problem(config):
         raise ValueError(problem)

@@ -32,7 +32,7 @@ from quantprep._io.jsonfile import parse_json_object
 from quantprep.errors import ArtifactError
 from quantprep.runtime.kcache import PLAN, cache_key, key_mismatch
 from quantprep.targets import device_target
-from quantprep.targets.base import PackedLinear
+from quantprep.targets.packed import PackedLinear
 
 VERSION = 1
 MAX_BYTES = 1 << 20  # a plan is a few kilobytes

@@ -29,7 +29,7 @@ from quantprep.format.artifact import DEFAULT_SHAPES, read_checked, republish, s
 from quantprep.runtime import plan
 from quantprep.runtime.aot import compile_regions
 from quantprep.runtime.kcache import KCACHE, MEGACACHE, cache_env, cache_key, record_trust
-from quantprep.runtime.load import DECODE_STEPS, run_shapes, usable_shapes
+from quantprep.runtime.torch_model import DECODE_STEPS, run_shapes, usable_shapes
 from quantprep.targets import device_target, get_target
 
 STEP_DONE = "quantprep-warm: step done"  # the child's line on stderr for each shape it ran (warm's bar)
@@ -156,7 +156,7 @@ def warm_openvino(path: Path, manifest: dict, device: str | None, progress: bool
     model cache in a scratch directory, which ships as kcache/openvino/ (runtime/openvino.py)."""
     from quantprep.distribution.signing import configured_key
     from quantprep.runtime import openvino
-    from quantprep.runtime.load import check_compat, checked_artifact
+    from quantprep.runtime.checked import check_compat, checked_artifact
 
     # what OpenVINO compiles here becomes trusted: the checks of a load first (hashes, signature policy,
     # no remote code, the compatibility key, the IR's files and bounds)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # not imported here: targets.c_library and c_abi are torch-fr
     from quantprep.targets.base import Target
 
 TARGET_NAMES = ("cpu", "xpu", "cuda", "openvino")
-# The int4 kernels' group sizes, largest first (base.regroup): one home, torch-free for runtime/engine.py.
+# The int4 kernels' group sizes, largest first (packed.regroup): one home, torch-free for runtime/engine.py.
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 
 

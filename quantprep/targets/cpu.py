@@ -6,7 +6,7 @@ compatibility key). The kernel computes w = (q - 8) * scale + zero per group, so
 w = (q - z) * s becomes zero = (8 - z) * s. Kernel limits (torch 2.14): group size in
 {32, 64, 128, 256}, K divisible by it, N divisible by 16.
 
-GPTQ groups are mapped to kernel groups by `base.regroup` (exact, see there).
+GPTQ groups are mapped to kernel groups by `packed.regroup` (exact, see there).
 
 int8: `_weight_int8pack_mm` is per-channel symmetric, so it runs only the GPTQ layers where that
 is exact (one group per column, zero 128; faster than dequantizing at M=1, benchmarks/experiments/int8_switch.py); other
@@ -28,11 +28,10 @@ from torch import nn
 from quantprep import settings
 from quantprep.format.gptq import PrepackLayer
 from quantprep.targets import KERNEL_GROUP_SIZES, c_library
-from quantprep.targets.base import (
+from quantprep.targets.base import Target, base_meta
+from quantprep.targets.packed import (
     Int8PerChannelLinear,
     PackedLinear,
-    Target,
-    base_meta,
     dense_matmul,
     dense_path,
     dequantize_folded_int4,

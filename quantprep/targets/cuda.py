@@ -39,10 +39,9 @@ from torch import nn
 from quantprep.format import gptq
 from quantprep.format.gptq import PrepackLayer, pack_rows, unpack_rows
 from quantprep.targets import KERNEL_GROUP_SIZES
-from quantprep.targets.base import (
+from quantprep.targets.base import Target, base_meta
+from quantprep.targets.packed import (
     PackedLinear,
-    Target,
-    base_meta,
     dequantize_folded_int4,
     gather_and_pad,
     make_int8_module,

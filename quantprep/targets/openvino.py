@@ -27,13 +27,17 @@ import importlib.metadata
 import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from quantprep.format.expert_names import expert_linear
-from quantprep.format.gptq import PrepackLayer
 from quantprep.targets.base import Target, base_meta
+
+if TYPE_CHECKING:  # torch is imported where a function needs it: an openvino artifact loads without torch
+    import torch
+
+    from quantprep.format.gptq import PrepackLayer
 
 IR_VERSION = 11  # what ov.save_model writes (openvino 2026.4)
 PARTS = ("weight", "zeros", "scales", "perm", "bias")
@@ -63,6 +67,8 @@ def pack_nibbles(values: np.ndarray) -> np.ndarray:
 def float_storage(t: torch.Tensor) -> torch.Tensor:
     """The narrowest of float16 / bfloat16 / float32 that holds `t` exactly: GPTQ checkpoints keep
     their float tensors in f16 or bf16, so the IR needs no float32 copy of the embeddings."""
+    import torch
+
     t = t.detach()
     for dtype in (torch.float16, torch.bfloat16):
         narrow = t.to(dtype)
@@ -80,9 +86,18 @@ class OpenVINOTarget(Target):
     warm_at_build = False
     quantized_lm_head = False  # the IR keeps the checkpoint's lm_head
     model_format = "openvino"
-    default_act_dtype = torch.float32  # the IR's activations; the plugin's inference precision is a load option
-    act_dtypes = (torch.float32,)
     layout_version = 3  # 2: the pad value explicit in the IR (a rebuilt graph compares equal); 3: traced from transformers
+
+    @property
+    def default_act_dtype(self) -> torch.dtype:
+        """The IR's activations; the plugin's inference precision is a load option."""
+        import torch
+
+        return torch.float32
+
+    @property
+    def act_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (self.default_act_dtype,)
 
     def compat_key(self) -> dict:
         """The IR is transformers' modeling code traced by torch and converted by OpenVINO: load's check
@@ -102,6 +117,8 @@ class OpenVINOTarget(Target):
         """weight uint8 [N, G * gs / 2] (4-bit, packed) or [N, G * gs] (8-bit; int8 when symmetric),
         zeros uint8 [N, G] (asymmetric only), scales [N, G] (f16 where exact), perm int64 [K]
         (act-order), bias (as stored)."""
+        import torch
+
         K, N, gs = layer.in_features, layer.out_features, layer.group_size
         G = layer.zeros.shape[0]
         if G * gs < K or (G * gs) % 2:
@@ -137,6 +154,7 @@ def constants(tensors: dict[str, torch.Tensor], meta: dict, name: str, experts: 
     """A module's tensors from `pack` -> OpenVINO Constants named `<name>.<part>`; `experts`: the
     tensors of that many modules stacked on a first axis (runtime/openvino_graph.py's tiled experts)."""
     import openvino as ov
+    import torch
 
     N, G, gs = meta["out_features"], meta["groups"], meta["padded_in"] // meta["groups"]
     lead = [experts] if experts else []
@@ -161,6 +179,7 @@ def constants(tensors: dict[str, torch.Tensor], meta: dict, name: str, experts: 
 def float_constant(t: torch.Tensor, name: str):
     """A Constant named `name` holding `t` in the narrowest float type that holds it exactly."""
     import openvino as ov
+    import torch
 
     t = float_storage(t)
     if t.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits, relabelled

@@ -19,10 +19,9 @@ from torch import nn
 
 from quantprep.format.gptq import PrepackLayer
 from quantprep.targets import xpu_emulator
-from quantprep.targets.base import (
+from quantprep.targets.base import Target, base_meta
+from quantprep.targets.packed import (
     PackedLinear,
-    Target,
-    base_meta,
     make_int8_module,
     optional_tensors,
     pack_int8,

@@ -162,7 +162,7 @@ class TorchBackend:
         """The artifact's warmed shapes, run once: on the worker thread, where every generation runs
         (PyTorch's oneDNN primitive cache on xpu is per thread); where kernels are built ahead (cpu) there is
         no per-process kernel state to warm."""
-        from quantprep.runtime.load import run_shapes
+        from quantprep.runtime.torch_model import run_shapes
         from quantprep.targets import device_target
 
         if not device_target(self.device.type).jit_kernels:

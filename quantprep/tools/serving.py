@@ -98,7 +98,8 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
     from quantprep.distribution.signing import configured_key
     from quantprep.errors import QuantprepError
     from quantprep.format.artifact import WEIGHTS_INDEX
-    from quantprep.runtime.load import check_compat, checked_artifact, is_reference, open_artifact
+    from quantprep.runtime.checked import check_compat, checked_artifact
+    from quantprep.runtime.load import is_reference
     from quantprep.tools import openai_server
 
     key, signed = configured_key(verify_key), False
@@ -123,6 +124,8 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
         if not (path / WEIGHTS_INDEX).is_file():  # artifacts before from_pretrained support kept the source's GPTQ config
             raise QuantprepError(f"{path}: built by an older quantprep (no {WEIGHTS_INDEX}); rebuild it with `quantprep build` "
                                  "or `quantprep prepack` to serve it")
+        from quantprep.runtime.torch_model import open_artifact
+
         open_artifact(path, None if device == "auto" else device, None, None, key, checked=(manifest, target))  # refusals in one line, before loading
         hub_offline()
         backend = openai_server.TorchBackend(path, device, trust_kcache, key, signed or key is not None)

@@ -17,7 +17,7 @@ from quantprep.errors import ArtifactError
 from quantprep.format.artifact import PROBES_FILE, read_checked
 from quantprep.format.expert_names import count_experts, expert_linear
 from quantprep.format.verified import hash_and_mark
-from quantprep.runtime.load import check_tensors, make_module
+from quantprep.runtime.torch_model import check_tensors, make_module
 
 # Relative error bounds vs the float32 reference. The kernels round the activations and the
 # folded zero (8 - z) * s to the activation dtype (bf16 has 8 mantissa bits: ~0.4% per element)
@@ -116,7 +116,7 @@ def verify_artifact(path: Path, strict: bool = True) -> dict:
     here); the rows are under `probes`. Raises ArtifactError on a damaged file, and with `strict` on
     a failed probe."""
     from quantprep.errors import ArtifactMismatch
-    from quantprep.runtime.load import check_compat
+    from quantprep.runtime.checked import check_compat
     from quantprep.targets import get_target
 
     path = Path(path)

@@ -15,7 +15,7 @@ from native_c import require_c, require_int4_a8
 from quantprep.build.source import QuantConfig
 from quantprep.build.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
-from quantprep.targets.base import Int8PerChannelLinear, dequantize_folded_int4
+from quantprep.targets.packed import Int8PerChannelLinear, dequantize_folded_int4
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 CPU = get_target("cpu")
@@ -164,7 +164,7 @@ from quantprep.build.prepack import prepare_layer
 from quantprep.build.source import QuantConfig, _validate_layer
 from quantprep.build.synthetic import random_gptq_tensors
 from quantprep.targets import get_target
-from quantprep.targets.base import Int8PerChannelLinear, dequantize_folded_int4
+from quantprep.targets.packed import Int8PerChannelLinear, dequantize_folded_int4
 cap = torch.backends.cpu.get_cpu_capability()
 codes = torch.randint(0, 16, (576, 208), dtype=torch.uint8)
 assert torch.equal(pack_int4(codes, cap), torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.T.to(torch.int32).contiguous(), 1))

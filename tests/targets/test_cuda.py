@@ -16,8 +16,8 @@ from quantprep.build.source import QuantConfig, _validate_layer
 from quantprep.build.synthetic import random_gptq_tensors
 from quantprep.format.gptq import unpack_rows
 from quantprep.targets import get_target
-from quantprep.targets.base import Int8PerChannelLinear
 from quantprep.targets.cuda import pack_tinygemm, unpack_tinygemm
+from quantprep.targets.packed import Int8PerChannelLinear
 
 CUDA = get_target("cuda")
 
@@ -170,7 +170,7 @@ def test_fused_parts_on_the_dequantize_path_equal_the_split_forward(act_order):
     no GPU); the dequantized weight comes from the tensor-op fallback."""
     from conftest import rel_err
 
-    from quantprep.targets.base import PackedLinear
+    from quantprep.targets.packed import PackedLinear
 
     gen = torch.Generator().manual_seed(0)
     raw = random_gptq_tensors(576, 200, 4, 128, False, act_order, True, bias=True, generator=gen)

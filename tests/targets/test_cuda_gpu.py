@@ -95,7 +95,7 @@ def test_a_kernel_plan_is_timed_on_the_gpu_and_applied(tmp_path):
     from quantprep.build.pipeline import prepack
     from quantprep.build.synthetic import write_random_checkpoint
     from quantprep.runtime.warm import warm
-    from quantprep.targets.base import PackedLinear
+    from quantprep.targets.packed import PackedLinear
 
     gptq = write_random_checkpoint(tmp_path / "gptq", dict(TINY_LLAMA, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                                            num_attention_heads=4, num_key_value_heads=2), group_size=64)
@@ -153,8 +153,8 @@ def test_selftest_cuda_passes(capsys):
 @pytest.mark.parametrize("K,rows", [(200, 1), (200, 17), (3584, 512), (18944, 64), (40000, 8), (40000, 20)])  # tiles, rows, torch
 def test_gather_pad_is_index_select_then_pad(K, rows):
     """The act-order gather and K padding in one Triton pass, against torch's ops: equal bit for bit."""
-    from quantprep.targets.base import gather_and_pad, round_up
     from quantprep.targets.cuda import gather_pad
+    from quantprep.targets.packed import gather_and_pad, round_up
 
     gen = torch.Generator().manual_seed(K + rows)
     x = torch.randn(rows, K, generator=gen).bfloat16().cuda()
