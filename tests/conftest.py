@@ -7,6 +7,7 @@ tied embeddings, a partial last group (down_proj K=320 with group 128), act-orde
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -28,6 +29,43 @@ os.environ.setdefault("QUANTPREP_VERIFIED_DIR", str(_USER_STATE / "verified"))
 
 REPO = Path(__file__).resolve().parent.parent
 CALIB = (REPO / "quantprep" / "build" / "calibration.txt").read_text()
+
+# `make test` runs two pytest workers (-n 2 --dist loadgroup --no-loadscope-reorder), each taking
+# whole groups of tests: a file, or the files that share a session fixture costing minutes
+# (SHARED_FIXTURE: each worker would build its own). The longest groups go first (LONGEST_FIRST,
+# from a run's durations), so that no worker is left alone with one of them at the end.
+SHARED_FIXTURE = "warmed_aot"
+LONGEST_FIRST = ("tests/test_smollm2.py", SHARED_FIXTURE)
+
+
+def pytest_collection_modifyitems(config, items):
+    by_file: dict[Path, str] = {}
+    for item in items:
+        own = str(item.path.relative_to(REPO))
+        if SHARED_FIXTURE in getattr(item, "fixturenames", ()) or by_file.get(item.path) == SHARED_FIXTURE:
+            by_file[item.path] = SHARED_FIXTURE
+        by_file.setdefault(item.path, own)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(by_file[item.path]))
+    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(by_file[item.path], len(rank)))  # stable: the rest in collection order
+
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """A session fixture's directory, built once per run: pytest's workers share the parent of their
+    base temp directories, and the first to take the lock builds it while the other waits."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    out = base / f"shared-{name}"
+    with open(base / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / ".built").is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir(parents=True)
+            build(out)
+            (out / ".built").touch()
+    return out
 
 
 def make_tiny_float_model(out: Path, seed: int = 0, model_type: str = "qwen2", **config) -> Path:
@@ -111,19 +149,21 @@ def random_artifact(random_gptq, tmp_path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_float(tmp_path_factory) -> Path:
-    return make_tiny_float_model(tmp_path_factory.mktemp("tiny") / "float")
+    return built_once(tmp_path_factory, "tiny", lambda out: make_tiny_float_model(out / "float")) / "float"
 
 
 @pytest.fixture(scope="session")
 def tiny_gptq4(tiny_float, tmp_path_factory) -> Path:
     """4-bit, group 128, act-order, symmetric: the recipe default."""
-    return quantize_tiny(tiny_float, tmp_path_factory.mktemp("q4") / "gptq", bits=4, group_size=128, desc_act=True, sym=True)
+    return built_once(tmp_path_factory, "q4", lambda out: quantize_tiny(tiny_float, out / "gptq", bits=4, group_size=128,
+                                                                          desc_act=True, sym=True)) / "gptq"
 
 
 @pytest.fixture(scope="session")
 def tiny_gptq8(tiny_float, tmp_path_factory) -> Path:
     """8-bit, group 32, no act-order, asymmetric."""
-    return quantize_tiny(tiny_float, tmp_path_factory.mktemp("q8") / "gptq", bits=8, group_size=32, desc_act=False, sym=False)
+    return built_once(tmp_path_factory, "q8", lambda out: quantize_tiny(tiny_float, out / "gptq", bits=8, group_size=32,
+                                                                          desc_act=False, sym=False)) / "gptq"
 
 
 def gptqmodel_run(gptq_dir: Path, input_ids: torch.Tensor, tmp: Path, new_tokens: int = 16) -> dict[str, torch.Tensor]:
