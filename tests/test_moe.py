@@ -153,6 +153,29 @@ def test_decode_runs_only_the_experts_hit(moe, monkeypatch):
     assert len(calls) == k and len({e for e, _ in calls}) == k and all(rows == 1 for _, rows in calls), calls
 
 
+def test_a_decode_token_and_the_c_silu_product_compute_what_the_grouped_torch_path_does(moe):
+    """A token alone takes the decode path (its k experts in turn, no grouping), and on a bfloat16 CPU
+    model each expert's SiLU product is C's (cpu_layers.CpuQuantizedExperts): the same numbers, bit for
+    bit, as the grouped path on that token among others and as torch's SiLU and product."""
+    from quantprep.runtime.cpu_layers import CpuQuantizedExperts
+
+    model = quantprep.load(moe("qwen3_moe") / "cpu")
+    experts = next(m for m in model.modules() if isinstance(m, QuantizedExperts))
+    assert isinstance(experts, CpuQuantizedExperts)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, experts.hidden_dim, generator=gen).to(torch.bfloat16)
+    k = model.config.num_experts_per_tok
+    index = torch.stack([torch.randperm(experts.num_experts, generator=gen)[:k] for _ in range(3)])
+    weights = torch.softmax(torch.randn(3, k, generator=gen), -1)
+    with torch.no_grad():
+        grouped = experts(x, index, weights)
+        alone = torch.cat([experts(x[i:i + 1], index[i:i + 1], weights[i:i + 1]) for i in range(3)])
+        experts.__class__ = QuantizedExperts  # torch's SiLU and product
+        torch_alone = torch.cat([experts(x[i:i + 1], index[i:i + 1], weights[i:i + 1]) for i in range(3)])
+    assert torch.equal(alone, grouped) and torch.equal(alone, torch_alone)
+    assert alone.abs().sum() > 0
+
+
 def test_compiled_regions_leave_the_experts_eager(moe):
     """torch.compile and the compiled MLP packages (warm --compile, aot.py) take the dense MLPs: the
     experts a MoE layer runs depend on the data, which export cannot capture (warm would fail)."""

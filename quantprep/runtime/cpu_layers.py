@@ -10,9 +10,9 @@ lm_head a GPTQ checkpoint keeps is the largest read of a token, and torch's bflo
 product reads it at a fraction of the memory speed; gemv_bf16 (AVX512-BF16 or AVX2) sums exact products in
 float32 as torch does.
 
-`use(model)` (load calls it) swaps the classes of the RMSNorm, MLP, attention, decoder layer and
-bias-free bfloat16 Linear modules of a bfloat16 CPU model for subclasses of them and of CpuRMSNorm,
-CpuGatedMLP, CpuDecodeAttention, CpuDecoderLayer and CpuLinear: each module keeps its parameters,
+`use(model)` (load calls it) swaps the classes of the RMSNorm, MLP, quantized experts, attention,
+decoder layer and bias-free bfloat16 Linear modules of a bfloat16 CPU model for subclasses of them
+and of CpuRMSNorm, CpuGatedMLP, CpuQuantizedExperts, CpuDecodeAttention, CpuDecoderLayer and CpuLinear: each module keeps its parameters,
 submodules, hooks and tied weights, isinstance checks still hold, and its forward runs C where it
 computes the same (`runs_here`: eager bfloat16 CPU rows, no autograd; attention: one token of a
 "quantprep_cpu" model; no hooks on fused members) and the replaced
@@ -36,6 +36,7 @@ from torch.nn.modules import module as torch_module
 
 from quantprep.runtime import cpu_attention
 from quantprep.runtime.architectures import ARCHITECTURES, Architecture
+from quantprep.runtime.experts import QuantizedExperts
 from quantprep.runtime.fused import FusedMember
 from quantprep.targets import c_library
 from quantprep.targets.c_abi import DecodeLayerArgs, QuantLinearArgs
@@ -183,6 +184,18 @@ class CpuDecodeAttention(Replacement):
         k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         out, _ = cpu_attention.attention(self, q, k, v, attention_mask, scaling=self.scaling)
         return self.o_proj(out.reshape(B, 1, q_size)), None
+
+
+class CpuQuantizedExperts(Replacement):
+    """runtime/experts.py's QuantizedExperts with act SiLU: each expert's SiLU product in C, as CpuGatedMLP's."""
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not runs_here(gate_up) or (lib := library()) is None:
+            return self.replaced.gated(self, gate_up)
+        n = self.intermediate_dim
+        y = gate_up.new_empty(gate_up.shape[0], n)
+        lib.silu_mul(gate_up.data_ptr(), 2 * n, y.data_ptr(), n, gate_up.shape[0], n)
+        return y
 
 
 def quant_linear_args(linear: nn.Module) -> QuantLinearArgs | None:
@@ -438,6 +451,12 @@ def is_rms_norm(module: nn.Module) -> bool:
     return same_forward(module, LlamaRMSNorm) and set(module._parameters) == {"weight"} and hasattr(module, "variance_epsilon")
 
 
+def is_silu_experts(module: nn.Module) -> bool:
+    from transformers.activations import SiLUActivation
+
+    return type(module) is QuantizedExperts and type(module.act_fn) in (nn.SiLU, SiLUActivation)
+
+
 def is_fused_silu_mlp(module: nn.Module) -> bool:
     """A Llama-style MLP (down(act(gate(x)) * up(x))) with act SiLU and gate/up fused into equal parts."""
     from transformers.activations import SiLUActivation
@@ -510,6 +529,8 @@ def replace(module: nn.Module) -> nn.Module | None:
         module.__class__ = replacement_class(CpuRMSNorm, type(module))
     elif is_fused_silu_mlp(module):
         module.__class__ = replacement_class(CpuGatedMLP, type(module))
+    elif is_silu_experts(module):
+        module.__class__ = replacement_class(CpuQuantizedExperts, type(module))
     elif is_fused_decode_attention(module):
         module.__class__ = replacement_class(CpuDecodeAttention, type(module))
     elif is_decoder_layer(module):
@@ -522,8 +543,8 @@ def replace(module: nn.Module) -> nn.Module | None:
 
 
 def use(model: nn.Module) -> int:
-    """Give the RMSNorm, fused SiLU MLP, fused attention and decoder layer (runtime/architectures.py) and dense
-    bfloat16 Linear modules of a bfloat16 CPU model their C forwards (replace); how many (0: another
+    """Give the RMSNorm, fused SiLU MLP, SiLU quantized experts, fused attention and decoder layer
+    (runtime/architectures.py) and dense bfloat16 Linear modules of a bfloat16 CPU model their C forwards (replace); how many (0: another
     dtype or no C compiler)."""
     if model.dtype != torch.bfloat16 or library() is None:
         return 0
@@ -550,7 +571,7 @@ def expects_c(model: nn.Module) -> bool:
 def c_modules(model: nn.Module) -> dict[str, int]:
     """How many of a CPU model's modules run quantprep's C here, by kind (load sets it as model.quantprep_c):
     quantized linears with a C path (c_paths; an a8 path is in a plan only where it built), the layers
-    whose decode attention is the "quantprep_cpu" kernel, RMSNorms, gated MLPs, decoder layers whose four
+    whose decode attention is the "quantprep_cpu" kernel, RMSNorms, gated MLPs and experts modules, decoder layers whose four
     projections run int4_a8 at one row (one decode_layer call), and float Linears (the lm_head)."""
     counts = dict.fromkeys(("quantized_linears", "attention", "norms", "mlps", "decoder_layers", "float_linears"), 0)
     if model.config._attn_implementation == cpu_attention.NAME:
@@ -567,7 +588,7 @@ def c_modules(model: nn.Module) -> dict[str, int]:
                 all(p is not None and quant_linear_args(p) is not None for p in projections)
         elif isinstance(m, CpuRMSNorm):
             counts["norms"] += 1
-        elif isinstance(m, CpuGatedMLP):
+        elif isinstance(m, CpuGatedMLP | CpuQuantizedExperts):
             counts["mlps"] += 1
         elif isinstance(m, CpuLinear):
             counts["float_linears"] += 1

@@ -132,16 +132,24 @@ class QuantizedExperts(nn.Module):
         parts = self._modules[str(e)]._modules  # nn.Module's __getattr__ costs more than the lookup, per expert hit
         gate_up = parts.get("gate_up_proj")
         if gate_up is not None:
-            y = gate_up(x)
-            gate, up = y[:, : self.intermediate_dim], y[:, self.intermediate_dim:]
+            hidden = self.gated(gate_up(x))
         else:
-            gate, up = parts["gate_proj"](x), parts["up_proj"](x)
-        return parts["down_proj"](self.act_fn(gate) * up)
+            hidden = self.act_fn(parts["gate_proj"](x)) * parts["up_proj"](x)
+        return parts["down_proj"](hidden)
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up of a fused projection's output [n, 2 * intermediate] (gate first); cpu_layers
+        computes it in C."""
+        return self.act_fn(gate_up[:, : self.intermediate_dim]) * gate_up[:, self.intermediate_dim:]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         k = top_k_index.shape[-1]
+        if x.shape[0] == 1:  # decode: the token's k experts in turn, with none of the grouping below
+            y = torch.cat([self.expert(e, x) if 0 <= e < self.num_experts else x.new_zeros(1, shape[-1])
+                           for e in top_k_index.reshape(-1).tolist()])
+            return self.combine(y, top_k_weights.reshape(-1, 1), 1, k).to(hidden_states.dtype).reshape(shape)
         chosen = top_k_index.reshape(-1)
         order = torch.argsort(chosen, stable=True)  # the (token, k) pairs grouped by expert
         hit, counts = torch.unique_consecutive(chosen[order], return_counts=True)
@@ -155,9 +163,14 @@ class QuantizedExperts(nn.Module):
         if not outputs:
             return torch.zeros_like(hidden_states)
         y = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        weighted = y * top_k_weights.reshape(-1)[order, None]
-        combined = torch.empty_like(weighted).index_copy_(0, order, weighted)  # back to (token, k) order
-        return combined.view(-1, k, shape[-1]).sum(1).to(hidden_states.dtype).reshape(shape)
+        back = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, k) order
+        return self.combine(back, top_k_weights.reshape(-1, 1), x.shape[0], k).to(hidden_states.dtype).reshape(shape)
+
+    @staticmethod
+    def combine(y: torch.Tensor, weights: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
+        """The k outputs of each token [tokens * k, H] ((token, k) order) weighted and summed as
+        transformers' default (grouped_mm) does: the product in the routing weights' dtype, then the sum over k."""
+        return (y * weights).view(tokens, k, -1).sum(1)
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}"
