@@ -38,6 +38,7 @@ SHARED_FIXTURE = "warmed_aot"
 LONGEST_FIRST = ("tests/test_smollm2.py", SHARED_FIXTURE)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
     by_file: dict[Path, str] = {}
     for item in items:
