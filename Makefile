@@ -30,7 +30,7 @@ build: setup
 test: setup
 	$(BIN)/ruff check quantprep tests benchmarks
 	# two workers, a file each (module fixtures stay in one process); one hash seed, so both collect alike
-	PYTHONHASHSEED=0 $(BIN)/pytest -q -n 2 --dist loadgroup --no-loadscope-reorder
+	PYTHONHASHSEED=0 $(BIN)/pytest -q -n 2
 
 bench: setup
 	# transformers' GPTQ integration (the baseline of benchmarks/serve.py) needs optimum besides gptqmodel

@@ -30,26 +30,35 @@ os.environ.setdefault("QUANTPREP_VERIFIED_DIR", str(_USER_STATE / "verified"))
 REPO = Path(__file__).resolve().parent.parent
 CALIB = (REPO / "quantprep" / "build" / "calibration.txt").read_text()
 
-# `make test` runs two pytest workers (-n 2 --dist loadgroup --no-loadscope-reorder), each taking
-# whole groups of tests: a file, or the files that share a session fixture costing minutes
-# (SHARED_FIXTURE: each worker would build its own). The longest groups go first (LONGEST_FIRST,
-# from a run's durations), so that no worker is left alone with one of them at the end.
+# `make test` runs two pytest workers (-n 2), and GroupScheduling gives each whole groups of tests:
+# a file, or the files that use a session fixture costing minutes (SHARED_FIXTURE: each worker would
+# build its own). The longest groups go first (LONGEST_FIRST, from a run's durations), so that no
+# worker is left alone with one of them at the end. (pytest-xdist's loadgroup cannot: it renames
+# node ids, which pytest 9.2 no longer lets it do.)
 SHARED_FIXTURE = "warmed_aot"
+SHARING = {f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py") if SHARED_FIXTURE in p.read_text()}
 LONGEST_FIRST = ("tests/test_smollm2.py", SHARED_FIXTURE)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
+def group_of(nodeid: str) -> str:
+    path = nodeid.split("::")[0]
+    return SHARED_FIXTURE if path in SHARING else path
+
+
 def pytest_collection_modifyitems(config, items):
-    by_file: dict[Path, str] = {}
-    for item in items:
-        own = str(item.path.relative_to(REPO))
-        if SHARED_FIXTURE in getattr(item, "fixturenames", ()) or by_file.get(item.path) == SHARED_FIXTURE:
-            by_file[item.path] = SHARED_FIXTURE
-        by_file.setdefault(item.path, own)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(by_file[item.path]))
     rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(by_file[item.path], len(rank)))  # stable: the rest in collection order
+    items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(rank)))  # stable: the rest in collection order
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    config.option.loadscopereorder = False  # the groups in collection order: the longest first
+    return GroupScheduling(config, log)
 
 
 def built_once(tmp_path_factory, name: str, build) -> Path:
