@@ -266,7 +266,8 @@ def test_malformed_fused_metadata_is_refused_in_one_line(random_artifact, fused)
 
 
 @pytest.mark.parametrize("target,field,value", [("xpu", "kernel_group_size", 7), ("xpu", "padded_in", "160"),
-                                                ("cuda", "inner_k_tiles", 3), ("cuda", "padded_out", -1), ("cpu", "padded_in", 1 << 40)])
+                                                ("cuda", "inner_k_tiles", 3), ("cuda", "padded_out", -1), ("cuda", "kernel_group_size", "64"),
+                                                ("cpu", "padded_in", 1 << 40), ("cpu", "pack_block_n", 7), ("cpu", "padded_out", True)])
 def test_target_metadata_is_checked_at_the_boundary(random_gptq, tmp_path, target, field, value):
     """Each target's layout fields are checked before its module is made (Target.meta_problem), in one
     line naming the module; a down_proj's (K=160, a partial group) edited to what pack never writes."""

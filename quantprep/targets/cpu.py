@@ -27,7 +27,7 @@ from torch import nn
 
 from quantprep import settings
 from quantprep.format.gptq import PrepackLayer
-from quantprep.targets import KERNEL_GROUP_SIZES, c_library
+from quantprep.targets import c_library
 from quantprep.targets.base import Target, base_meta
 from quantprep.targets.packed import (
     Int8PerChannelLinear,
@@ -40,6 +40,7 @@ from quantprep.targets.packed import (
     pack_int8,
     regroup,
     round_up,
+    tiled_int4_problem,
     torch_base_version,
 )
 
@@ -480,14 +481,8 @@ class CpuTarget(Target):
         """The native dequantizer indexes memory by these: exactly what pack wrote on this ISA."""
         if meta["bits"] != 4:
             return super().meta_problem(meta)
-        c, k, n = meta.get("kernel_group_size"), meta["in_features"], meta["out_features"]
-        if type(c) is not int or c not in KERNEL_GROUP_SIZES or meta.get("padded_in") != round_up(k, c) or \
-                meta.get("padded_out") != round_up(n, N_ALIGN) or \
-                meta.get("pack_block_n") != FAST_PACK_BLOCK_N.get(torch.backends.cpu.get_cpu_capability()):
-            return (f"kernel_group_size {str(c)[:20]!r}, padded_in {str(meta.get('padded_in'))[:20]!r}, padded_out "
-                    f"{str(meta.get('padded_out'))[:20]!r} and pack_block_n {str(meta.get('pack_block_n'))[:20]!r} are not what "
-                    f"the cpu target packs for {k}x{n} here")
-        return None
+        pack_block_n = FAST_PACK_BLOCK_N.get(torch.backends.cpu.get_cpu_capability())
+        return tiled_int4_problem(meta, "cpu", N_ALIGN, lambda c: {"pack_block_n": pack_block_n})
 
     def make_module(self, meta: dict, act_dtype: torch.dtype) -> nn.Module:
         return CpuInt4Linear(meta, act_dtype) if meta["bits"] == 4 else make_int8_module(meta, act_dtype, CpuInt8PerChannelLinear)

@@ -38,7 +38,6 @@ from torch import nn
 
 from quantprep.format import gptq
 from quantprep.format.gptq import PrepackLayer, pack_rows, unpack_rows
-from quantprep.targets import KERNEL_GROUP_SIZES
 from quantprep.targets.base import Target, base_meta
 from quantprep.targets.packed import (
     PackedLinear,
@@ -49,6 +48,7 @@ from quantprep.targets.packed import (
     pack_int8,
     regroup,
     round_up,
+    tiled_int4_problem,
     torch_base_version,
 )
 
@@ -507,13 +507,7 @@ class CudaTarget(Target):
         """The Triton kernels index memory by these: exactly what pack wrote."""
         if meta["bits"] != 4:
             return super().meta_problem(meta)
-        c, k, n, ikt = meta.get("kernel_group_size"), meta["in_features"], meta["out_features"], meta.get("inner_k_tiles")
-        if type(c) is not int or c not in KERNEL_GROUP_SIZES or meta.get("padded_in") != round_up(k, c) or \
-                meta.get("padded_out") != round_up(n, N_ALIGN) or type(ikt) is not int or ikt != inner_k_tiles(round_up(k, c)):
-            return (f"kernel_group_size {str(c)[:20]!r}, padded_in {str(meta.get('padded_in'))[:20]!r}, padded_out "
-                    f"{str(meta.get('padded_out'))[:20]!r} and inner_k_tiles {str(ikt)[:20]!r} are not what the cuda target "
-                    f"packs for {k}x{n}")
-        return None
+        return tiled_int4_problem(meta, "cuda", N_ALIGN, lambda c: {"inner_k_tiles": inner_k_tiles(round_up(meta["in_features"], c))})
 
     def make_module(self, meta: dict, act_dtype: torch.dtype) -> nn.Module:
         return CudaInt4Linear(meta, act_dtype) if meta["bits"] == 4 else make_int8_module(meta, act_dtype)

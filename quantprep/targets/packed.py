@@ -21,6 +21,21 @@ def round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
+def tiled_int4_problem(meta: dict, target: str, n_align: int, more=lambda c: {}) -> str | None:
+    """What in an int4 module's metadata is not what a tiled kernel's pack wrote: kernel_group_size one
+    of KERNEL_GROUP_SIZES, K padded to it, N to n_align, and `more(kernel_group_size)`'s fields as
+    given; else None. Kernels index memory by these (Target.meta_problem)."""
+    from quantprep.targets import KERNEL_GROUP_SIZES
+
+    c, k, n = meta.get("kernel_group_size"), meta["in_features"], meta["out_features"]
+    if type(c) is int and c in KERNEL_GROUP_SIZES:
+        expected = {"padded_in": round_up(k, c), "padded_out": round_up(n, n_align), **more(c)}
+        if all(type(meta.get(f)) is int and meta[f] == v for f, v in expected.items()):
+            return None
+    fields = ", ".join(f"{f} {str(meta.get(f))[:20]!r}" for f in ("kernel_group_size", "padded_in", "padded_out", *more(KERNEL_GROUP_SIZES[-1])))
+    return f"{fields} are not what the {target} target packs for {k}x{n} here"
+
+
 def kernel_group_size(group_size: int, in_features: int, allowed: tuple[int, ...]) -> int | None:
     """The allowed kernel group dividing the GPTQ group that pads K least (then the largest).
     A single group over all of K (group_size -1) has one scale, so any kernel group fits."""
