@@ -18,7 +18,7 @@ from conftest import edit_manifest, fresh_process
 
 from quantprep.errors import ArtifactError
 from quantprep.format.artifact import read_manifest, sha256_file
-from quantprep.runtime.kcache import KCACHE, activate, cache_env, exec_env, kcache_digest, materialize, runtime_dir
+from quantprep.runtime.kcache import KCACHE, Kcache, activate, cache_env, exec_env, kcache_digest, materialize, runtime_dir
 
 PLANTED_C = r"""
 #include <stdio.h>
@@ -114,7 +114,7 @@ def test_untrusted_cuda_kcache_points_no_runtime_at_it(warmed_aot, copy_of, tmp_
     before = {k: os.environ.get(k) for k in cache_env(tmp_path / "probe")}
     for compile in (False, True):
         with pytest.warns(UserWarning, match="not trusted here"):
-            assert activate(art, m, "cuda", compile=compile)["status"] == "untrusted"
+            assert activate(Kcache(art, m), "cuda", compile=compile)["status"] == "untrusted"
     assert {k: os.environ.get(k) for k in before} == before
     assert not (tmp_path / "runtime").exists()
 
@@ -126,14 +126,34 @@ def test_warm_trusts_what_it_built_and_only_that(warmed_aot, copy_of, tmp_path, 
     assert os.path.isfile(os.path.join(store, kcache_digest(m["kcache"])))  # warm recorded it
     assert stat.S_IMODE(os.stat(store).st_mode) == 0o700
     monkeypatch.setenv("QUANTPREP_KCACHE_DIR", str(tmp_path / "runtime"))
-    assert activate(art, m, "cpu", compile=True)["trusted"] == "warmed here"
+    assert activate(Kcache(art, m), "cpu", compile=True)["trusted"] == "warmed here"
     other = copy_of(art)  # the same artifact with one kcache byte changed is another cache: untrusted
     p = other / KCACHE / m["kcache"]["aot"][0]["file"]
     data = bytearray(p.read_bytes())
     data[-1] ^= 1
     p.write_bytes(bytes(data))
     with pytest.warns(UserWarning, match="not trusted here"):
-        assert activate(other, _resign(other), "cpu", compile=True)["status"] == "untrusted"
+        assert activate(Kcache(other, _resign(other)), "cpu", compile=True)["status"] == "untrusted"
+
+
+def test_a_load_reads_the_manifest_once_and_decides_the_kcache_trust_once(warmed_aot, tmp_path, monkeypatch):
+    """quantprep.load opens the artifact once (issue 55, item 4): one read of its manifest, and one
+    trust decision for its kcache, carried (kcache.Kcache) to where the kcache is used."""
+    import quantprep
+    from quantprep.format import artifact
+    from quantprep.runtime import kcache
+
+    art, _ = warmed_aot
+    monkeypatch.setenv("QUANTPREP_KCACHE_DIR", str(tmp_path / "runtime"))
+    reads, trusts = [], []
+    read, trust = artifact.read_manifest, kcache.trust_reason
+    for module in [m for name, m in sys.modules.items() if name.startswith("quantprep")]:
+        if getattr(module, "read_manifest", None) is read:
+            monkeypatch.setattr(module, "read_manifest", lambda *a, **k: reads.append(a) or read(*a, **k))
+    monkeypatch.setattr(kcache, "trust_reason", lambda *a, **k: trusts.append(a) or trust(*a, **k))
+    model = quantprep.load(art, compile=True)
+    assert model.quantprep_kcache["status"] == "used" and model.quantprep_kcache["trusted"] == "warmed here"
+    assert (len(reads), len(trusts)) == (1, 1), (reads, trusts)
 
 
 def test_exec_refuses_an_untrusted_kcache(warmed_aot, tmp_path):
@@ -192,7 +212,7 @@ def test_a_runtime_dir_others_can_write_is_never_used(warmed_aot, tmp_path, monk
     with pytest.raises(ArtifactError, match="not a private directory"):
         runtime_dir(m)
     with pytest.warns(UserWarning, match="not a private directory"):
-        assert activate(art, m, "cpu", compile=True)["status"] == "ignored"
+        assert activate(Kcache(art, m), "cpu", compile=True)["status"] == "ignored"
     if os.getuid() != 0:
         pytest.skip("the other-owner case needs root to chown (CI runs as root)")
     os.chmod(base, 0o700)

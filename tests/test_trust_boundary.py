@@ -398,7 +398,7 @@ def test_case06_a_kcache_file_swapped_after_a_read_is_not_what_runs(art, tmp_pat
     import builtins
 
     from quantprep.format.artifact import read_manifest
-    from quantprep.runtime.kcache import activate, cache_key
+    from quantprep.runtime.kcache import Kcache, activate, cache_key
 
     good = b"\x7fELF" + b"\x01" * 60
     _with_kcache(art, {"triton/kernel.so": good})
@@ -414,7 +414,7 @@ def test_case06_a_kcache_file_swapped_after_a_read_is_not_what_runs(art, tmp_pat
         return real_open(file, mode, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "open", attacker_open)
-    status = activate(art, read_manifest(art), "cpu", compile=True, trust=True)
+    status = activate(Kcache(art, read_manifest(art), trust=True), "cpu", compile=True)
     monkeypatch.setattr(builtins, "open", real_open)
     assert status["status"] == "used", status
     assert (Path(status["dir"]) / "triton" / "kernel.so").read_bytes() == good and len(opened) == 1

@@ -15,7 +15,7 @@ from conftest import cli_paused_at, edit_manifest, fresh_process
 
 import quantprep
 from quantprep.format.artifact import MANIFEST, read_manifest, sha256_file
-from quantprep.runtime.kcache import KCACHE, MEGACACHE, activate, cache_key
+from quantprep.runtime.kcache import KCACHE, MEGACACHE, Kcache, activate, cache_key
 from quantprep.runtime.warm import warm
 from quantprep.tools.verify import verify_artifact
 
@@ -125,7 +125,7 @@ def test_foreign_key_is_ignored_with_a_warning(warmed, copy_of, monkeypatch):
     m = _resign(art, lambda m: m["kcache"]["key"].update(torch="0.0.0"))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     with pytest.warns(UserWarning, match="kernel cache built for torch='0.0.0'"):
-        status = activate(art, m, "cpu", compile=True, trust=True)  # the edit made it another, untrusted cache
+        status = activate(Kcache(art, m, trust=True), "cpu", compile=True)  # the edit made it another, untrusted cache
     assert status["status"] == "ignored"
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # nothing pointed at the foreign cache
     verify_artifact(art)  # a foreign cache is not damage: the artifact still verifies
@@ -135,7 +135,7 @@ def test_cache_for_another_device_is_ignored(warmed, copy_of):
     art = copy_of(warmed[0])
     m = _resign(art, lambda m: m["kcache"]["key"].update(device="cuda"))
     with pytest.warns(UserWarning, match="warmed on cuda, loading on cpu"):
-        assert activate(art, m, "cpu", compile=True)["status"] == "ignored"
+        assert activate(Kcache(art, m), "cpu", compile=True)["status"] == "ignored"
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "extra"])
@@ -158,7 +158,7 @@ def test_corrupted_kcache_is_ignored_by_load_and_reported_by_verify(warmed, copy
         (art / KCACHE / "inductor" / "planted.so").write_bytes(b"\x7fELF")
     m = read_manifest(art)
     with pytest.warns(UserWarning, match="kcache|kernel cache"):
-        assert activate(art, m, "cpu", compile=True)["status"] == "ignored"
+        assert activate(Kcache(art, m), "cpu", compile=True)["status"] == "ignored"
     assert main(["verify", str(art)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and KCACHE in err[0], err

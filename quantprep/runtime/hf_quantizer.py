@@ -31,6 +31,7 @@ from quantprep.distribution.policy import check_signature, signature_policy
 from quantprep.distribution.signing import configured_key
 from quantprep.errors import ArtifactError, ArtifactMismatch
 from quantprep.format.artifact import WEIGHTS_INDEX, torch_dtypes
+from quantprep.runtime.kcache import Kcache
 from quantprep.runtime.torch_model import (
     activate_kcache,
     check_tensors,
@@ -177,7 +178,7 @@ class QuantprepQuantizer(HfQuantizer):
                                 "inconsistent: rebuild it")
         self.path, self.art = path, art
         signed = (key is not None if hub_signed is None else hub_signed) or options.get("signed", False)
-        self.kcache_status = activate_kcache(path, art, True, False, options.get("trust_kcache", False), signed=signed)
+        self.kcache_status = activate_kcache(path, art, Kcache(path, art.manifest, options.get("trust_kcache", False), signed), False)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):

@@ -22,6 +22,7 @@ runtimes are pointed at that copy.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -173,6 +174,30 @@ def untrusted_message(path: Path) -> str:
             f"used; trust it with load(..., trust_kcache=True), --trust-kcache or {TRUST_ENV}=1, or re-run `quantprep warm {path}` here")
 
 
+class Kcache:
+    """An artifact's kcache/ as load (or exec) opened it, once: its manifest entry (None: the artifact
+    has none), whether its files are the ones listed (`problem`), and why its code may run here
+    (`trusted`: trust_reason, decided the first time it is asked and then carried; None: it may not).
+    activate, runtime/openvino.py's cache_status and exec_env read these instead of deriving them."""
+
+    def __init__(self, path: Path, manifest: dict, trust: bool = False, signed: bool = False):
+        self.path, self.manifest, self.entry = path, manifest, manifest.get("kcache")
+        self._trust, self._signed = trust, signed  # signed: the caller verified the artifact's signature
+        self.problem = kcache_problem(path, manifest) if self.entry is not None else None
+
+    @functools.cached_property
+    def trusted(self) -> str | None:
+        return trust_reason(self.path, self.manifest, self._trust, self._signed)
+
+    def mismatch(self, here: dict, partial: bool = False) -> str | None:
+        """key_mismatch of its key against `here` (this machine's)."""
+        return key_mismatch(self.entry["key"], here, partial)
+
+    def runtime_copy(self) -> Path:
+        """The private writable copy (materialize); ArtifactError when a file does not match."""
+        return materialize(self.path, self.manifest)
+
+
 # --- the runtime copy -----------------------------------------------------------------------------
 
 def runtime_dir(manifest: dict) -> Path:
@@ -291,34 +316,32 @@ def _points_into(group: Path, here: Path) -> bool:
 
 # --- activation -----------------------------------------------------------------------------------
 
-def activate(path: Path, manifest: dict, device_type: str, compile: bool, trust: bool = False, signed: bool = False) -> dict:
+def activate(kcache: Kcache, device_type: str, compile: bool) -> dict:
     """Point this process's kernel caches at the artifact's kcache when it is intact, trusted and
-    built for this machine. Returns a status dict; never raises for a bad cache (it warns).
-    signed: the caller verified the artifact's signature against the user's key."""
-    if "kcache" not in manifest:
+    built for this machine. Returns a status dict; never raises for a bad cache (it warns)."""
+    path, entry = kcache.path, kcache.entry
+    if entry is None:
         return {"status": "absent"}
     target = device_target(device_type)
     plan_only = not compile and not target.jit_kernels  # without compile only a plan is read
-    if plan_only and PLAN not in manifest["kcache"].get("files", {}):
+    if plan_only and PLAN not in entry.get("files", {}):
         return {"status": f"unused (no compile: the {target.name} target's eager kernels are not compiled at run time)"}
-    problem = kcache_problem(path, manifest)
-    if problem:
-        return _ignored(f"{problem}; ignoring it (re-run `quantprep warm {path}`)")
-    entry = manifest["kcache"]
+    if kcache.problem:
+        return _ignored(f"{kcache.problem}; ignoring it (re-run `quantprep warm {path}`)")
     if entry["key"].get("device") != device_type:
         return _ignored(f"{path}: kernel cache was warmed on {entry['key'].get('device')}, loading on {device_type}; ignoring it")
-    reason = trust_reason(path, manifest, trust, signed)
+    reason = kcache.trusted
     if reason is None:
         warnings.warn(untrusted_message(path), stacklevel=3)
         return {"status": "untrusted"}
     rewarm = f"ignoring it (re-run `quantprep warm {path}` on this machine)"
     late = bool(target.driver_cache)  # the key's device fields start the device: after its driver's variables
-    if mismatch := key_mismatch(entry["key"], cache_key(device_type, device_fields=not late), partial=late):
+    if mismatch := kcache.mismatch(cache_key(device_type, device_fields=not late), partial=late):
         return _ignored(f"{path}: {mismatch}; {rewarm}")
     if plan_only:  # read from the artifact (runtime/plan.py checks its sha256): nothing to copy or point a runtime at
         return {"status": "used", "trusted": reason, "plan_dir": str(path / KCACHE)}
     try:
-        root = materialize(path, manifest)
+        root = kcache.runtime_copy()
     except (ArtifactError, OSError) as e:
         return _ignored(f"kernel cache not usable: {e}")
     env = cache_env(root)
@@ -331,7 +354,7 @@ def activate(path: Path, manifest: dict, device_type: str, compile: bool, trust:
                           f"kcache/ are not used; start serving with `quantprep exec {path} -- CMD` instead", stacklevel=3)
         else:
             os.environ.update({k: v for k, v in env.items() if k.startswith(target.driver_cache)})
-        if mismatch := key_mismatch(entry["key"], cache_key(device_type)):
+        if mismatch := kcache.mismatch(cache_key(device_type)):
             return _ignored(f"{path}: {mismatch}; {rewarm}")
     # Not set here: load holds these for its own duration only (scoped_env), so a second model or a
     # child process never writes into this artifact's copy.
@@ -375,18 +398,18 @@ def exec_env(path: str | os.PathLike, trust: bool = False) -> dict[str, str]:
     """Environment for `quantprep exec`: this process's, plus the artifact's caches when usable."""
     path = Path(path).absolute()
     manifest = read_manifest(path)
-    if "kcache" not in manifest:
+    kcache = Kcache(path, manifest, trust)
+    if kcache.entry is None:
         raise ArtifactError(f"{path}: has no kcache/; run `quantprep warm {path}` first")
-    problem = kcache_problem(path, manifest)
-    if problem:
-        raise ArtifactError(f"{problem}; re-run `quantprep warm {path}`")
-    if trust_reason(path, manifest, trust) is None:
+    if kcache.problem:
+        raise ArtifactError(f"{kcache.problem}; re-run `quantprep warm {path}`")
+    if kcache.trusted is None:
         raise ArtifactError(untrusted_message(path))
-    device = manifest["kcache"]["key"].get("device")
-    mismatch = key_mismatch(manifest["kcache"]["key"], cache_key(device))  # exec replaces this process: device state here is dropped
+    device = kcache.entry["key"].get("device")
+    mismatch = kcache.mismatch(cache_key(device))  # exec replaces this process: device state here is dropped
     if mismatch:
         raise ArtifactError(f"{path}: {mismatch}; re-run `quantprep warm {path}` on this machine")
-    env = dict(os.environ, **cache_env(materialize(path, manifest)))  # ArtifactError: a file does not match
+    env = dict(os.environ, **cache_env(kcache.runtime_copy()))  # ArtifactError: a file does not match
     target = device_target(device)
     env.update(target.run_env(manifest, env) | triton_native_env(manifest["kcache"], env))
     if msg := target.cache_warning(env):

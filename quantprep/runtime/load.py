@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from quantprep._io.background import in_thread
 from quantprep.distribution.signing import configured_key
 from quantprep.runtime.checked import check_compat, checked_artifact
+from quantprep.runtime.kcache import Kcache
 
 if TYPE_CHECKING:
     import torch
@@ -73,14 +74,14 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
         signed = key is not None
     path = Path(path)
     manifest, target = checked_artifact(path, verify, None if pulled else key)
+    kernel_cache = Kcache(path, manifest, trust_kcache, signed) if kcache else None  # its trust decided once, carried
     if target.kind == "graph":  # OpenVINO runs it (runtime/openvino.py): no torch, no transformers model
         from quantprep.runtime import openvino
 
         check_compat(path, manifest, target)
         return openvino.load(path, manifest, None if device is None else str(device), exact=str(dtype) == "torch.float32",
-                             kcache=kcache, trust=trust_kcache, signed=signed)
+                             kcache=kernel_cache)
     # 2-5. its modules run in torch: skeleton, modules, tensors, finish (runtime/torch_model.py)
     from quantprep.runtime.torch_model import load_model
 
-    return load_model(path, (manifest, target), signed, device, dtype, compile=compile, warmup=warmup, kcache=kcache,
-                      trust_kcache=trust_kcache)
+    return load_model(path, (manifest, target), kernel_cache, device, dtype, compile=compile, warmup=warmup)

@@ -33,7 +33,7 @@ import numpy as np
 
 from quantprep.errors import ArtifactError, ArtifactMismatch, QuantprepError
 from quantprep.format.artifact import OPENVINO_FILES, OPENVINO_MODEL, OPENVINO_WEIGHTS
-from quantprep.runtime.kcache import kcache_problem, key_mismatch, materialize, trust_reason, untrusted_message
+from quantprep.runtime.kcache import Kcache, untrusted_message
 
 CACHE_SUBDIR = "openvino"  # kcache/openvino/: OpenVINO's CACHE_DIR
 # The plugin computes what the IR says: f32 arithmetic, no dynamic int8 quantization of the
@@ -79,24 +79,24 @@ def cache_key(device: str) -> dict:
     return key
 
 
-def cache_status(path: Path, manifest: dict, device: str, trust: bool, signed: bool) -> dict:
+def cache_status(kcache: Kcache, device: str) -> dict:
     """The kcache's OpenVINO cache for this device, when intact, trusted and built for it; never
     raises for a bad cache (it warns, and OpenVINO compiles as if there were none)."""
-    if "kcache" not in manifest:
+    path, entry = kcache.path, kcache.entry
+    if entry is None:
         return {"status": "absent"}
-    if problem := kcache_problem(path, manifest):
-        return _ignored(f"{problem}; ignoring it (re-run `quantprep warm {path}`)")
-    entry = manifest["kcache"]
+    if kcache.problem:
+        return _ignored(f"{kcache.problem}; ignoring it (re-run `quantprep warm {path}`)")
     if not any(rel.startswith(f"{CACHE_SUBDIR}/") for rel in entry["files"]):
         return _ignored(f"{path}: kcache/ holds no OpenVINO cache; ignoring it (re-run `quantprep warm {path}`)")
-    reason = trust_reason(path, manifest, trust, signed)
+    reason = kcache.trusted
     if reason is None:
         warnings.warn(untrusted_message(path), stacklevel=3)
         return {"status": "untrusted"}
-    if mismatch := key_mismatch(entry["key"], cache_key(device)):
+    if mismatch := kcache.mismatch(cache_key(device)):
         return _ignored(f"{path}: {mismatch}; ignoring it (re-run `quantprep warm {path} --device {device}` on this machine)")
     try:
-        root = materialize(path, manifest)
+        root = kcache.runtime_copy()
     except (QuantprepError, OSError) as e:
         return _ignored(f"kernel cache not usable: {e}")
     return {"status": "used", "dir": str(root / CACHE_SUBDIR), "trusted": reason}
@@ -307,12 +307,13 @@ class _Output:
         self.logits = logits
 
 
-def load(path: Path, manifest: dict, device: str | None, exact: bool, kcache: bool, trust: bool, signed: bool) -> OpenVINOModel:
-    """An openvino artifact that passed load's checks -> OpenVINOModel (its graph checked, nothing compiled yet)."""
+def load(path: Path, manifest: dict, device: str | None, exact: bool, kcache: Kcache | None) -> OpenVINOModel:
+    """An openvino artifact that passed load's checks -> OpenVINOModel (its graph checked, nothing
+    compiled yet); `kcache`: the artifact's, as load opened it (None: not to be used)."""
     device = device_name(device)
     check_files(path, manifest)
     ir = checked_ir(path, manifest)
-    status = cache_status(path, manifest, device, trust, signed) if kcache else {"status": "off"}
+    status = cache_status(kcache, device) if kcache is not None else {"status": "off"}
     return OpenVINOModel(path, manifest, ir, device, EXACT if exact else {}, status)
 
 

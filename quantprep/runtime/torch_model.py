@@ -29,7 +29,7 @@ from quantprep.runtime.checked import check_compat, checked_artifact, rebuild_co
 from quantprep.runtime.experts import check_experts_installed, install_experts
 from quantprep.runtime.fused import in_model
 from quantprep.runtime.fused import install as install_fused
-from quantprep.runtime.kcache import MEGACACHE, PLAN, activate, scoped_env
+from quantprep.runtime.kcache import MEGACACHE, PLAN, Kcache, activate, scoped_env
 from quantprep.targets import Target, act_dtype_problem, device_target
 
 DECODE_STEPS = 2
@@ -160,8 +160,9 @@ def open_artifact(path: Path, device: str | torch.device | None, dtype: torch.dt
     return OpenedArtifact(path, manifest, target, device, dtype, packed_dtype, emulate)
 
 
-def activate_kcache(path: Path, art: OpenedArtifact, kcache: bool, compile: bool, trust_kcache: bool, signed: bool) -> dict:
-    status = activate(path, art.manifest, art.device.type, compile, trust_kcache, signed=signed) if kcache else {"status": "off"}
+def activate_kcache(path: Path, art: OpenedArtifact, kcache: Kcache | None, compile: bool) -> dict:
+    """kcache.activate for this device (None: not to be used), then the target's warning on its driver's caches."""
+    status = activate(kcache, art.device.type, compile) if kcache is not None else {"status": "off"}
     if not art.emulate and (msg := art.target.cache_warning(dict(os.environ))):
         warnings.warn(f"{path}: {msg}", stacklevel=3)
     return status
@@ -320,17 +321,17 @@ def finish(model, path: Path, art: OpenedArtifact, kcache_status: dict, compile:
     return model
 
 
-def load_model(path: Path, checked: tuple[dict, Target], signed: bool, device: str | torch.device | None = None,
-               dtype: torch.dtype | None = None, compile: bool = False, warmup: bool = False, kcache: bool = True,
-               trust_kcache: bool = False):
-    """A checked torch artifact (`checked`: checked.checked_artifact's result; `signed`: its signature
-    verified) -> the transformers model, in eval mode (quantprep.load says what each option does)."""
+def load_model(path: Path, checked: tuple[dict, Target], kcache: Kcache | None, device: str | torch.device | None = None,
+               dtype: torch.dtype | None = None, compile: bool = False, warmup: bool = False):
+    """A checked torch artifact (`checked`: checked.checked_artifact's result; `kcache`: its kcache as
+    load opened it, None: not to be used) -> the transformers model, in eval mode (quantprep.load
+    says what each option does)."""
     from transformers import AutoConfig, AutoModelForCausalLM  # 2-4 s of imports an openvino artifact does without
 
     # 1. open: this machine's device and dtype for the artifact, and its kcache's verdict
     art = open_artifact(path, device, dtype, None, None, checked=checked)
     manifest, device, dtype = art.manifest, art.device, art.dtype
-    kcache_status = activate_kcache(path, art, kcache, compile, trust_kcache, signed=signed)
+    kcache_status = activate_kcache(path, art, kcache, compile)
     # 2. skeleton: transformers' model from config.json, parameters on the meta device
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     if hasattr(config, "quantization_config"):

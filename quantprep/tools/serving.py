@@ -116,8 +116,10 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
         from quantprep.runtime import openvino
 
         check_compat(path, manifest, target)
-        model = openvino.load(path, manifest, None if device == "auto" else device, exact=False, kcache=True,
-                              trust=trust_kcache, signed=signed or key is not None)
+        from quantprep.runtime.kcache import Kcache
+
+        model = openvino.load(path, manifest, None if device == "auto" else device, exact=False,
+                              kcache=Kcache(path, manifest, trust_kcache, signed or key is not None))
         hub_offline()
         backend = openai_server.OpenVINOBackend(model)
     else:
