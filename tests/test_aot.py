@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,13 +171,18 @@ def test_check_rejects_a_package_that_does_not_load_or_fit(warmed_aot, tmp_path)
 @pytest.fixture(scope="module")
 def warmed_inductor(tmp_path_factory):
     """warm where every AOTInductor package fails its check, as on the GPU machine's torch 2.11
-    (each load crashed there): only the check's verdict on those is replaced; the AOTInductor and
-    Inductor builds, the check of the Inductor artifacts and the compile phase run for real."""
+    (each load crashed there): the AOTInductor build stands in as one file in warm's scratch, which
+    must not ship (warmed_aot's are real), and the check's verdict on it is replaced; the Inductor
+    builds, the check of the Inductor artifacts and the compile phase run for real."""
     import quantprep.runtime.warm as w
 
     real = w._run_child
 
     def run_child(path, device, phase, env, timeout=None, **args):
+        if phase == "aot" and args["format"] == "aoti":
+            (Path(args["scratch"]) / "aot").mkdir(parents=True, exist_ok=True)
+            (Path(args["scratch"]) / "aot" / "mlp.pt2").write_bytes(b"an AOTInductor package")
+            return {"aot": [{"file": "aot/mlp.pt2", "format": "aoti"}], "plan": None, "s": 0.0}
         if phase == "aot_check" and all(e["format"] == "aoti" for e in args["entries"]):
             return {"bad": {e["file"]: "load crashed (simulated)" for e in args["entries"]}}
         return real(path, device, phase, env, timeout, **args)
