@@ -5,7 +5,7 @@ same, unchanged files find the user's mark and check sizes only. Fresh process p
 3, files in the OS page cache, for a Qwen2.5-1.5B-shaped artifact with random codes (written here
 once) and SmolLM2 when `make build` made it:
 
-- `verify=False`: the explicit opt-out, sizes only (what every load did before);
+- `verify="sizes"` (`verify=False` when this ran): the explicit opt-out, sizes only (what every load did before);
 - first load: an empty marks directory each run, so every file is hashed;
 - marked: a later load, the mark found.
 
@@ -23,7 +23,7 @@ import torch
 from common import QWEN_1_5B, REPO, RESULTS, machine, run_child, save
 
 CHILD = ("import sys, time, quantprep; t = time.perf_counter(); "
-         "quantprep.load(sys.argv[1], verify=None if sys.argv[2] == 'default' else False); print(time.perf_counter() - t)")
+         "quantprep.load(sys.argv[1], verify='once' if sys.argv[2] == 'default' else 'sizes'); print(time.perf_counter() - t)")
 
 
 def qwen_artifact(cache: Path) -> Path:

@@ -374,7 +374,7 @@ ROWS = [
         ("scale-cpu-avx512.json",), _prepack, "peak RSS <= 1.90 GiB at every size; time <= 2x the copy", _prepack_met,
         "the same run", "Every model size on one machine"),
     Row("first load of an artifact not built here (every file hashed) / a load that checks sizes only",
-        ("hash-cost-first-load-cpu-avx512.json",), _hash, "none stated; compared with `load(verify=False)`", None,
+        ("hash-cost-first-load-cpu-avx512.json",), _hash, "none stated; compared with `load(verify=\"sizes\")`", None,
         "`python benchmarks/hash_cost.py`", "Hashing before the first load"),
     Row("`quantprep.load(oci://...)` to first token / loading the directory (registry on loopback)",
         ("pull-cpu-avx512.json",), _pull, "pull cache filled <= 1.1x local; empty <= local + bytes / 500 MB/s", _pull_met,

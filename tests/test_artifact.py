@@ -68,7 +68,7 @@ def test_flipped_byte_is_caught_by_hash(random_artifact):
         verify_artifact(random_artifact)
     assert shard.name in str(e.value)
     with pytest.raises(ArtifactError, match="sha256"):
-        quantprep.load(random_artifact, verify=True)
+        quantprep.load(random_artifact, verify="always")
 
 
 @pytest.mark.parametrize("damage,needle", [

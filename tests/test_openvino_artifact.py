@@ -156,7 +156,7 @@ def test_a_torch_load_refuses_an_openvino_artifact_and_its_loads_import_neither_
 
     _, art = openvino_artifact(tmp_path, LLAMA, bits=4, group_size=64)
     with pytest.raises(quantprep.ArtifactMismatch, match="runs in OpenVINO"):
-        open_artifact(art, None, None, None, None)
+        open_artifact(art, None, None, "once", None)
     from transformers import AutoModelForCausalLM
 
     with pytest.raises(quantprep.ArtifactMismatch, match="OpenVINO IR"):

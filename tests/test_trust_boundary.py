@@ -507,7 +507,7 @@ def test_case08_a_same_size_tampered_shard_is_refused_at_first_load(art, tmp_pat
     else:
         with pytest.raises(ArtifactError, match="sha256 does not match"):
             quantprep.load(copy) if how == "load" else AutoModelForCausalLM.from_pretrained(copy)
-    quantprep.load(copy, verify=False)  # the explicit opt-out: sizes only
+    quantprep.load(copy, verify="sizes")  # the explicit opt-out: sizes only
 
 
 def test_case08_hashed_once_then_marked_until_a_file_changes(art, tmp_path, monkeypatch):
@@ -717,7 +717,7 @@ def test_case04_a_fake_snapshot_whose_blobs_is_a_link_is_refused(random_gptq, tm
     assert "outside the checkpoint" in one_line_error(capsys) and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("how", ["default load", "load(verify=True)", "quantprep verify"])
+@pytest.mark.parametrize("how", ["default load", "load(verify='always')", "quantprep verify"])
 def test_case08_a_file_changed_while_it_is_hashed_is_not_marked(art, tmp_path, monkeypatch, how):
     """The attacker rewrites a shard (same size) right after quantprep hashed it: nothing may record
     those bytes as hashed, so the next load hashes again and refuses them."""
@@ -738,7 +738,7 @@ def test_case08_a_file_changed_while_it_is_hashed_is_not_marked(art, tmp_path, m
     with monkeypatch.context() as patch:
         patch.setattr(artifact, "sha256_file", racing)
         try:
-            {"default load": lambda: quantprep.load(art), "load(verify=True)": lambda: quantprep.load(art, verify=True),
+            {"default load": lambda: quantprep.load(art), "load(verify='always')": lambda: quantprep.load(art, verify="always"),
              "quantprep verify": lambda: verify_artifact(art)}[how]()
         except ArtifactError:
             pass

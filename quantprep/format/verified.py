@@ -9,7 +9,8 @@ changes its ctime, which no one can set back, so an unchanged stamp means unchan
 quantprep marks what it wrote or hashed itself (a build, a pull, verify, a first load). The
 first-load cost is measured in BENCHMARKS.md (benchmarks/hash_cost.py).
 
-Opting out is explicit: `load(..., verify=False)` checks sizes only.
+`load(..., verify=...)` names how much is hashed (VERIFY): "once" (the default), "always" (every
+file at every load), or "sizes" (the explicit opt-out: sizes only).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from quantprep import settings
 from quantprep._io.userdirs import private_dir, user_dir
 from quantprep.errors import ArtifactError
 from quantprep.format.artifact import MANIFEST, SIGNED, check_files
+
+VERIFY = ("once", "always", "sizes")
 
 
 def marks_dir() -> Path:

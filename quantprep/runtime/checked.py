@@ -11,16 +11,18 @@ from pathlib import Path
 from quantprep.distribution.signing import verify as verify_signature
 from quantprep.errors import ArtifactError, ArtifactMismatch, RecipeError
 from quantprep.format.artifact import read_checked, refuse_code
-from quantprep.format.verified import check_hashed, hash_and_mark
+from quantprep.format.verified import VERIFY, check_hashed, hash_and_mark
 from quantprep.targets import Target, get_target
 
 
-def checked_manifest(path: Path, verify: bool | None, key: str | None) -> dict:
-    """The artifact's manifest, after those checks (`key`: a verify key, or None)."""
+def checked_manifest(path: Path, verify: str, key: str | None) -> dict:
+    """The artifact's manifest, after those checks (`verify`: one of verified.VERIFY; `key`: a verify key, or None)."""
+    if verify not in VERIFY:
+        raise ValueError(f"verify={verify!r}: choose one of {', '.join(map(repr, VERIFY))}")
     manifest = read_checked(path)
-    if verify is None:
+    if verify == "once":
         check_hashed(path, manifest)
-    elif verify:
+    elif verify == "always":
         hash_and_mark(path, manifest)
     refuse_code(path, ArtifactError)
     if key is not None:
@@ -28,7 +30,7 @@ def checked_manifest(path: Path, verify: bool | None, key: str | None) -> dict:
     return manifest
 
 
-def checked_artifact(path: Path, verify: bool | None, key) -> tuple[dict, Target]:
+def checked_artifact(path: Path, verify: str, key) -> tuple[dict, Target]:
     """checked.checked_manifest's checks, and a target this quantprep has."""
     manifest = checked_manifest(path, verify, key)
     try:

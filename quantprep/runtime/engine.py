@@ -446,7 +446,7 @@ class NativeModel:
         return tokens
 
 
-def load(path: str | os.PathLike, verify: bool | None = None, verify_key: str | os.PathLike | None = None,
+def load(path: str | os.PathLike, verify: str = "once", verify_key: str | os.PathLike | None = None,
          threads: int | None = None) -> NativeModel:
     """A cpu artifact directory as a NativeModel, after the checks every load makes (checked.py;
     `verify` and `verify_key` as quantprep.load's). threads: default OMP_NUM_THREADS, else every CPU

@@ -146,7 +146,7 @@ class QuantprepQuantizer(HfQuantizer):
             ref = f"hf://{model.config.name_or_path}"
             hub_signed, key = check_signature(path, *signature_policy(ref, key), ref), None
         device = _device_of(self.device_map, None)
-        art = open_artifact(path, device, self.dtype, None, key)
+        art = open_artifact(path, device, self.dtype, "once", key)
         if (q.target, q.act_dtype) != (art.manifest["target"]["name"], art.manifest["target"]["act_dtype"]):
             raise ArtifactError(f"{path}/config.json: quantization_config says target {q.target} ({q.act_dtype}), the manifest "
                                 f"{art.manifest['target']['name']} ({art.manifest['target']['act_dtype']}); the artifact is inconsistent: rebuild it")

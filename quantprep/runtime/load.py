@@ -28,7 +28,7 @@ def is_reference(path: str | os.PathLike) -> bool:
 
 
 def load(path: str | os.PathLike, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-         verify: bool | None = None, compile: bool = False, warmup: bool = False, kcache: bool = True,
+         verify: str = "once", compile: bool = False, warmup: bool = False, kcache: bool = True,
          trust_kcache: bool = False, verify_key: str | os.PathLike | None = None):
     """Load an artifact as a transformers `PreTrainedModel` in eval mode.
 
@@ -38,9 +38,9 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
 
     device: defaults to the target's device; `device="cpu"` for an xpu artifact runs it through
     the CPU emulator of the XPU kernel (slow; for checking, not serving). dtype: activation dtype
-    (defaults to the one the artifact was packed for). verify: every file's sha256 is checked the
-    first time these files load here (verified.py; later loads of the unchanged files check sizes);
-    True: every time; False: sizes only, an explicit opt-out. compile: run the decoder layers' MLPs compiled: from the kcache's
+    (defaults to the one the artifact was packed for). verify: "once" (default): every file's sha256 is
+    checked the first time these files load here (verified.py; later loads of the unchanged files
+    check sizes); "always": every time; "sizes": sizes only, an explicit opt-out. compile: run the decoder layers' MLPs compiled: from the kcache's
     compiled MLP packages where they fit (aot.py; no dynamo), else torch.compile
     (aot.compile_regions), restoring the artifact's compile cache first (see warm.py). warmup: run the warmed serving
     shapes once in this process (per-process state such as oneDNN primitives on XPU; run it in the

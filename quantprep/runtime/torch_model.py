@@ -131,7 +131,7 @@ class OpenedArtifact:
     emulate: bool  # running another device's artifact through that target's CPU path
 
 
-def open_artifact(path: Path, device: str | torch.device | None, dtype: torch.dtype | None, verify: bool | None, key,
+def open_artifact(path: Path, device: str | torch.device | None, dtype: torch.dtype | None, verify: str, key,
                   checked: tuple[dict, Target] | None = None) -> OpenedArtifact:
     """Every check before a byte of weights is read (checked_artifact, unless `checked` is its
     result), then this machine's compatibility key, the device and dtype. Returns what the later
@@ -329,7 +329,7 @@ def load_model(path: Path, checked: tuple[dict, Target], kcache: Kcache | None, 
     from transformers import AutoConfig, AutoModelForCausalLM  # 2-4 s of imports an openvino artifact does without
 
     # 1. open: this machine's device and dtype for the artifact, and its kcache's verdict
-    art = open_artifact(path, device, dtype, None, None, checked=checked)
+    art = open_artifact(path, device, dtype, "once", None, checked=checked)
     manifest, device, dtype = art.manifest, art.device, art.dtype
     kcache_status = activate_kcache(path, art, kcache, compile)
     # 2. skeleton: transformers' model from config.json, parameters on the meta device

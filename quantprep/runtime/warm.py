@@ -160,7 +160,7 @@ def warm_openvino(path: Path, manifest: dict, device: str | None, progress: bool
 
     # what OpenVINO compiles here becomes trusted: the checks of a load first (hashes, signature policy,
     # no remote code, the compatibility key, the IR's files and bounds)
-    manifest, target = checked_artifact(path, None, configured_key())
+    manifest, target = checked_artifact(path, "once", configured_key())
     check_compat(path, manifest, target)
     openvino.check_files(path, manifest)
     if progress:

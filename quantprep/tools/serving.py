@@ -111,7 +111,7 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
     path = Path(src).absolute()
     if not (path / "manifest.json").is_file():
         raise QuantprepError(f"{src}: not an artifact directory (no manifest.json) nor a published reference")
-    manifest, target = checked_artifact(path, None, key)  # every file hashed; a target this quantprep has
+    manifest, target = checked_artifact(path, "once", key)  # every file hashed; a target this quantprep has
     if target.kind == "graph":
         from quantprep.runtime import openvino
 
@@ -128,7 +128,7 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
                                  "or `quantprep prepack` to serve it")
         from quantprep.runtime.torch_model import open_artifact
 
-        open_artifact(path, None if device == "auto" else device, None, None, key, checked=(manifest, target))  # refusals in one line, before loading
+        open_artifact(path, None if device == "auto" else device, None, "once", key, checked=(manifest, target))  # refusals in one line, before loading
         hub_offline()
         backend = openai_server.TorchBackend(path, device, trust_kcache, key, signed or key is not None)
     openai_server.run(backend, host, port, warmup, ready)
