@@ -69,6 +69,8 @@ def test_flipped_byte_is_caught_by_hash(random_artifact):
     assert shard.name in str(e.value)
     with pytest.raises(ArtifactError, match="sha256"):
         quantprep.load(random_artifact, verify="always")
+    with pytest.raises(ValueError, match="verify=True: choose one of 'once', 'always', 'sizes'"):
+        quantprep.load(random_artifact, verify=True)  # the old flag: a mode has a name now
 
 
 @pytest.mark.parametrize("damage,needle", [

@@ -25,7 +25,7 @@ from quantprep._io.userdirs import private_dir, user_dir
 from quantprep.errors import ArtifactError
 from quantprep.format.artifact import MANIFEST, SIGNED, check_files
 
-VERIFY = ("once", "always", "sizes")
+VERIFY = ("once", "always", "sizes")  # load's verify modes, described above
 
 
 def marks_dir() -> Path:
