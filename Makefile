@@ -29,7 +29,7 @@ build: setup
 
 test: setup
 	$(BIN)/ruff check quantprep tests benchmarks
-	# two workers, a file each (module fixtures stay in one process); one hash seed, so both collect alike
+	# two workers, each taking a file or the files sharing a costly fixture (tests/conftest.py); one hash seed, so both collect alike
 	PYTHONHASHSEED=0 $(BIN)/pytest -q -n 2
 
 bench: setup

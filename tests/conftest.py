@@ -50,8 +50,12 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(rank)))  # stable: the rest in collection order
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent where it is not installed (-p no:xdist)
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
+
+    if config.getvalue("dist") not in ("load", "loadfile"):
+        return None  # another mode asked for by name (each, worksteal, ...) stays xdist's
 
     class GroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -65,7 +69,7 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
     """A session fixture's directory, built once per run: pytest's workers share the parent of their
     base temp directories, and the first to take the lock builds it while the other waits."""
     base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if base.name.startswith("popen-gw"):  # a worker's (a child pytest inherits PYTEST_XDIST_WORKER, not this)
         base = base.parent
     out = base / f"shared-{name}"
     with open(base / f"shared-{name}.lock", "w") as lock:

@@ -157,8 +157,12 @@ def test_a_decode_token_and_the_c_silu_product_compute_what_the_grouped_torch_pa
     """A token alone takes the decode path (its k experts in turn, no grouping), and on a bfloat16 CPU
     model each expert's SiLU product is C's (cpu_layers.CpuQuantizedExperts): the same numbers, bit for
     bit, as the grouped path on that token among others and as torch's SiLU and product."""
+    from native_c import require_c
+
+    from quantprep.runtime import cpu_layers
     from quantprep.runtime.cpu_layers import CpuQuantizedExperts
 
+    require_c(cpu_layers.library() is not None)
     model = quantprep.load(moe("qwen3_moe") / "cpu")
     experts = next(m for m in model.modules() if isinstance(m, QuantizedExperts))
     assert isinstance(experts, CpuQuantizedExperts)

@@ -28,6 +28,11 @@ from quantprep.format.artifact import MANIFEST, SIGNED, check_files
 VERIFY = ("once", "always", "sizes")  # load's verify modes, described above
 
 
+def check_verify_mode(verify) -> None:
+    if verify not in VERIFY:
+        raise ValueError(f"verify={verify!r}: choose one of {', '.join(map(repr, VERIFY))}")
+
+
 def marks_dir() -> Path:
     return user_dir(settings.VERIFIED_DIR, "cache", "verified")
 

@@ -1,6 +1,6 @@
 """The checks every artifact gets before any of it is read, whatever runs it (runtime/torch_model.py with
 torch, runtime/openvino.py and runtime/engine.py without): the manifest and every file's sha256
-(verified.py: once per file as it is; `verify` True: every time, False: sizes only), no code
+(verified.py: `verify` "once" per file as it is, "always", or "sizes" only), no code
 named by its configs, the signature when a verify key is configured, a target this quantprep has
 and this machine's compatibility key. Torch-free."""
 
@@ -11,14 +11,13 @@ from pathlib import Path
 from quantprep.distribution.signing import verify as verify_signature
 from quantprep.errors import ArtifactError, ArtifactMismatch, RecipeError
 from quantprep.format.artifact import read_checked, refuse_code
-from quantprep.format.verified import VERIFY, check_hashed, hash_and_mark
+from quantprep.format.verified import check_hashed, check_verify_mode, hash_and_mark
 from quantprep.targets import Target, get_target
 
 
 def checked_manifest(path: Path, verify: str, key: str | None) -> dict:
     """The artifact's manifest, after those checks (`verify`: one of verified.VERIFY; `key`: a verify key, or None)."""
-    if verify not in VERIFY:
-        raise ValueError(f"verify={verify!r}: choose one of {', '.join(map(repr, VERIFY))}")
+    check_verify_mode(verify)
     manifest = read_checked(path)
     if verify == "once":
         check_hashed(path, manifest)

@@ -190,9 +190,9 @@ class CpuQuantizedExperts(Replacement):
     """runtime/experts.py's QuantizedExperts with act SiLU: each expert's SiLU product in C, as CpuGatedMLP's."""
 
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if not runs_here(gate_up) or (lib := library()) is None:
-            return self.replaced.gated(self, gate_up)
         n = self.intermediate_dim
+        if not runs_here(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] != 2 * n or (lib := library()) is None:
+            return self.replaced.gated(self, gate_up)
         y = gate_up.new_empty(gate_up.shape[0], n)
         lib.silu_mul(gate_up.data_ptr(), 2 * n, y.data_ptr(), n, gate_up.shape[0], n)
         return y

@@ -10,7 +10,8 @@ target's modules for gate_up_proj (or gate_proj and up_proj) and down_proj: the 
 artifact's (format/expert_names.py), so load's module and tensor checks apply to them unchanged.
 
 forward sorts the (token, expert) pairs by expert and runs each expert that was hit once, on all of
-its tokens; an expert no token chose costs nothing (decode runs top-k experts, not all of them).
+its tokens; an expert no token chose costs nothing. A single token (decode) runs its top-k experts
+in turn, without the sort.
 The outputs are weighted and summed over the top-k as transformers' default (grouped_mm) does:
 the product in the routing weights' dtype, the sum over a token's k experts, then its dtype.
 """
@@ -146,7 +147,7 @@ class QuantizedExperts(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         k = top_k_index.shape[-1]
-        if x.shape[0] == 1:  # decode: the token's k experts in turn, with none of the grouping below
+        if x.shape[0] == 1 and k:  # decode: the token's k experts in turn, with none of the grouping below
             y = torch.cat([self.expert(e, x) if 0 <= e < self.num_experts else x.new_zeros(1, shape[-1])
                            for e in top_k_index.reshape(-1).tolist()])
             return self.combine(y, top_k_weights.reshape(-1, 1), 1, k).to(hidden_states.dtype).reshape(shape)

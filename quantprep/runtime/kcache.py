@@ -183,7 +183,11 @@ class Kcache:
     def __init__(self, path: Path, manifest: dict, trust: bool = False, signed: bool = False):
         self.path, self.manifest, self.entry = path, manifest, manifest.get("kcache")
         self._trust, self._signed = trust, signed  # signed: the caller verified the artifact's signature
-        self.problem = kcache_problem(path, manifest) if self.entry is not None else None
+
+    @functools.cached_property
+    def problem(self) -> str | None:
+        """kcache_problem, when first asked: a load that will not use the kcache never lists its files."""
+        return kcache_problem(self.path, self.manifest) if self.entry is not None else None
 
     @functools.cached_property
     def trusted(self) -> str | None:

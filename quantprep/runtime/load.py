@@ -1,9 +1,10 @@
 """`quantprep.load`: an artifact directory or a published reference -> a model ready to `generate`.
 
 load opens and checks the artifact once (runtime/checked.py), then hands it to what runs it: OpenVINO
-for a graph artifact (runtime/openvino.py: torch is imported only for its IR's one-time check),
-else a transformers model of the target's torch modules (runtime/torch_model.py). This module never
-imports gptqmodel, nor torch itself.
+for a graph artifact (runtime/openvino.py), else a transformers model of the target's torch modules
+(runtime/torch_model.py). This module never imports gptqmodel, nor torch itself: an openvino
+artifact's load imports torch and transformers only for its IR's one-time check, and while a
+published reference is pulled (for a torch artifact's sake, the pull overlaps their import).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from quantprep._io.background import in_thread
 from quantprep.distribution.signing import configured_key
+from quantprep.format.verified import check_verify_mode
 from quantprep.runtime.checked import check_compat, checked_artifact
 from quantprep.runtime.kcache import Kcache
 
@@ -60,6 +62,7 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     Raises ArtifactMismatch for an artifact built for another machine, ArtifactError if corrupt.
     """
     # 1. open and check once: pull a reference, the manifest and every file, the signature, the target
+    check_verify_mode(verify)  # before a reference is pulled
     key = configured_key(verify_key)
     pulled = is_reference(path)
     if pulled:  # a published reference: pull the variant that fits (verified, its signature too) into the cache first,

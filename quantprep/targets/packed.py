@@ -30,7 +30,7 @@ def tiled_int4_problem(meta: dict, target: str, n_align: int, more=lambda c: {})
     c, k, n = meta.get("kernel_group_size"), meta["in_features"], meta["out_features"]
     if type(c) is int and c in KERNEL_GROUP_SIZES:
         expected = {"padded_in": round_up(k, c), "padded_out": round_up(n, n_align), **more(c)}
-        if all(type(meta.get(f)) is int and meta[f] == v for f, v in expected.items()):
+        if all(type(meta.get(f)) is type(v) and meta[f] == v for f, v in expected.items()):  # pack_block_n: None on some CPUs
             return None
     fields = ", ".join(f"{f} {str(meta.get(f))[:20]!r}" for f in ("kernel_group_size", "padded_in", "padded_out", *more(KERNEL_GROUP_SIZES[-1])))
     return f"{fields} are not what the {target} target packs for {k}x{n} here"

@@ -171,6 +171,7 @@ assert torch.equal(pack_int4(codes, cap), torch.ops.aten._convert_weight_to_int4
 t = get_target("cpu")
 layer = prepare_layer(_validate_layer("m", random_gptq_tensors(576, 208, 4, 128, False, True, True), QuantConfig(4, 128, False, True, "gptq")))
 tensors, meta = t.pack(layer, torch.bfloat16)
+assert t.meta_problem(meta) is None, t.meta_problem(meta)  # what load asks first
 m = t.make_module(meta, torch.bfloat16)
 m.load_state_dict(tensors, assign=True)
 for rows in (64, 600):  # the int4 kernel, then (AVX2 only) the dequantize path
