@@ -32,12 +32,12 @@ CALIB = (REPO / "quantprep" / "build" / "calibration.txt").read_text()
 
 # `make test` runs two pytest workers (-n 2), and GroupScheduling gives each whole groups of tests:
 # a file, or the files that use a session fixture costing minutes (SHARED_FIXTURE: each worker would
-# build its own). The longest groups go first (LONGEST_FIRST, from a run's durations), so that no
-# worker is left alone with one of them at the end. (pytest-xdist's loadgroup cannot: it renames
-# node ids, which pytest 9.2 no longer lets it do.)
+# build its own). That group goes first. test_smollm2 goes last: its GPTQModel run took 250 s beside
+# another worker's compiling (80 s alone), and at the end it mostly runs alone. (pytest-xdist's
+# loadgroup cannot group: it renames node ids, which pytest 9.2 no longer lets it do.)
 SHARED_FIXTURE = "warmed_aot"
 SHARING = {f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py") if SHARED_FIXTURE in p.read_text()}
-LONGEST_FIRST = ("tests/test_smollm2.py", SHARED_FIXTURE)
+FIRST, LAST = (SHARED_FIXTURE,), ("tests/test_smollm2.py",)
 
 
 def group_of(nodeid: str) -> str:
@@ -46,8 +46,8 @@ def group_of(nodeid: str) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(rank)))  # stable: the rest in collection order
+    rank = {group: i for i, group in enumerate(FIRST)} | {group: len(FIRST) + 1 + i for i, group in enumerate(LAST)}
+    items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(FIRST)))  # stable: the rest in collection order
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent where it is not installed (-p no:xdist)
@@ -61,7 +61,7 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return group_of(nodeid)
 
-    config.option.loadscopereorder = False  # the groups in collection order: the longest first
+    config.option.loadscopereorder = False  # the groups in collection order: FIRST, the rest, LAST
     return GroupScheduling(config, log)
 
 
