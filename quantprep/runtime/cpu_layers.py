@@ -127,10 +127,15 @@ class CpuGatedMLP(Replacement):
         gu = self.gate_up_proj(x)
         if not runs_here(gu):
             return self.replaced.forward(self, x)
-        n = gu.shape[-1] // 2
-        y = gu.new_empty(*gu.shape[:-1], n)
-        lib.silu_mul(gu.data_ptr(), 2 * n, y.data_ptr(), n, gu.numel() // (2 * n), n)
-        return self.down_proj(y)
+        return self.down_proj(silu_mul(lib, gu))
+
+
+def silu_mul(lib: ctypes.CDLL, gu: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of a contiguous bfloat16 gu [..., 2n] (gate first), in csrc/layers.c's silu_mul."""
+    n = gu.shape[-1] // 2
+    y = gu.new_empty(*gu.shape[:-1], n)
+    lib.silu_mul(gu.data_ptr(), 2 * n, y.data_ptr(), n, gu.numel() // (2 * n), n)
+    return y
 
 
 class CpuDecodeAttention(Replacement):
@@ -190,12 +195,9 @@ class CpuQuantizedExperts(Replacement):
     """runtime/experts.py's QuantizedExperts with act SiLU: each expert's SiLU product in C, as CpuGatedMLP's."""
 
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        n = self.intermediate_dim
-        if not runs_here(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] != 2 * n or (lib := library()) is None:
+        if not runs_here(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] != 2 * self.intermediate_dim or (lib := library()) is None:
             return self.replaced.gated(self, gate_up)
-        y = gate_up.new_empty(gate_up.shape[0], n)
-        lib.silu_mul(gate_up.data_ptr(), 2 * n, y.data_ptr(), n, gate_up.shape[0], n)
-        return y
+        return silu_mul(lib, gate_up)
 
 
 def quant_linear_args(linear: nn.Module) -> QuantLinearArgs | None:
@@ -451,19 +453,22 @@ def is_rms_norm(module: nn.Module) -> bool:
     return same_forward(module, LlamaRMSNorm) and set(module._parameters) == {"weight"} and hasattr(module, "variance_epsilon")
 
 
-def is_silu_experts(module: nn.Module) -> bool:
+def is_silu(act: nn.Module | None) -> bool:
     from transformers.activations import SiLUActivation
 
-    return type(module) is QuantizedExperts and type(module.act_fn) in (nn.SiLU, SiLUActivation)
+    return type(act) in (nn.SiLU, SiLUActivation)
+
+
+def is_silu_experts(module: nn.Module) -> bool:
+    return type(module) is QuantizedExperts and is_silu(module.act_fn)
 
 
 def is_fused_silu_mlp(module: nn.Module) -> bool:
     """A Llama-style MLP (down(act(gate(x)) * up(x))) with act SiLU and gate/up fused into equal parts."""
-    from transformers.activations import SiLUActivation
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     fused = getattr(module, "gate_up_proj", None)
-    return same_forward(module, LlamaMLP) and type(getattr(module, "act_fn", None)) in (nn.SiLU, SiLUActivation) and \
+    return same_forward(module, LlamaMLP) and is_silu(getattr(module, "act_fn", None)) and \
         len(getattr(fused, "parts", ())) == 2 and fused.parts[0] == fused.parts[1]
 
 

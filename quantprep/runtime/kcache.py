@@ -415,7 +415,7 @@ def exec_env(path: str | os.PathLike, trust: bool = False) -> dict[str, str]:
         raise ArtifactError(f"{path}: {mismatch}; re-run `quantprep warm {path}` on this machine")
     env = dict(os.environ, **cache_env(kcache.runtime_copy()))  # ArtifactError: a file does not match
     target = device_target(device)
-    env.update(target.run_env(manifest, env) | triton_native_env(manifest["kcache"], env))
+    env.update(target.run_env(manifest, env) | triton_native_env(kcache.entry, env))
     if msg := target.cache_warning(env):
         print(f"quantprep: warning: {msg}", file=sys.stderr)
     return env

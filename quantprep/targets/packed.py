@@ -11,6 +11,7 @@ from torch import nn
 
 from quantprep.errors import SourceError
 from quantprep.format.gptq import PrepackLayer
+from quantprep.targets import KERNEL_GROUP_SIZES
 
 
 def torch_base_version() -> str:
@@ -25,8 +26,6 @@ def tiled_int4_problem(meta: dict, target: str, n_align: int, more=lambda c: {})
     """What in an int4 module's metadata is not what a tiled kernel's pack wrote: kernel_group_size one
     of KERNEL_GROUP_SIZES, K padded to it, N to n_align, and `more(kernel_group_size)`'s fields as
     given; else None. Kernels index memory by these (Target.meta_problem)."""
-    from quantprep.targets import KERNEL_GROUP_SIZES
-
     c, k, n = meta.get("kernel_group_size"), meta["in_features"], meta["out_features"]
     if type(c) is int and c in KERNEL_GROUP_SIZES:
         expected = {"padded_in": round_up(k, c), "padded_out": round_up(n, n_align), **more(c)}
