@@ -140,29 +140,49 @@ def test_logits_match_the_dense_reference(moe, reference, arch, target):
 
 
 def test_decode_runs_only_the_experts_hit(moe, monkeypatch):
-    """One decode token of batch 1 runs its top-k experts, once each, not all of them."""
+    """One decode token of batch 1 runs its top-k experts, once each, not all of them: on a bfloat16
+    CPU model as two C calls of k rows each (cpu_layers.CpuQuantizedExperts), and without C through
+    QuantizedExperts.expert k times."""
+    from quantprep.runtime import cpu_layers
+
     model = quantprep.load(moe("deepseek_v3") / "cpu")
-    calls = []
+    k = model.config.num_experts_per_tok
+    calls, rows = [], []
     run = QuantizedExperts.expert
     monkeypatch.setattr(QuantizedExperts, "expert", lambda self, e, x: calls.append((e, x.shape[0])) or run(self, e, x))
+    lib = cpu_layers.gemv_library()
+    if lib is not None:
+        class Counted:
+            def int4_gemv_rows(self, w, x, ldx, n, *rest):
+                rows.append(n)
+                return lib.int4_gemv_rows(w, x, ldx, n, *rest)
+        monkeypatch.setattr(cpu_layers, "gemv_library", Counted)
     with torch.no_grad():
         out = model(input_ids=PROMPTS[:1], use_cache=True)
-        calls.clear()
+        calls.clear(), rows.clear()
         model(input_ids=torch.tensor([[5]]), past_key_values=out.past_key_values, use_cache=True)
-    k = model.config.num_experts_per_tok
-    assert len(calls) == k and len({e for e, _ in calls}) == k and all(rows == 1 for _, rows in calls), calls
+        layers = sum(isinstance(m, QuantizedExperts) for m in model.modules())
+        if lib is not None:
+            assert (calls, rows) == ([], [k, k] * layers)
+            monkeypatch.setattr(cpu_layers, "gemv_library", lambda: None)  # the path without C
+            model(input_ids=torch.tensor([[6]]), past_key_values=out.past_key_values, use_cache=True)
+    assert len(calls) == k * layers and all(rows == 1 for _, rows in calls), calls
+    for i in range(layers):
+        assert len({e for e, _ in calls[i * k:(i + 1) * k]}) == k, calls
 
 
-def test_a_decode_token_and_the_c_silu_product_compute_what_the_grouped_torch_path_does(moe):
-    """A token alone takes the decode path (its k experts in turn, no grouping), and on a bfloat16 CPU
-    model each expert's SiLU product is C's (cpu_layers.CpuQuantizedExperts): the same numbers, bit for
-    bit, as the grouped path on that token among others and as torch's SiLU and product."""
+def test_a_decode_token_and_the_c_silu_product_compute_what_the_grouped_torch_path_does(moe, monkeypatch):
+    """A token alone takes the decode path, on a bfloat16 CPU model two C calls for its k experts
+    (cpu_layers.CpuQuantizedExperts: int4_gemv_rows, C's SiLU product). The same bits as the
+    Python decode path (its experts in turn, each projection's int4_gemv and C's SiLU product) and as
+    torch's SiLU and product; within the bfloat16 rounding of the grouped path on that token among
+    others (whose experts hit twice run the int4 kernel)."""
     from native_c import require_c
 
     from quantprep.runtime import cpu_layers
     from quantprep.runtime.cpu_layers import CpuQuantizedExperts
 
-    require_c(cpu_layers.library() is not None)
+    require_c(cpu_layers.library() is not None and cpu_layers.gemv_library() is not None)
     model = quantprep.load(moe("qwen3_moe") / "cpu")
     experts = next(m for m in model.modules() if isinstance(m, QuantizedExperts))
     assert isinstance(experts, CpuQuantizedExperts)
@@ -174,9 +194,12 @@ def test_a_decode_token_and_the_c_silu_product_compute_what_the_grouped_torch_pa
     with torch.no_grad():
         grouped = experts(x, index, weights)
         alone = torch.cat([experts(x[i:i + 1], index[i:i + 1], weights[i:i + 1]) for i in range(3)])
+        monkeypatch.setattr(cpu_layers, "gemv_library", lambda: None)  # one expert at a time, in Python
+        python_alone = torch.cat([experts(x[i:i + 1], index[i:i + 1], weights[i:i + 1]) for i in range(3)])
         experts.__class__ = QuantizedExperts  # torch's SiLU and product
         torch_alone = torch.cat([experts(x[i:i + 1], index[i:i + 1], weights[i:i + 1]) for i in range(3)])
-    assert torch.equal(alone, grouped) and torch.equal(alone, torch_alone)
+    assert torch.equal(alone, python_alone) and torch.equal(alone, torch_alone)
+    assert rel_err(alone.double(), grouped.double()) < 1e-2
     assert alone.abs().sum() > 0
 
 

@@ -1,4 +1,4 @@
-/* quantprep's C kernels: what the five .c files here share, and every function they export.
+/* quantprep's C kernels: what the six .c files here share, and every function they export.
 
    This header is the ABI's one home. Each .c file includes it, so the compiler checks every
    definition against the declaration here; targets/c_abi.py mirrors the declarations for ctypes
@@ -60,6 +60,11 @@ typedef struct {
     int64_t window;  /* a sliding window: row p attends to rows p - window + 1..p; 0: to every row before it */
     QuantLinear qkv, o, gate_up, down;
 } DecodeLayer;
+/* gemv.c: a few rows' matmuls in float32, the activations as they are */
+int int4_gemv_rows(const QuantLinear *const *w, const uint16_t *x, int64_t ldx, int64_t rows, uint16_t *out, int64_t ldo, int threads);
+int int4_gemv_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int32_t *perm, int64_t K_in, const uint8_t *packed,
+                  const uint32_t *sz, int64_t Kp, int64_t N, int64_t gs, int64_t block, uint16_t *out, int64_t ldo, int threads);
+
 int gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t N, int64_t K);
 void rms_norm(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t ldy, int64_t rows, int64_t n, float eps);
 void qk_norm(uint16_t *qkv, int64_t ld, int64_t rows, int64_t heads, int64_t kv_heads, int64_t D, const uint16_t *q_w,

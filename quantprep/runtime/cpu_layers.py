@@ -192,7 +192,48 @@ class CpuDecodeAttention(Replacement):
 
 
 class CpuQuantizedExperts(Replacement):
-    """runtime/experts.py's QuantizedExperts with act SiLU: each expert's SiLU product in C, as CpuGatedMLP's."""
+    """runtime/experts.py's QuantizedExperts with act SiLU: each expert's SiLU product in C, as CpuGatedMLP's.
+    A decode token whose k experts each run the int4 path at one row (int4_gemv_cpu, as the default plan) takes two C calls
+    (int4_gemv_rows: the k gate_up projections, then the k down ones) with the SiLU product between:
+    the replaced forward's arithmetic, without its 2k calls through Python and torch."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = self.decode(hidden_states, top_k_index, top_k_weights)
+        return self.replaced.forward(self, hidden_states, top_k_index, top_k_weights) if out is None else out
+
+    def decode(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor | None:
+        H, inter = self.hidden_dim, self.intermediate_dim
+        if hidden_states.numel() != H or not runs_here(hidden_states) or (gemv := gemv_library()) is None or \
+                (lib := library()) is None or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+            return None  # a global hook must see each projection's call
+        experts = top_k_index.reshape(-1).tolist()
+        k = len(experts)
+        if not k or not all(0 <= e < self.num_experts for e in experts):
+            return None  # transformers' expert-parallel sentinel: the replaced forward's zeros
+        projections = [self.expert_args(e) for e in experts]
+        if None in projections:
+            return None
+        gate_up = (ctypes.c_void_p * k)(*(ctypes.addressof(p[0]) for p in projections))
+        down = (ctypes.c_void_p * k)(*(ctypes.addressof(p[1]) for p in projections))
+        gu = hidden_states.new_empty(k, 2 * inter)
+        y = hidden_states.new_empty(k, H)
+        threads = torch.get_num_threads()
+        if gemv.int4_gemv_rows(gate_up, hidden_states.data_ptr(), 0, k, gu.data_ptr(), 2 * inter, threads):
+            raise MemoryError("int4_gemv_rows could not allocate its activations")
+        act = silu_mul(lib, gu)  # held here: C reads it
+        if gemv.int4_gemv_rows(down, act.data_ptr(), inter, k, y.data_ptr(), H, threads):
+            raise MemoryError("int4_gemv_rows could not allocate its activations")
+        return self.combine(y, top_k_weights.reshape(-1, 1), 1, k).to(hidden_states.dtype).reshape(hidden_states.shape)
+
+    def expert_args(self, e: int) -> tuple[QuantLinearArgs, QuantLinearArgs] | None:
+        """Expert e's fused gate_up and down projections as int4_gemv_rows reads them, where both are
+        plain CpuInt4Linear modules that run the int4 path at one row; else None."""
+        parts = self._modules[str(e)]._modules
+        gate_up, down = parts.get("gate_up_proj"), parts.get("down_proj")
+        if gate_up is None or down is None or gate_up.out_features != 2 * self.intermediate_dim or down.out_features != self.hidden_dim:
+            return None
+        args = quant_linear_args(gate_up, "int4"), quant_linear_args(down, "int4")
+        return None if None in args else args
 
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         if not runs_here(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] != 2 * self.intermediate_dim or (lib := library()) is None:
@@ -200,16 +241,23 @@ class CpuQuantizedExperts(Replacement):
         return silu_mul(lib, gate_up)
 
 
-def quant_linear_args(linear: nn.Module) -> QuantLinearArgs | None:
-    """int4_a8's arguments for a projection that runs it at one row (its plan's choice at M = 1) and
-    writes its outputs unpadded, with a bfloat16 bias if any; else None."""
-    if type(linear) is not CpuInt4Linear or linear.path_for(1) != "int4_a8" or linear.padded_out != linear.out_features or \
-            linear._forward_hooks or linear._forward_pre_hooks:
+@functools.cache
+def gemv_library() -> ctypes.CDLL | None:
+    """csrc/gemv.c compiled, as targets/cpu.py's native_int4_gemv."""
+    return c_library.library_with_torch_openmp("gemv")
+
+
+def quant_linear_args(linear: nn.Module, path: str = "int4_a8") -> QuantLinearArgs | None:
+    """The C arguments of a projection whose plan runs `path` at one row (int4_a8, or int4: int4_gemv_cpu
+    where the block is one it reads) and that writes its outputs unpadded, with a bfloat16 bias if any; else None."""
+    if type(linear) is not CpuInt4Linear or linear.path_for(1) != path or linear.padded_out != linear.out_features or \
+            linear._forward_hooks or linear._forward_pre_hooks or "forward" in vars(linear) or \
+            (path == "int4" and linear.pack_block_n not in (32, 64)):
         return None
     bias = linear.bias
     if bias is not None and not runs_here(bias, bias, (linear.out_features,)):
         return None
-    perm, qweight, sz, K, N, group = linear.int4_a8_weight()
+    perm, qweight, sz, K, N, group = linear.c_weight(path)
     return QuantLinearArgs(perm, qweight, sz, None if bias is None else bias.data_ptr(), linear.in_features, K, N, group,
                            linear.pack_block_n)
 

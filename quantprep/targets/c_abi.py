@@ -40,6 +40,10 @@ SIGNATURES = {
         "int4_a8_cpu": (INT, [P, I64, I64, P, I64, P, P] + [I64] * 4 + [P, I64, INT]),
         "int8_a8_cpu": (INT, [P, I64, I64, P, P, I64, I64, P, I64, INT]),
     },
+    "gemv": {
+        "int4_gemv_rows": (INT, [P, P, I64, I64, P, I64, INT]),
+        "int4_gemv_cpu": (INT, [P, I64, I64, P, I64, P, P] + [I64] * 4 + [P, I64, INT]),
+    },
     "attention": {"decode_attention": (INT, [P, I64, I64, P, I64, I64, I64, P, I64, I64, I64, P] + [I64] * 5 + [F32])},
     "layers": {
         "gemv_bf16": (INT, [P, P, P, I64, I64]),

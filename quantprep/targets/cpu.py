@@ -180,6 +180,13 @@ def native_int8_a8():
     return c_library.library_with_torch_openmp("a8").int8_a8_cpu if native_a8_block() else None
 
 
+@functools.cache
+def native_int4_gemv():
+    """`int4_gemv_cpu` (csrc/gemv.c), or None without a C compiler. OpenMP as native_dequantizer."""
+    lib = c_library.library_with_torch_openmp("gemv")
+    return None if lib is None else lib.int4_gemv_cpu
+
+
 # The dense path multiplies one column tile of the weight at a time instead of dequantizing the
 # whole weight first: each tile is written into a buffer that stays in cache by torch's own threads
 # (each its share of the columns), then multiplied on them. Whole weights written to memory and read
@@ -263,7 +270,8 @@ def unpack_int4(packed: torch.Tensor, K: int, N: int, block: int) -> torch.Tenso
 
 
 class CpuInt4Linear(PackedLinear):
-    """Paths: "int4", the kernel; "dequant" (or "dequant_f32", base.dense_path), dequantizing the
+    """Paths: "int4", the kernel (one bfloat16 row: csrc/gemv.c's int4_gemv_cpu, the same arithmetic
+    in float32 with the weight streamed ahead, where it built); "dequant" (or "dequant_f32", base.dense_path), dequantizing the
     packed weight and a dense matmul, whose fixed cost the kernel's time, linear in M, passes at
     some M. Fixed rule: the dense path from DEQUANT_MIN_M rows, where it won on both machines
     measured (benchmarks/experiments/README.md, "CPU int4 and int8 at large M"); a kernel
@@ -288,6 +296,12 @@ class CpuInt4Linear(PackedLinear):
         a8 = ("int4_a8",) if self.act_dtype == torch.bfloat16 and self.pack_block_n == native_a8_block() else ()
         return ("int4", dense_path(self.act_dtype, "cpu"), *a8)
 
+    def gemv(self, x: torch.Tensor) -> bool:
+        """Whether int4_gemv_cpu runs the int4 path for x: one real bfloat16 CPU row (at two it re-reads
+        each block from cache and lost to torch's kernel), a block it reads, and the library built."""
+        return x.shape[0] == 1 and x.dtype == torch.bfloat16 and self.act_dtype == torch.bfloat16 and \
+            self.pack_block_n in (32, 64) and eager(x) and x.device.type == "cpu" and native_int4_gemv() is not None
+
     def default_path(self, m: int) -> str:
         return dense_path(self.act_dtype, "cpu") if self.pack_block_n and m >= self.DEQUANT_MIN_M else "int4"
 
@@ -297,9 +311,11 @@ class CpuInt4Linear(PackedLinear):
 
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
         if path == "int4":
+            if self.gemv(x):
+                return self.c_matmul(x, path)
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.kernel_group_size, self.scales_and_zeros)
         if path == "int4_a8":
-            return self.int4_a8(x)
+            return self.c_matmul(x, path)
         if self.tiles(path):
             return tiled_matmul(x, self.native_weight(), self.dense_dtype(path))[0].to(x.dtype)
         return dense_matmul(x, self.dequantize(self.dense_dtype(path)), path)
@@ -333,38 +349,42 @@ class CpuInt4Linear(PackedLinear):
     def input_order(self, path: str) -> bool:
         return path != "int4"  # the dense paths dequantize into the activations' order; int4_a8 gathers as it quantizes
 
-    def int4_a8(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in_features] (activations' order) through csrc/a8.c's int4_a8_cpu."""
+    def c_matmul(self, x: torch.Tensor, path: str) -> torch.Tensor:
+        """x [M, K] through csrc's int4_a8_cpu (path "int4_a8": x in the activations' order, gathered in C)
+        or int4_gemv_cpu (path "int4": x already in the kernel's order and padding). One signature."""
         x = x.to(torch.bfloat16).contiguous()
-        if not eager(x) or x.device.type != "cpu" or x.shape[1] != self.in_features:
-            raise ValueError(f"int4_a8 takes real cpu activations of {self.in_features} columns, not {tuple(x.shape)}")
+        K = self.in_features if path == "int4_a8" else self.padded_in
+        if not eager(x) or x.device.type != "cpu" or x.shape[1] != K:
+            raise ValueError(f"{path} takes real cpu activations of {K} columns, not {tuple(x.shape)}")
         out = torch.empty(x.shape[0], self.padded_out, dtype=torch.bfloat16)
-        perm, qweight, sz, K, N, gs = self.int4_a8_weight()
-        status = native_int4_a8()(x.data_ptr(), x.shape[0], x.stride(0), perm, self.in_features, qweight, sz, K, N, gs,
-                                  self.pack_block_n, out.data_ptr(), out.stride(0), torch.get_num_threads())
+        perm, qweight, sz, Kp, N, gs = self.c_weight(path)
+        kernel, perm = (native_int4_a8(), perm) if path == "int4_a8" else (native_int4_gemv(), None)
+        status = kernel(x.data_ptr(), x.shape[0], x.stride(0), perm, K, qweight, sz, Kp, N, gs, self.pack_block_n,
+                        out.data_ptr(), out.stride(0), torch.get_num_threads())
         if status == -2:
-            raise ValueError(f"int4_a8's library reads {native_a8_block()}-column blocks, this module's are {self.pack_block_n}")
+            raise ValueError(f"{path}'s library cannot read {self.pack_block_n}-column blocks of group {gs}")
         if status:
-            raise MemoryError("int4_a8 could not allocate its quantized activations")
+            raise MemoryError(f"{path} could not allocate its activations")
         return out
 
-    def int4_a8_weight(self) -> tuple:
-        """The kernel's weight arguments (perm, qweight, scales_and_zeros addresses; K, N, group).
+    def c_weight(self, path: str = "int4_a8") -> tuple:
+        """The C kernels' weight arguments (perm, qweight, scales_and_zeros addresses; K, N, group).
         C indexes memory by them: the addresses are taken at each call (a buffer can move in place:
-        share_memory_, set_), the checks done once per set of addresses, shapes, strides and dtypes."""
+        share_memory_, set_), the checks done once per path and set of addresses, shapes, strides and dtypes."""
         b = self._buffers  # not the attributes: nn.Module's __getattr__ costs more than the rest, per call
         buffers = (b["perm"], b["qweight"], b["scales_and_zeros"])
-        key = tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in buffers)
-        if vars(self).get("_int4_a8") != key:
+        key = (path, *(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in buffers))
+        if vars(self).get("_c_weight") != key:
             if any(t is not None and (not eager(t) or t.device.type != "cpu") for t in buffers):
-                raise ValueError(f"int4_a8 runs real cpu tensors only ({self.in_features}x{self.out_features})")
+                raise ValueError(f"{path} runs real cpu tensors only ({self.in_features}x{self.out_features})")
             perm, qweight, sz = buffers
+            block = native_a8_block() if path == "int4_a8" else self.pack_block_n if self.pack_block_n in (32, 64) else None
             if any(t is not None and not t.is_contiguous() for t in buffers) or sz.dtype != torch.bfloat16 or \
-                    sz.shape != (self.padded_in // self.kernel_group_size, self.padded_out, 2) or self.pack_block_n != native_a8_block() or \
+                    sz.shape != (self.padded_in // self.kernel_group_size, self.padded_out, 2) or self.pack_block_n != block or \
                     qweight.dtype != torch.uint8 or qweight.numel() * 2 != self.padded_in * self.padded_out or \
                     (perm is not None and (perm.numel() != self.in_features or perm.dtype != torch.int32)):
-                raise ValueError(f"int4_a8 cannot run a {self.in_features}x{self.out_features} module with these tensors")
-            self._int4_a8 = key
+                raise ValueError(f"{path} cannot run a {self.in_features}x{self.out_features} module with these tensors")
+            self._c_weight = key
         perm, qweight, sz = (None if t is None else t.data_ptr() for t in buffers)
         return perm, qweight, sz, self.padded_in, self.padded_out, self.kernel_group_size
 

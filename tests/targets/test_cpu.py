@@ -530,3 +530,57 @@ def test_int8_a8_is_the_weight_times_int8_activations(K, N, M):
             x[0, 5] = float("nan")
             y = module(x)
             assert y[0].isnan().all() and not y[1:].isnan().any()
+
+
+@pytest.mark.parametrize("block", [64, 32])  # both ISAs' layouts, whichever this CPU packs
+@pytest.mark.parametrize("K,N,gs,act_order", [(576, 208, 128, True), (1536, 256, 128, False), (200, 48, 32, True),
+                                              (512, 64, 256, False)])
+@pytest.mark.parametrize("M", [1, 3])
+def test_int4_gemv_is_the_kernel_s_weight_times_the_activations(K, N, gs, act_order, M, block):
+    """int4_gemv_cpu against tensor ops in float64: x (its bfloat16 values, act-order gathered, K padded
+    with zeros) times w = (q - 8) * scale + zero. Only the float32 sums and the bfloat16 output round
+    (relative 2^-9 per element, ~1.1e-3 RMS): 2e-3. Full blocks, a partial last block (208, 48), K padding
+    (200 -> 224), groups 32-256, several rows."""
+    from quantprep.targets.cpu import FAST_PACK_BLOCK_N, native_int4_gemv, pack_int4
+
+    require_c(native_int4_gemv() is not None)
+    gen = torch.Generator().manual_seed(K * N + M + block)
+    Kp = -(-K // gs) * gs
+    codes = torch.randint(0, 16, (Kp, N), dtype=torch.uint8, generator=gen)
+    sz = torch.stack([torch.rand(Kp // gs, N, generator=gen) * 0.02 + 1e-3, torch.randn(Kp // gs, N, generator=gen) * 0.05], -1)
+    sz = sz.bfloat16().contiguous()
+    packed = pack_int4(codes, next(k for k, v in FAST_PACK_BLOCK_N.items() if v == block))
+    perm = torch.randperm(K, generator=gen).to(torch.int32) if act_order else None
+    x = torch.randn(M, K, generator=gen).bfloat16()
+    xp = torch.zeros(M, Kp, dtype=torch.float64)
+    xp[:, :K] = x.double()[:, perm.long()] if act_order else x.double()  # packed row k is input column perm[k]
+    ref = xp @ dequantize_folded_int4(codes.double(), sz.double(), gs)
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    status = native_int4_gemv()(x.data_ptr(), M, K, None if perm is None else perm.data_ptr(), K, packed.data_ptr(), sz.data_ptr(),
+                                Kp, N, gs, block, out.data_ptr(), N, torch.get_num_threads())
+    assert status == 0
+    assert rel_err(out.double(), ref) < 2e-3
+
+
+def test_a_decode_row_runs_int4_gemv_and_refuses_what_it_cannot_read(monkeypatch):
+    """The int4 path of one bfloat16 row runs int4_gemv_cpu (two rows: torch's kernel), with the
+    kernel's numbers; a block other than 32 or 64 is refused (-2), never read."""
+    from quantprep.targets import cpu
+
+    require_c(cpu.native_int4_gemv() is not None)
+    gen = torch.Generator().manual_seed(5)
+    _, module, _ = _module_for(random_gptq_tensors(512, 192, 4, 128, False, True, True, generator=gen),
+                               QuantConfig(4, 128, False, True, "gptq"), torch.bfloat16)
+    assert (module.path_for(1), module.path_for(2)) == ("int4", "int4")
+    rows, gemv = [], cpu.native_int4_gemv()
+    monkeypatch.setattr(cpu, "native_int4_gemv", lambda: lambda x, m, *rest: rows.append(m) or gemv(x, m, *rest))
+    x = torch.randn(2, 512, generator=gen).bfloat16()
+    with torch.no_grad():
+        one, two = module(x[:1]), module(x)
+    assert rows == [1]
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(module.gather(x[:1]), module.qweight, module.kernel_group_size,
+                                                         module.scales_and_zeros)
+    assert rel_err(one.double(), kernel.double()) < 2e-3 and rel_err(one.double(), two[:1].double()) < 2e-3
+    out = torch.empty(1, 192, dtype=torch.bfloat16)
+    assert gemv(x.data_ptr(), 1, 512, module.perm.data_ptr(), 512, module.qweight.data_ptr(),
+                module.scales_and_zeros.data_ptr(), 512, 192, 128, 48, out.data_ptr(), 192, 1) == -2
