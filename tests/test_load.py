@@ -202,35 +202,31 @@ def test_gptqmodel_parity(name, parity_refs, tmp_path):
     assert measured["fp32-vs-dense"][0] < 1e-5, measured
 
 
-def test_a_cpu_load_reads_its_tensors_into_huge_pages(tmp_path, monkeypatch):
-    """torch_model.read_on_huge_pages: two shards' tensors, equal to safetensors' own reading, in one
-    buffer that starts on a 2 MiB boundary and that asked Linux for huge pages (its mapping carries the
-    `hg` flag); None where huge pages are off."""
-    from safetensors.torch import load_file, save_file
-
+def test_a_cpu_load_puts_its_tensors_on_huge_pages(tmp_path, monkeypatch):
+    """torch_model.on_huge_pages: the contiguous CPU tensors of 4 KiB or more copied, equal, into one
+    buffer that starts on a 2 MiB boundary and that asked Linux for huge pages (its mapping carries
+    the `hg` flag); smaller and strided tensors as they were; nothing moved where huge pages are off."""
     from quantprep.runtime import torch_model
 
     gen = torch.Generator().manual_seed(0)
-    save_file({"weight": torch.randn(1 << 20, generator=gen).bfloat16(), "codes": torch.randint(0, 255, (5000,), dtype=torch.uint8),
-               "scalar": torch.tensor(3.0)}, tmp_path / "a.safetensors")
-    save_file({"ids": torch.arange(7, dtype=torch.int64)}, tmp_path / "b.safetensors")
-    shards = ["a.safetensors", "b.safetensors"]
-    expected = {**load_file(tmp_path / shards[0]), **load_file(tmp_path / shards[1])}
-    if not torch_model.THP_MODE.exists() or "[never]" in torch_model.THP_MODE.read_text():
-        assert torch_model.read_on_huge_pages(tmp_path, shards) is None
+    state = {"weight": torch.randn(1 << 20, generator=gen).bfloat16(), "codes": torch.randint(0, 255, (5000,), dtype=torch.uint8),
+             "small": torch.ones(3), "strided": torch.randn(64, 64, generator=gen).T}
+    if not torch_model.THP_MODE.exists():
+        assert torch_model.on_huge_pages(state) is state
         pytest.skip("no transparent huge pages here")
-    state = torch_model.read_on_huge_pages(tmp_path, shards)
-    assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in expected)
-    assert all(t.dtype == expected[k].dtype and t.shape == expected[k].shape for k, t in state.items())
-    assert len({t.untyped_storage().data_ptr() for t in state.values()}) == 1
-    start = state["weight"].untyped_storage().data_ptr() + torch_model.HUGE_PAGE - 1 & -torch_model.HUGE_PAGE
-    assert start <= state["weight"].data_ptr() < start + 4096  # the first file, its header before the tensors
-    smaps = open("/proc/self/smaps").read().split("\n")
-    head = max(i for i, line in enumerate(smaps) if "-" in line.split(" ")[0] and ":" not in line.split(" ")[0]
-               and int(line.split("-")[0], 16) <= start)
-    flags = next(line for line in smaps[head:] if line.startswith("VmFlags:")).split()[1:]
-    assert "hg" in flags, flags
+    out = torch_model.on_huge_pages(state)
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    assert out["small"] is state["small"] and out["strided"] is state["strided"]
+    assert out["weight"].untyped_storage().data_ptr() == out["codes"].untyped_storage().data_ptr()
+    start = out["weight"].data_ptr()
+    assert start % torch_model.HUGE_PAGE == 0 and out["codes"].data_ptr() > start
+    if "[never]" not in torch_model.THP_MODE.read_text():
+        mapping = next(m for m in open("/proc/self/smaps").read().split("\n") if "-" in m.split(" ")[0] and
+                       int(m.split("-")[0], 16) <= start < int(m.split(" ")[0].split("-")[1], 16))
+        smaps = open("/proc/self/smaps").read()
+        flags = smaps[smaps.index(mapping):].split("VmFlags:")[1].split("\n")[0].split()
+        assert "hg" in flags, flags
     off = tmp_path / "enabled"
     off.write_text("always madvise [never]\n")
     monkeypatch.setattr(torch_model, "THP_MODE", off)
-    assert torch_model.read_on_huge_pages(tmp_path, shards) is None
+    assert torch_model.on_huge_pages(state) is state

@@ -1,5 +1,4 @@
-"""Safetensors files as numpy arrays, without torch (runtime/engine.py reads artifacts this way), and
-their checked headers (runtime/torch_model.py reads a CPU artifact's files into huge pages by them).
+"""Safetensors files as numpy arrays, without torch (runtime/engine.py reads artifacts this way).
 
 The format (huggingface.co/docs/safetensors): an 8-byte little-endian header length, that many
 bytes of JSON ({name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}),
@@ -15,7 +14,6 @@ from __future__ import annotations
 
 import math
 import mmap
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,18 +26,9 @@ MAX_HEADER = 100 << 20  # safetensors' own limit
 DTYPES = {name: numpy for name, (_, numpy) in SAFETENSORS_DTYPES.items()}  # a safetensors dtype -> numpy's
 
 
-@dataclass(frozen=True)
-class Layout:
-    """A safetensors file's checked header: its size, where the data starts, and each tensor's
-    (safetensors dtype, shape, first byte, end byte) relative to that start."""
-    size: int
-    start: int
-    tensors: dict[str, tuple[str, list[int], int, int]]
-
-
-def layout(path: Path) -> Layout:
-    """The file's header, every bound checked (see above); ArtifactError (one line naming the file and
-    what is wrong) for anything the format does not allow."""
+def read(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    """{name: (safetensors dtype, read-only array)} of every tensor in the file; ArtifactError (one line
+    naming the file and what is wrong) for anything the format does not allow."""
     fix = "the artifact is corrupt: rebuild it"
     try:
         with open(path, "rb") as f:
@@ -50,6 +39,9 @@ def layout(path: Path) -> Layout:
             if not 2 <= n <= min(MAX_HEADER, size - 8):
                 raise ArtifactError(f"{path}: header length {n} does not fit the file ({size} bytes); {fix}")
             header = parse_json_object(f.read(n), str(path), ArtifactError, fix, MAX_HEADER)
+            # MAP_POPULATE: the kernel maps every page now, in one pass, not one fault per 4 KiB page at first use
+            data = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ) \
+                if size > 8 + n else b""
     except OSError as e:
         raise ArtifactError(f"{path}: cannot be read ({e.strerror or e}); {fix}") from None
     start, room = 8 + n, size - 8 - n
@@ -66,30 +58,13 @@ def layout(path: Path) -> Layout:
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
                 and 0 <= offsets[0] <= offsets[1] <= room):
             raise ArtifactError(f"{where}: data_offsets {offsets!r} are not a range of the file's {room} data bytes; {fix}")
-        itemsize = np.dtype(DTYPES[entry["dtype"]]).itemsize
+        dtype = np.dtype(DTYPES[entry["dtype"]])
         count = math.prod(shape)
-        if count * itemsize != offsets[1] - offsets[0]:
-            raise ArtifactError(f"{where}: shape {shape} of {entry['dtype']} is {count * itemsize} bytes, "
+        if count * dtype.itemsize != offsets[1] - offsets[0]:
+            raise ArtifactError(f"{where}: shape {shape} of {entry['dtype']} is {count * dtype.itemsize} bytes, "
                                 f"its data_offsets hold {offsets[1] - offsets[0]}; {fix}")
-        if (start + offsets[0]) % itemsize:  # C reads it as an array of its type: aligned, as quantprep writes it
-            raise ArtifactError(f"{where}: starts at byte {start + offsets[0]}, not aligned to its {itemsize}-byte elements; {fix}")
-        tensors[name] = (entry["dtype"], shape, offsets[0], offsets[1])
-    return Layout(size, start, tensors)
-
-
-def read(path: Path) -> dict[str, tuple[str, np.ndarray]]:
-    """{name: (safetensors dtype, read-only array)} of every tensor in the file; ArtifactError as layout's."""
-    file = layout(path)
-    try:
-        with open(path, "rb") as f:
-            # MAP_POPULATE: the kernel maps every page now, in one pass, not one fault per 4 KiB page at first use
-            data = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ) \
-                if file.size > file.start else b""
-    except OSError as e:
-        raise ArtifactError(f"{path}: cannot be read ({e.strerror or e}); the artifact is corrupt: rebuild it") from None
-    tensors = {}
-    for name, (dtype, shape, begin, _) in file.tensors.items():
-        count = math.prod(shape)
-        array = np.frombuffer(data, DTYPES[dtype], count, file.start + begin) if count else np.empty(0, DTYPES[dtype])
-        tensors[name] = (dtype, array.reshape(shape))
+        if (start + offsets[0]) % dtype.itemsize:  # C reads it as an array of its type: aligned, as quantprep writes it
+            raise ArtifactError(f"{where}: starts at byte {start + offsets[0]}, not aligned to its {dtype.itemsize}-byte elements; {fix}")
+        array = np.frombuffer(data, dtype, count, start + offsets[0]) if count else np.empty(0, dtype)
+        tensors[name] = (entry["dtype"], array.reshape(shape))
     return tensors

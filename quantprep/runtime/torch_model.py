@@ -14,7 +14,6 @@ import functools
 import os
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +22,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from quantprep.errors import ArtifactError, ArtifactMismatch
-from quantprep.format.artifact import DEFAULT_SHAPES, torch_dtypes
-from quantprep.format.safetensors_numpy import layout
+from quantprep.format.artifact import DEFAULT_SHAPES
 from quantprep.runtime import cpu_attention, cpu_layers, plan
 from quantprep.runtime.aot import compile_regions, prefetch_runtime
 from quantprep.runtime.aot import install as install_packages
@@ -229,53 +227,29 @@ THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 MADV_HUGEPAGE, HUGE_PAGE = 14, 2 << 20  # Linux's
 
 
-READ_PART = 64 << 20
-
-
-def read_part(part: tuple[Path, memoryview, int]) -> None:
-    """Bytes [at, at + len(into)) of a file into `into`; ArtifactError if it cannot."""
-    file, into, at = part
-    try:
-        with open(file, "rb") as f:
-            got = os.preadv(f.fileno(), [into], at)
-    except OSError as e:
-        raise ArtifactError(f"{file}: cannot be read ({e.strerror or e}); the artifact is corrupt: rebuild it") from None
-    if got != len(into):
-        raise ArtifactError(f"{file}: {got} bytes read at {at} of {len(into)}; the file changed while it was read: load it again")
-
-
-def read_on_huge_pages(path: Path, shards: list[str]) -> dict[str, torch.Tensor] | None:
-    """The shards' tensors read (no memory map; 64 MiB parts on torch's threads) into one buffer that
-    Linux backs with 2 MiB pages, where its transparent huge pages are on for memory that asks
-    (madvise); None where they are not, or where the files take more than half the memory available.
-    A decode token reads each layer's weights once, from memory,
-    and on 4 KiB pages (a memory map's) the address translations held it to a fraction of the
-    machine's read rate, in a VM most of all (benchmarks/experiments/README.md, "MoE decode on the CPU")."""
+def on_huge_pages(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The CPU tensors of `state` copied into one buffer that Linux backs with 2 MiB pages, where its
+    transparent huge pages are on for memory that asks (madvise). A decode token reads each layer's
+    weights once, from memory, and on 4 KiB pages (the mmapped files') the address translations
+    held it to a fraction of the machine's read rate, in a VM most of all (benchmarks/experiments/README.md,
+    "MoE decode on the CPU")."""
     try:
         mode = THP_MODE.read_text()
-        available = next(int(line.split()[1]) << 10 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None  # not Linux, or no transparent huge pages
-    files = [(path / shard, layout(path / shard)) for shard in shards]  # ArtifactError, one line, for a bad header
-    starts = [0]
-    for _, shape in files:  # each whole file at a 64-byte boundary: its tensors aligned as in it
-        starts.append(starts[-1] + -(-shape.size // 64) * 64)
-    if "[never]" in mode or starts[-1] > available // 2:  # a model near the memory's size: mapped, its pages come and go
-        return None
-    buffer = torch.empty(starts[-1] + HUGE_PAGE, dtype=torch.uint8)  # untouched: its pages come at the reads below, huge
-    base = -buffer.data_ptr() % HUGE_PAGE
+    except OSError:
+        return state  # not Linux, or no transparent huge pages
+    placed = [(k, v) for k, v in state.items() if v.device.type == "cpu" and v.is_contiguous() and v.nbytes >= 4096]
+    total = sum(-(-v.nbytes // 64) * 64 for _, v in placed)
+    if "[never]" in mode or total < HUGE_PAGE:
+        return state
+    buffer = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)  # untouched: the pages come at the copies below, huge
+    offset = -buffer.data_ptr() % HUGE_PAGE
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise(ctypes.c_void_p(buffer.data_ptr() + base), ctypes.c_size_t(starts[-1]), MADV_HUGEPAGE)  # a hint: failing is harmless
-    data = memoryview(buffer.numpy())[base:]
-    parts = [(file, data[at + i:at + min(i + READ_PART, shape.size)], i)
-             for (file, shape), at in zip(files, starts, strict=False) for i in range(0, shape.size, READ_PART)]
-    with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # page-cache copies on every core (os.preadv releases the GIL)
-        list(pool.map(read_part, parts))
-    dtypes, state = torch_dtypes(), {}
-    for (_, shape), at in zip(files, starts, strict=False):
-        for name, (dtype, dims, begin, end) in shape.tensors.items():
-            state[name] = buffer[base + at + shape.start + begin:base + at + shape.start + end].view(dtypes[dtype]).view(dims)
-    return state
+    libc.madvise(ctypes.c_void_p(buffer.data_ptr() + offset), ctypes.c_size_t(total), MADV_HUGEPAGE)  # a hint: failing is harmless
+    out = dict(state)
+    for k, v in placed:
+        out[k] = buffer[offset:offset + v.nbytes].view(v.dtype).view(v.shape).copy_(v)
+        offset += -(-v.nbytes // 64) * 64
+    return out
 
 
 def check_tensors(path: Path, model, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], skip: set[str] = frozenset(),
@@ -382,47 +356,44 @@ def load_model(path: Path, checked: tuple[dict, Target], kcache: Kcache | None, 
     """A checked torch artifact (`checked`: checked.checked_artifact's result; `kcache`: its kcache as
     load opened it, None: not to be used) -> the transformers model, in eval mode (quantprep.load
     says what each option does)."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # 2-4 s of imports an openvino artifact does without
+
     # 1. open: this machine's device and dtype for the artifact, and its kcache's verdict
     art = open_artifact(path, device, dtype, "once", None, checked=checked)
     manifest, device, dtype = art.manifest, art.device, art.dtype
-    with ThreadPoolExecutor(1) as background:  # a CPU artifact's files are read while transformers imports (another core)
-        reading = background.submit(read_on_huge_pages, path, manifest["shards"]) if device.type == "cpu" else None
-        from transformers import AutoConfig, AutoModelForCausalLM  # 2-4 s of imports an openvino artifact does without
-
-        kcache_status = activate_kcache(path, art, kcache, compile)
-        # 2. skeleton: transformers' model from config.json, parameters on the meta device
-        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config  # the modules are swapped here, not by a transformers quantizer
-        untie_quantized_head(config, manifest)
-        with params_on_meta():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
-        # 3. modules: the target's packed modules in place of the quantized Linears
-        install_modules(model, path, art)
-        # Inductor's import overlaps the weight copies below; after from_config, which did this load's own imports
-        prefetch = prefetch_runtime(manifest["kcache"].get("aot", [])) if compile and kcache_status.get("status") == "used" else None
-        # 4. tensors: every one assigned from the safetensors files, each checked against the model's
-        load_tensors(model, path, art, reading)
+    kcache_status = activate_kcache(path, art, kcache, compile)
+    # 2. skeleton: transformers' model from config.json, parameters on the meta device
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the modules are swapped here, not by a transformers quantizer
+    untie_quantized_head(config, manifest)
+    with params_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    # 3. modules: the target's packed modules in place of the quantized Linears
+    install_modules(model, path, art)
+    # Inductor's import overlaps the weight copies below; after from_config, which did this load's own imports
+    prefetch = prefetch_runtime(manifest["kcache"].get("aot", [])) if compile and kcache_status.get("status") == "used" else None
+    # 4. tensors: every one assigned from the safetensors files, each checked against the model's
+    load_tensors(model, path, art)
     # 5. finish: generation config, kernel plan, compile, warm-up
     return finish(model, path, art, kcache_status, compile, warmup, prefetch)
 
 
-def load_tensors(model, path: Path, art: OpenedArtifact, reading: Future | None = None) -> None:
+def load_tensors(model, path: Path, art: OpenedArtifact) -> None:
     """Assign the shards' tensors (in the dtype asked for) to the model, each one's name, dtype and
-    shape checked first; every model tensor must have come from the artifact. `reading`: the shards
-    read into huge pages (read_on_huge_pages, begun at step 1), else they are mapped here."""
-    state = reading.result() if reading is not None else None
-    if state is None:
-        state = {}
-        for shard in art.manifest["shards"]:
-            try:
-                state.update(load_file(path / shard, device=str(art.device)))
-            except Exception as e:
-                raise ArtifactError(f"{path / shard}: cannot read safetensors file ({e}); the artifact is corrupt: rebuild it") from None
+    shape checked first; every model tensor must have come from the artifact."""
+    state: dict[str, torch.Tensor] = {}
+    for shard in art.manifest["shards"]:
+        try:
+            state.update(load_file(path / shard, device=str(art.device)))
+        except Exception as e:
+            raise ArtifactError(f"{path / shard}: cannot read safetensors file ({e}); the artifact is corrupt: rebuild it") from None
     if art.dtype != art.packed_dtype:
         held = model.state_dict(keep_vars=True)
         state = {k: v.to(loaded_dtype(held.get(k), v.dtype, art.dtype, art.packed_dtype)) for k, v in state.items()}
     check_tensors(path, model, {k: (v.dtype, tuple(v.shape)) for k, v in state.items()}, skip=tied_names(model))
+    if art.device.type == "cpu":
+        state = on_huge_pages(state)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
