@@ -201,32 +201,3 @@ def test_gptqmodel_parity(name, parity_refs, tmp_path):
     assert measured["gptqmodel-vs-fp32"][0] < 1e-2 and measured["gptqmodel-vs-fp32"][1] >= 0.95, measured
     assert measured["fp32-vs-dense"][0] < 1e-5, measured
 
-
-def test_a_cpu_load_puts_its_tensors_on_huge_pages(tmp_path, monkeypatch):
-    """torch_model.on_huge_pages: the contiguous CPU tensors of 4 KiB or more copied, equal, into one
-    buffer that starts on a 2 MiB boundary and that asked Linux for huge pages (its mapping carries
-    the `hg` flag); smaller and strided tensors as they were; nothing moved where huge pages are off."""
-    from quantprep.runtime import torch_model
-
-    gen = torch.Generator().manual_seed(0)
-    state = {"weight": torch.randn(1 << 20, generator=gen).bfloat16(), "codes": torch.randint(0, 255, (5000,), dtype=torch.uint8),
-             "small": torch.ones(3), "strided": torch.randn(64, 64, generator=gen).T}
-    if not torch_model.THP_MODE.exists():
-        assert torch_model.on_huge_pages(state) is state
-        pytest.skip("no transparent huge pages here")
-    out = torch_model.on_huge_pages(state)
-    assert all(torch.equal(out[k], state[k]) for k in state)
-    assert out["small"] is state["small"] and out["strided"] is state["strided"]
-    assert out["weight"].untyped_storage().data_ptr() == out["codes"].untyped_storage().data_ptr()
-    start = out["weight"].data_ptr()
-    assert start % torch_model.HUGE_PAGE == 0 and out["codes"].data_ptr() > start
-    if "[never]" not in torch_model.THP_MODE.read_text():
-        mapping = next(m for m in open("/proc/self/smaps").read().split("\n") if "-" in m.split(" ")[0] and
-                       int(m.split("-")[0], 16) <= start < int(m.split(" ")[0].split("-")[1], 16))
-        smaps = open("/proc/self/smaps").read()
-        flags = smaps[smaps.index(mapping):].split("VmFlags:")[1].split("\n")[0].split()
-        assert "hg" in flags, flags
-    off = tmp_path / "enabled"
-    off.write_text("always madvise [never]\n")
-    monkeypatch.setattr(torch_model, "THP_MODE", off)
-    assert torch_model.on_huge_pages(state) is state

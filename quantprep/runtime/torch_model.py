@@ -9,7 +9,6 @@ assigned straight from the (mmapped) safetensors files. This module never import
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import os
 import time
@@ -223,35 +222,6 @@ def loaded_dtype(held: torch.Tensor | None, stored: torch.dtype, dtype: torch.dt
     return torch.float32 if held is not None and held.dtype == torch.float32 else dtype
 
 
-THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-MADV_HUGEPAGE, HUGE_PAGE = 14, 2 << 20  # Linux's
-
-
-def on_huge_pages(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The CPU tensors of `state` copied into one buffer that Linux backs with 2 MiB pages, where its
-    transparent huge pages are on for memory that asks (madvise). A decode token reads each layer's
-    weights once, from memory, and on 4 KiB pages (the mmapped files') the address translations
-    held it to a fraction of the machine's read rate, in a VM most of all (benchmarks/experiments/README.md,
-    "MoE decode on the CPU")."""
-    try:
-        mode = THP_MODE.read_text()
-    except OSError:
-        return state  # not Linux, or no transparent huge pages
-    placed = [(k, v) for k, v in state.items() if v.device.type == "cpu" and v.is_contiguous() and v.nbytes >= 4096]
-    total = sum(-(-v.nbytes // 64) * 64 for _, v in placed)
-    if "[never]" in mode or total < HUGE_PAGE:
-        return state
-    buffer = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)  # untouched: the pages come at the copies below, huge
-    offset = -buffer.data_ptr() % HUGE_PAGE
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise(ctypes.c_void_p(buffer.data_ptr() + offset), ctypes.c_size_t(total), MADV_HUGEPAGE)  # a hint: failing is harmless
-    out = dict(state)
-    for k, v in placed:
-        out[k] = buffer[offset:offset + v.nbytes].view(v.dtype).view(v.shape).copy_(v)
-        offset += -(-v.nbytes // 64) * 64
-    return out
-
-
 def check_tensors(path: Path, model, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], skip: set[str] = frozenset(),
                   prefix: str = "") -> None:
     """Every artifact tensor is one of the model's, with its dtype and shape; every model tensor is in
@@ -392,8 +362,6 @@ def load_tensors(model, path: Path, art: OpenedArtifact) -> None:
         held = model.state_dict(keep_vars=True)
         state = {k: v.to(loaded_dtype(held.get(k), v.dtype, art.dtype, art.packed_dtype)) for k, v in state.items()}
     check_tensors(path, model, {k: (v.dtype, tuple(v.shape)) for k, v in state.items()}, skip=tied_names(model))
-    if art.device.type == "cpu":
-        state = on_huge_pages(state)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
