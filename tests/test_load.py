@@ -200,4 +200,3 @@ def test_gptqmodel_parity(name, parity_refs, tmp_path):
     print(name, measured)
     assert measured["gptqmodel-vs-fp32"][0] < 1e-2 and measured["gptqmodel-vs-fp32"][1] >= 0.95, measured
     assert measured["fp32-vs-dense"][0] < 1e-5, measured
-
