@@ -41,7 +41,8 @@ def smollm2(tmp_path_factory):
     """(gptq dir, bf16 artifact, float32 artifact). Quantizes in a cache dir of its own (nothing from `make build`)."""
     out = tmp_path_factory.mktemp("smollm2")
     env = dict(os.environ, QUANTPREP_CACHE=str(out / "cache"))
-    proc = subprocess.run([sys.executable, "-m", "quantprep", "build", "smollm2-135m", "--out", str(out), "--json"],
+    # --no-warm: warm (56 s on 2 cores) is tested on tiny models (test_warm.py, test_aot.py); nothing here reads a kcache
+    proc = subprocess.run([sys.executable, "-m", "quantprep", "build", "smollm2-135m", "--out", str(out), "--no-warm", "--json"],
                           capture_output=True, text=True, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [result] = json.loads(proc.stdout)
