@@ -40,7 +40,7 @@ from quantprep.runtime.experts import QuantizedExperts
 from quantprep.runtime.fused import FusedMember
 from quantprep.targets import c_library
 from quantprep.targets.c_abi import DecodeLayerArgs, QuantLinearArgs
-from quantprep.targets.cpu import CpuInt4Linear, eager, native_dequantizer, native_int4_a8
+from quantprep.targets.cpu import CpuInt4Linear, eager, native_dequantizer, native_int4_a8, native_int4_gemv
 from quantprep.targets.packed import SLOW_HALF_GEMM, PackedLinear
 
 
@@ -606,13 +606,16 @@ def use(model: nn.Module) -> int:
 
 def c_paths(linear: PackedLinear) -> set[str]:
     """The paths a quantized linear may run that are quantprep's C, built here or not: int4_a8 and
-    int8_a8, and CpuInt4Linear's dense paths (the native dequantizer's tiles). It may run its plan's
-    paths up to plan_max_m rows and its fixed rule's above: one switch, from its kernel to a dense
-    path at DEQUANT_MIN_M, so the rule's two ends are all it picks."""
+    int8_a8, CpuInt4Linear's dense paths (the native dequantizer's tiles) and its int4 path at one
+    bfloat16 row (int4_gemv_cpu). It may run its plan's paths up to plan_max_m rows and its fixed
+    rule's above: one switch, from its kernel to a dense path at DEQUANT_MIN_M, so the rule's two ends
+    are all it picks."""
     if not linear.paths():
         return set()
     picked = {p for _, p in linear.plan} | {linear.default_path(m) for m in (linear.plan_max_m + 1, 1 << 30)}
-    return {p for p in picked if p in ("int4_a8", "int8_a8") or (isinstance(linear, CpuInt4Linear) and linear.native_dense(p))}
+    int4 = isinstance(linear, CpuInt4Linear)
+    one_row = int4 and linear.path_for(1) == "int4" and linear.act_dtype == torch.bfloat16 and linear.pack_block_n in (32, 64)
+    return {p for p in picked if p in ("int4_a8", "int8_a8") or (int4 and linear.native_dense(p))} | ({"int4"} if one_row else set())
 
 
 def expects_c(model: nn.Module) -> bool:
@@ -629,11 +632,11 @@ def c_modules(model: nn.Module) -> dict[str, int]:
     counts = dict.fromkeys(("quantized_linears", "attention", "norms", "mlps", "decoder_layers", "float_linears"), 0)
     if model.config._attn_implementation == cpu_attention.NAME:
         counts["attention"] = model.config.num_hidden_layers
-    dequantizer = native_dequantizer() is not None
+    built = {"dequant": native_dequantizer() is not None, "int4": native_int4_gemv() is not None}
+    built["dequant_f32"] = built["dequant"]
     for m in model.modules():
         if isinstance(m, PackedLinear):
-            paths = c_paths(m)
-            counts["quantized_linears"] += bool(paths - {"dequant", "dequant_f32"} or (paths and dequantizer))
+            counts["quantized_linears"] += any(built.get(p, True) for p in c_paths(m))  # an a8 path is planned only where it built
         elif isinstance(m, CpuDecoderLayer):  # the classes below exist only where their library built (use)
             attn, mlp = m._modules["self_attn"]._modules, m._modules["mlp"]._modules
             projections = (attn.get("qkv_proj"), attn.get("o_proj"), mlp.get("gate_up_proj"), mlp.get("down_proj"))
