@@ -298,11 +298,11 @@ def test_a_client_that_goes_away_cancels_its_generation(tmp_path):
     _, art = openvino_artifact(tmp_path, WIDE, tokenizer=True, bits=4, group_size=64)
     proc, client = serve_with_client(art)
     try:
-        new = 2000  # within the 2048-token context
+        new = 600  # within the 2048-token context; the next request after a drop must not wait for it
         t0 = time.perf_counter()
         full = client.completions.create(model=str(art), prompt="l m", max_tokens=new, temperature=0)
         whole = time.perf_counter() - t0
-        assert full.usage.completion_tokens > 1000, full.usage  # long enough to tell apart
+        assert full.usage.completion_tokens > 300, full.usage  # long enough to tell apart
         stream = client.completions.create(model=str(art), prompt="l m", max_tokens=new, temperature=0, stream=True)
         next(iter(stream))
         stream.close()
