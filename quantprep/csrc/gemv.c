@@ -143,13 +143,17 @@ static void block_columns(const QuantLinear *w, int64_t n0, int64_t width, const
    is input column perm[k], perm NULL: k; k >= `in` or a perm value out of range reads 0; (scale,
    zero) bfloat16 pairs [padded_in / group, out]) into row r of out (row stride ldo), for r < rows:
    an MoE token's experts, each its own weight, in one call. Threads take runs of the blocks of all
-   the rows. Returns 0; -1 when out of memory; -2 for a block other than 32 or 64, or a group size
-   over 256 or not dividing padded_in. */
+   the rows. Returns 0; -1 when out of memory; -2 for a block other than 32 or 64, a group size
+   over 256 or not dividing padded_in, or a negative size. */
 int int4_gemv_rows(const QuantLinear *const *w, const uint16_t *x, int64_t ldx, int64_t rows, uint16_t *out, int64_t ldo, int threads) {
     int64_t floats = 0;
+    if (rows < 0) return -2;
+    threads = threads > 0 ? threads : 1;
     for (int64_t r = 0; r < rows; r++) {
         const QuantLinear *p = w[r];
-        if ((p->block != 32 && p->block != 64) || p->group <= 0 || p->group > 256 || p->padded_in % p->group) return -2;
+        if ((p->block != 32 && p->block != 64) || p->group <= 0 || p->group > 256 || p->padded_in % p->group ||
+            p->in < 0 || p->in > p->padded_in || p->out < 0)
+            return -2;
         floats += p->padded_in + p->padded_in / p->group + (p->padded_in + 1) / 2; /* xf, xsum, xb */
     }
     float *xf = malloc(floats * sizeof(float) + 2 * (rows + 1) * sizeof(int64_t) + 8);

@@ -206,9 +206,11 @@ class CpuQuantizedExperts(Replacement):
         if hidden_states.numel() != H or not runs_here(hidden_states) or (gemv := gemv_library()) is None or \
                 (lib := library()) is None or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
             return None  # a global hook must see each projection's call
+        k = top_k_index.shape[-1]
+        if not k or top_k_index.numel() != k or top_k_weights.numel() != k:
+            return None  # not one token's k experts: the replaced forward's to take (or refuse)
         experts = top_k_index.reshape(-1).tolist()
-        k = len(experts)
-        if not k or not all(0 <= e < self.num_experts for e in experts):
+        if not all(0 <= e < self.num_experts for e in experts):
             return None  # transformers' expert-parallel sentinel: the replaced forward's zeros
         projections = [self.expert_args(e) for e in experts]
         if None in projections:
@@ -217,12 +219,9 @@ class CpuQuantizedExperts(Replacement):
         down = (ctypes.c_void_p * k)(*(ctypes.addressof(p[1]) for p in projections))
         gu = hidden_states.new_empty(k, 2 * inter)
         y = hidden_states.new_empty(k, H)
-        threads = torch.get_num_threads()
-        if gemv.int4_gemv_rows(gate_up, hidden_states.data_ptr(), 0, k, gu.data_ptr(), 2 * inter, threads):
-            raise MemoryError("int4_gemv_rows could not allocate its activations")
+        gemv_rows(gemv, gate_up, hidden_states, 0, k, gu, 2 * inter)
         act = silu_mul(lib, gu)  # held here: C reads it
-        if gemv.int4_gemv_rows(down, act.data_ptr(), inter, k, y.data_ptr(), H, threads):
-            raise MemoryError("int4_gemv_rows could not allocate its activations")
+        gemv_rows(gemv, down, act, inter, k, y, H)
         return self.combine(y, top_k_weights.reshape(-1, 1), 1, k).to(hidden_states.dtype).reshape(hidden_states.shape)
 
     def expert_args(self, e: int) -> tuple[QuantLinearArgs, QuantLinearArgs] | None:
@@ -241,6 +240,15 @@ class CpuQuantizedExperts(Replacement):
         return silu_mul(lib, gate_up)
 
 
+def gemv_rows(lib: ctypes.CDLL, weights, x: torch.Tensor, ldx: int, rows: int, out: torch.Tensor, ldo: int) -> None:
+    """int4_gemv_rows on torch's threads; its refusals raised."""
+    status = lib.int4_gemv_rows(weights, x.data_ptr(), ldx, rows, out.data_ptr(), ldo, torch.get_num_threads())
+    if status == -1:
+        raise MemoryError("int4_gemv_rows could not allocate its activations")
+    if status:
+        raise ValueError(f"int4_gemv_rows refused these projections ({status})")
+
+
 @functools.cache
 def gemv_library() -> ctypes.CDLL | None:
     """csrc/gemv.c compiled, as targets/cpu.py's native_int4_gemv."""
@@ -252,7 +260,7 @@ def quant_linear_args(linear: nn.Module, path: str = "int4_a8") -> QuantLinearAr
     where the block is one it reads) and that writes its outputs unpadded, with a bfloat16 bias if any; else None."""
     if type(linear) is not CpuInt4Linear or linear.path_for(1) != path or linear.padded_out != linear.out_features or \
             linear._forward_hooks or linear._forward_pre_hooks or "forward" in vars(linear) or \
-            (path == "int4" and linear.pack_block_n not in (32, 64)):
+            (path == "int4" and (linear.pack_block_n not in (32, 64) or linear.act_dtype != torch.bfloat16)):
         return None
     bias = linear.bias
     if bias is not None and not runs_here(bias, bias, (linear.out_features,)):

@@ -297,10 +297,12 @@ class CpuInt4Linear(PackedLinear):
         return ("int4", dense_path(self.act_dtype, "cpu"), *a8)
 
     def gemv(self, x: torch.Tensor) -> bool:
-        """Whether int4_gemv_cpu runs the int4 path for x: one real bfloat16 CPU row (at two it re-reads
-        each block from cache and lost to torch's kernel), a block it reads, and the library built."""
+        """Whether int4_gemv_cpu runs the int4 path for x: one real bfloat16 CPU row that needs no
+        gradient (at two rows it re-reads each block from cache and lost to torch's kernel), a block it
+        reads, and the library built."""
         return x.shape[0] == 1 and x.dtype == torch.bfloat16 and self.act_dtype == torch.bfloat16 and \
-            self.pack_block_n in (32, 64) and eager(x) and x.device.type == "cpu" and native_int4_gemv() is not None
+            self.pack_block_n in (32, 64) and eager(x) and x.device.type == "cpu" and \
+            not (torch.is_grad_enabled() and x.requires_grad) and native_int4_gemv() is not None  # C keeps no autograd history
 
     def default_path(self, m: int) -> str:
         return dense_path(self.act_dtype, "cpu") if self.pack_block_n and m >= self.DEQUANT_MIN_M else "int4"
@@ -379,7 +381,8 @@ class CpuInt4Linear(PackedLinear):
                 raise ValueError(f"{path} runs real cpu tensors only ({self.in_features}x{self.out_features})")
             perm, qweight, sz = buffers
             block = native_a8_block() if path == "int4_a8" else self.pack_block_n if self.pack_block_n in (32, 64) else None
-            if any(t is not None and not t.is_contiguous() for t in buffers) or sz.dtype != torch.bfloat16 or \
+            if any(t is not None and (not t.is_contiguous() or t.data_ptr() % t.element_size()) for t in buffers) or \
+                    sz.dtype != torch.bfloat16 or \
                     sz.shape != (self.padded_in // self.kernel_group_size, self.padded_out, 2) or self.pack_block_n != block or \
                     qweight.dtype != torch.uint8 or qweight.numel() * 2 != self.padded_in * self.padded_out or \
                     (perm is not None and (perm.numel() != self.in_features or perm.dtype != torch.int32)):

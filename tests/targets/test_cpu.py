@@ -563,8 +563,9 @@ def test_int4_gemv_is_the_kernel_s_weight_times_the_activations(K, N, gs, act_or
 
 
 def test_a_decode_row_runs_int4_gemv_and_refuses_what_it_cannot_read(monkeypatch):
-    """The int4 path of one bfloat16 row runs int4_gemv_cpu (two rows: torch's kernel), with the
-    kernel's numbers; a block other than 32 or 64 is refused (-2), never read."""
+    """The int4 path of one bfloat16 row runs int4_gemv_cpu (two rows, or a row that needs its
+    gradient: torch's kernel), with the kernel's numbers; a block other than 32 or 64, or a negative
+    size, is refused (-2), never read."""
     from quantprep.targets import cpu
 
     require_c(cpu.native_int4_gemv() is not None)
@@ -578,9 +579,20 @@ def test_a_decode_row_runs_int4_gemv_and_refuses_what_it_cannot_read(monkeypatch
     with torch.no_grad():
         one, two = module(x[:1]), module(x)
     assert rows == [1]
+    with torch.enable_grad():  # a row that needs its gradient: torch's op, never C (which keeps no autograd history)
+        try:
+            module(x[:1].clone().requires_grad_(True))
+        except RuntimeError as e:  # torch's int4 op has no derivative
+            assert "derivative" in str(e) or "grad" in str(e), e
+    assert rows == [1]
     kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(module.gather(x[:1]), module.qweight, module.kernel_group_size,
                                                          module.scales_and_zeros)
     assert rel_err(one.double(), kernel.double()) < 2e-3 and rel_err(one.double(), two[:1].double()) < 2e-3
     out = torch.empty(1, 192, dtype=torch.bfloat16)
-    assert gemv(x.data_ptr(), 1, 512, module.perm.data_ptr(), 512, module.qweight.data_ptr(),
-                module.scales_and_zeros.data_ptr(), 512, 192, 128, 48, out.data_ptr(), 192, 1) == -2
+    args = [x.data_ptr(), 1, 512, module.perm.data_ptr(), 512, module.qweight.data_ptr(), module.scales_and_zeros.data_ptr(),
+            512, 192, 128, 48, out.data_ptr(), 192, 1]
+    assert gemv(*args) == -2
+    args[10] = module.pack_block_n
+    assert gemv(*args) == 0
+    for i, bad in ((1, -1), (4, -5), (8, -192), (4, 600)):  # rows; in; out; in past the padded rows
+        assert gemv(*args[:i], bad, *args[i + 1:]) == -2, (i, bad)
