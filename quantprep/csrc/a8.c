@@ -212,10 +212,7 @@ int int4_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int32_t *perm, 
 #pragma omp parallel num_threads(threads)
 #endif
     {
-        int64_t t = 0, T = 1;
-#ifdef GNU_OPENMP
-        t = omp_get_thread_num(), T = omp_get_num_threads();
-#endif
+        int64_t t = thread_index(), T = thread_count();
         for (int64_t i = t; i < M * G; i += T) quantize_group(x, ldx, perm, K_in, Kp, gs, i / G, i % G, xq, xs, xsum);
 #ifdef GNU_OPENMP
 #pragma omp barrier
@@ -310,10 +307,7 @@ int int8_a8_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int8_t *w, cons
 #pragma omp parallel num_threads(threads)
 #endif
     {
-        int64_t t = 0, T = 1;
-#ifdef GNU_OPENMP
-        t = omp_get_thread_num(), T = omp_get_num_threads();
-#endif
+        int64_t t = thread_index(), T = thread_count();
         for (int64_t i = t; i < M * G; i += T) {
             quantize_group(x, ldx, NULL, K, K, gs, i / G, i % G, xq, xs, xs + M * G);
             const int8_t *q = xq + (i / G) * K + (i % G) * gs;

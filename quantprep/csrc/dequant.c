@@ -97,10 +97,7 @@ int dequant_int4_cpu(const uint8_t *packed, const int32_t *dest, const void *sz,
 #pragma omp parallel num_threads(threads) reduction(| : failed)
 #endif
     {
-        int64_t t = 0, T = 1;
-#ifdef GNU_OPENMP
-        t = omp_get_thread_num(), T = omp_get_num_threads();
-#endif
+        int64_t t = thread_index(), T = thread_count();
         int64_t per = (blocks + T - 1) / T * block, c0 = n_begin + t * per, c1 = c0 + per < n_end ? c0 + per : n_end;
         float *s = c0 < c1 ? malloc(2 * (c1 - c0) * sizeof(float)) : NULL, *z = s ? s + (c1 - c0) : NULL; /* none: no columns left */
         failed |= c0 < c1 && s == NULL;

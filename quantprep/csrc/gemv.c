@@ -169,12 +169,7 @@ int int4_gemv_rows(const QuantLinear *const *w, const uint16_t *x, int64_t ldx, 
 #pragma omp parallel num_threads(threads)
 #endif
     {
-        int64_t t = 0, T = 1;
-#ifdef GNU_OPENMP
-        t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-        (void)threads;
-#endif
+        int64_t t = thread_index(), T = thread_count();
         for (int64_t r = t; r < rows; r += T) { /* x gathered into each weight's row order, and each group's sum */
             const QuantLinear *p = w[r];
             float *f = xf + at[r], *sum = f + p->padded_in;

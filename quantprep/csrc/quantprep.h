@@ -16,6 +16,21 @@
 #include <omp.h>
 #define GNU_OPENMP 1 /* libgomp's: the runtime c_library.library_with_torch_openmp checked torch runs on */
 #endif
+/* Inside a parallel region: this thread's index and the team's size (0 and 1 without OpenMP) */
+static inline int64_t thread_index(void) {
+#ifdef GNU_OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+static inline int64_t thread_count(void) {
+#ifdef GNU_OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
 
 /* bfloat16 <-> float: widening is exact; narrowing rounds to nearest even */
 static inline float from_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
