@@ -152,11 +152,12 @@ def test_an_untrusted_model_cache_is_not_used(tmp_path, monkeypatch):
 
 
 def test_a_torch_load_refuses_an_openvino_artifact_and_its_loads_import_neither_the_build_nor_torch(tmp_path):
+    from quantprep.runtime.checked import checked_artifact
     from quantprep.runtime.torch_model import open_artifact
 
     _, art = openvino_artifact(tmp_path, LLAMA, bits=4, group_size=64)
     with pytest.raises(quantprep.ArtifactMismatch, match="runs in OpenVINO"):
-        open_artifact(art, None, None, "once", None)
+        open_artifact(art, checked_artifact(art, "once", None), None, None)
     from transformers import AutoModelForCausalLM
 
     with pytest.raises(quantprep.ArtifactMismatch, match="OpenVINO IR"):

@@ -31,6 +31,7 @@ from quantprep.distribution.policy import check_signature, signature_policy
 from quantprep.distribution.signing import configured_key
 from quantprep.errors import ArtifactError, ArtifactMismatch
 from quantprep.format.artifact import WEIGHTS_INDEX, torch_dtypes
+from quantprep.runtime.checked import checked_artifact
 from quantprep.runtime.kcache import Kcache
 from quantprep.runtime.torch_model import (
     activate_kcache,
@@ -146,7 +147,7 @@ class QuantprepQuantizer(HfQuantizer):
             ref = f"hf://{model.config.name_or_path}"
             hub_signed, key = check_signature(path, *signature_policy(ref, key), ref), None
         device = _device_of(self.device_map, None)
-        art = open_artifact(path, device, self.dtype, "once", key)
+        art = open_artifact(path, checked_artifact(path, "once", key), device, self.dtype)
         if (q.target, q.act_dtype) != (art.manifest["target"]["name"], art.manifest["target"]["act_dtype"]):
             raise ArtifactError(f"{path}/config.json: quantization_config says target {q.target} ({q.act_dtype}), the manifest "
                                 f"{art.manifest['target']['name']} ({art.manifest['target']['act_dtype']}); the artifact is inconsistent: rebuild it")

@@ -25,7 +25,7 @@ from quantprep.format.artifact import DEFAULT_SHAPES
 from quantprep.runtime import cpu_attention, cpu_layers, plan
 from quantprep.runtime.aot import compile_regions, prefetch_runtime
 from quantprep.runtime.aot import install as install_packages
-from quantprep.runtime.checked import check_compat, checked_artifact, rebuild_command
+from quantprep.runtime.checked import check_compat, rebuild_command
 from quantprep.runtime.experts import check_experts_installed, install_experts
 from quantprep.runtime.fused import in_model
 from quantprep.runtime.fused import install as install_fused
@@ -131,12 +131,12 @@ class OpenedArtifact:
     emulate: bool  # running another device's artifact through that target's CPU path
 
 
-def open_artifact(path: Path, device: str | torch.device | None, dtype: torch.dtype | None, verify: str, key,
-                  checked: tuple[dict, Target] | None = None) -> OpenedArtifact:
-    """Every check before a byte of weights is read (checked_artifact, unless `checked` is its
-    result), then this machine's compatibility key, the device and dtype. Returns what the later
-    steps need (OpenedArtifact), read and checked once."""
-    manifest, target = checked or checked_artifact(path, verify, key)
+def open_artifact(path: Path, checked: tuple[dict, Target], device: str | torch.device | None,
+                  dtype: torch.dtype | None) -> OpenedArtifact:
+    """A checked artifact (`checked`: checked.checked_artifact's result, every check before a byte of
+    weights is read) on this machine: its compatibility key, the device and dtype. Returns what the
+    later steps need (OpenedArtifact), read and checked once."""
+    manifest, target = checked
     if target.kind != "torch":
         raise ArtifactMismatch(f"{path}: an {target.name} artifact runs in OpenVINO: load it with quantprep.load, "
                                "`quantprep generate` or `quantprep serve`")
@@ -329,7 +329,7 @@ def load_model(path: Path, checked: tuple[dict, Target], kcache: Kcache | None, 
     from transformers import AutoConfig, AutoModelForCausalLM  # 2-4 s of imports an openvino artifact does without
 
     # 1. open: this machine's device and dtype for the artifact, and its kcache's verdict
-    art = open_artifact(path, device, dtype, "once", None, checked=checked)
+    art = open_artifact(path, checked, device, dtype)
     manifest, device, dtype = art.manifest, art.device, art.dtype
     kcache_status = activate_kcache(path, art, kcache, compile)
     # 2. skeleton: transformers' model from config.json, parameters on the meta device

@@ -128,7 +128,7 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
                                  "or `quantprep prepack` to serve it")
         from quantprep.runtime.torch_model import open_artifact
 
-        open_artifact(path, None if device == "auto" else device, None, "once", key, checked=(manifest, target))  # refusals in one line, before loading
+        open_artifact(path, (manifest, target), None if device == "auto" else device, None)  # refusals in one line, before loading
         hub_offline()
         backend = openai_server.TorchBackend(path, device, trust_kcache, key, signed or key is not None)
     openai_server.run(backend, host, port, warmup, ready)
