@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from quantprep._io.background import in_thread
 from quantprep.distribution.signing import configured_key
 from quantprep.format.verified import check_verify_mode
-from quantprep.runtime.checked import check_compat, checked_artifact
+from quantprep.runtime.checked import checked_artifact
 from quantprep.runtime.kcache import Kcache
 
 if TYPE_CHECKING:
@@ -81,8 +81,7 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, dtyp
     if target.kind == "graph":  # OpenVINO runs it (runtime/openvino.py): no torch, no transformers model
         from quantprep.runtime import openvino
 
-        check_compat(path, manifest, target)
-        return openvino.load(path, manifest, None if device is None else str(device), exact=str(dtype) == "torch.float32",
+        return openvino.load(path, (manifest, target), None if device is None else str(device), exact=str(dtype) == "torch.float32",
                              kcache=kernel_cache)
     # 2-5. its modules run in torch: skeleton, modules, tensors, finish (runtime/torch_model.py)
     from quantprep.runtime.torch_model import load_model

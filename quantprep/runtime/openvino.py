@@ -28,12 +28,17 @@ import time
 import warnings
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from quantprep.errors import ArtifactError, ArtifactMismatch, QuantprepError
 from quantprep.format.artifact import OPENVINO_FILES, OPENVINO_MODEL, OPENVINO_WEIGHTS
+from quantprep.runtime.checked import check_compat
 from quantprep.runtime.kcache import Kcache, untrusted_message
+
+if TYPE_CHECKING:
+    from quantprep.targets.base import Target
 
 CACHE_SUBDIR = "openvino"  # kcache/openvino/: OpenVINO's CACHE_DIR
 # The plugin computes what the IR says: f32 arithmetic, no dynamic int8 quantization of the
@@ -307,9 +312,12 @@ class _Output:
         self.logits = logits
 
 
-def load(path: Path, manifest: dict, device: str | None, exact: bool, kcache: Kcache | None) -> OpenVINOModel:
-    """An openvino artifact that passed load's checks -> OpenVINOModel (its graph checked, nothing
-    compiled yet); `kcache`: the artifact's, as load opened it (None: not to be used)."""
+def load(path: Path, checked: tuple[dict, Target], device: str | None, exact: bool, kcache: Kcache | None) -> OpenVINOModel:
+    """A checked openvino artifact (`checked`: checked.checked_artifact's result) -> OpenVINOModel, once
+    it fits this machine (check_compat; its graph checked, nothing compiled yet); `kcache`: the
+    artifact's, as load opened it (None: not to be used)."""
+    manifest, target = checked
+    check_compat(path, manifest, target)
     device = device_name(device)
     check_files(path, manifest)
     ir = checked_ir(path, manifest)

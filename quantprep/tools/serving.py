@@ -98,7 +98,7 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
     from quantprep.distribution.signing import configured_key
     from quantprep.errors import QuantprepError
     from quantprep.format.artifact import WEIGHTS_INDEX
-    from quantprep.runtime.checked import check_compat, checked_artifact
+    from quantprep.runtime.checked import checked_artifact
     from quantprep.runtime.load import is_reference
     from quantprep.tools import openai_server
 
@@ -114,11 +114,9 @@ def serve(src: str, host: str = "127.0.0.1", port: int = 8000, warmup: bool = Tr
     manifest, target = checked_artifact(path, "once", key)  # every file hashed; a target this quantprep has
     if target.kind == "graph":
         from quantprep.runtime import openvino
-
-        check_compat(path, manifest, target)
         from quantprep.runtime.kcache import Kcache
 
-        model = openvino.load(path, manifest, None if device == "auto" else device, exact=False,
+        model = openvino.load(path, (manifest, target), None if device == "auto" else device, exact=False,
                               kcache=Kcache(path, manifest, trust_kcache, signed or key is not None))
         hub_offline()
         backend = openai_server.OpenVINOBackend(model)
