@@ -40,7 +40,7 @@ from quantprep.runtime.experts import QuantizedExperts
 from quantprep.runtime.fused import FusedMember
 from quantprep.targets import c_library
 from quantprep.targets.c_abi import DecodeLayerArgs, QuantLinearArgs
-from quantprep.targets.cpu import CpuInt4Linear, eager, native_dequantizer, native_int4_a8, native_int4_gemv
+from quantprep.targets.cpu import CpuInt4Linear, eager, gemv_library, native_dequantizer, native_int4_a8
 from quantprep.targets.packed import SLOW_HALF_GEMM, PackedLinear
 
 
@@ -249,18 +249,12 @@ def gemv_rows(lib: ctypes.CDLL, weights, x: torch.Tensor, ldx: int, rows: int, o
         raise ValueError(f"int4_gemv_rows refused these projections ({status})")
 
 
-@functools.cache
-def gemv_library() -> ctypes.CDLL | None:
-    """csrc/gemv.c compiled, as targets/cpu.py's native_int4_gemv."""
-    return c_library.library_with_torch_openmp("gemv")
-
-
 def quant_linear_args(linear: nn.Module, path: str = "int4_a8") -> QuantLinearArgs | None:
     """The C arguments of a projection whose plan runs `path` at one row (int4_a8, or int4: int4_gemv_cpu
     where the block is one it reads) and that writes its outputs unpadded, with a bfloat16 bias if any; else None."""
     if type(linear) is not CpuInt4Linear or linear.path_for(1) != path or linear.padded_out != linear.out_features or \
             linear._forward_hooks or linear._forward_pre_hooks or "forward" in vars(linear) or \
-            (path == "int4" and (linear.pack_block_n not in (32, 64) or linear.act_dtype != torch.bfloat16)):
+            (path == "int4" and not linear.gemv_reads()):
         return None
     bias = linear.bias
     if bias is not None and not runs_here(bias, bias, (linear.out_features,)):
@@ -622,7 +616,7 @@ def c_paths(linear: PackedLinear) -> set[str]:
         return set()
     picked = {p for _, p in linear.plan} | {linear.default_path(m) for m in (linear.plan_max_m + 1, 1 << 30)}
     int4 = isinstance(linear, CpuInt4Linear)
-    one_row = int4 and linear.path_for(1) == "int4" and linear.act_dtype == torch.bfloat16 and linear.pack_block_n in (32, 64)
+    one_row = int4 and linear.path_for(1) == "int4" and linear.gemv_reads()
     return {p for p in picked if p in ("int4_a8", "int8_a8") or (int4 and linear.native_dense(p))} | ({"int4"} if one_row else set())
 
 
@@ -640,7 +634,7 @@ def c_modules(model: nn.Module) -> dict[str, int]:
     counts = dict.fromkeys(("quantized_linears", "attention", "norms", "mlps", "decoder_layers", "float_linears"), 0)
     if model.config._attn_implementation == cpu_attention.NAME:
         counts["attention"] = model.config.num_hidden_layers
-    built = {"dequant": native_dequantizer() is not None, "int4": native_int4_gemv() is not None}
+    built = {"dequant": native_dequantizer() is not None, "int4": gemv_library() is not None}
     built["dequant_f32"] = built["dequant"]
     for m in model.modules():
         if isinstance(m, PackedLinear):

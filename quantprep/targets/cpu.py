@@ -180,10 +180,18 @@ def native_int8_a8():
     return c_library.library_with_torch_openmp("a8").int8_a8_cpu if native_a8_block() else None
 
 
+GEMV_BLOCKS = (32, 64)  # the pack blocks csrc/gemv.c reads
+
+
 @functools.cache
+def gemv_library():
+    """csrc/gemv.c compiled (int4_gemv_cpu, int4_gemv_rows), or None without a C compiler. OpenMP as native_dequantizer."""
+    return c_library.library_with_torch_openmp("gemv")
+
+
 def native_int4_gemv():
-    """`int4_gemv_cpu` (csrc/gemv.c), or None without a C compiler. OpenMP as native_dequantizer."""
-    lib = c_library.library_with_torch_openmp("gemv")
+    """`int4_gemv_cpu` (csrc/gemv.c), or None without a C compiler."""
+    lib = gemv_library()
     return None if lib is None else lib.int4_gemv_cpu
 
 
@@ -296,12 +304,15 @@ class CpuInt4Linear(PackedLinear):
         a8 = ("int4_a8",) if self.act_dtype == torch.bfloat16 and self.pack_block_n == native_a8_block() else ()
         return ("int4", dense_path(self.act_dtype, "cpu"), *a8)
 
+    def gemv_reads(self) -> bool:
+        """Whether int4_gemv_cpu can read this module: bfloat16 activations and one of its blocks."""
+        return self.act_dtype == torch.bfloat16 and self.pack_block_n in GEMV_BLOCKS
+
     def gemv(self, x: torch.Tensor) -> bool:
         """Whether int4_gemv_cpu runs the int4 path for x: one real bfloat16 CPU row that needs no
-        gradient (at two rows it re-reads each block from cache and lost to torch's kernel), a block it
-        reads, and the library built."""
-        return x.shape[0] == 1 and x.dtype == torch.bfloat16 and self.act_dtype == torch.bfloat16 and \
-            self.pack_block_n in (32, 64) and eager(x) and x.device.type == "cpu" and \
+        gradient (at two rows it re-reads each block from cache and lost to torch's kernel), a module
+        it reads, and the library built."""
+        return x.shape[0] == 1 and x.dtype == torch.bfloat16 and self.gemv_reads() and eager(x) and x.device.type == "cpu" and \
             not (torch.is_grad_enabled() and x.requires_grad) and native_int4_gemv() is not None  # C keeps no autograd history
 
     def default_path(self, m: int) -> str:
@@ -380,7 +391,7 @@ class CpuInt4Linear(PackedLinear):
             if any(t is not None and (not eager(t) or t.device.type != "cpu") for t in buffers):
                 raise ValueError(f"{path} runs real cpu tensors only ({self.in_features}x{self.out_features})")
             perm, qweight, sz = buffers
-            block = native_a8_block() if path == "int4_a8" else self.pack_block_n if self.pack_block_n in (32, 64) else None
+            block = native_a8_block() if path == "int4_a8" else self.pack_block_n if self.gemv_reads() else None
             if any(t is not None and (not t.is_contiguous() or t.data_ptr() % t.element_size()) for t in buffers) or \
                     sz.dtype != torch.bfloat16 or \
                     sz.shape != (self.padded_in // self.kernel_group_size, self.padded_out, 2) or self.pack_block_n != block or \
