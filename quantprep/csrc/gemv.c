@@ -14,11 +14,17 @@
 #else
 #define GEMV_AVX512 0
 #endif
-#ifndef GEMV_AHEAD /* how far ahead (bytes) a thread prefetches its stream of blocks; 0: not at all */
-#define GEMV_AHEAD 2048
+/* How far ahead (bytes) a thread prefetches its stream of blocks (0: not at all), and into which cache
+   (__builtin_prefetch's locality: 2, L2): from memory, the fastest of the distances and levels tried
+   (benchmarks/experiments/cpu_moe_prefetch.py) */
+#ifndef GEMV_AHEAD
+#define GEMV_AHEAD 6144
+#endif
+#ifndef GEMV_LOCALITY
+#define GEMV_LOCALITY 2
 #endif
 #if GEMV_AHEAD
-#define PREFETCH(p) __builtin_prefetch((const char *)(p) + GEMV_AHEAD, 0, 3)
+#define PREFETCH(p) __builtin_prefetch((const char *)(p) + GEMV_AHEAD, 0, GEMV_LOCALITY)
 #else
 #define PREFETCH(p) ((void)0)
 #endif
