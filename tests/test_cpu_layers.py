@@ -230,10 +230,17 @@ def test_a_loaded_artifact_uses_them(random_artifact, monkeypatch):
     counting = Counting(cpu_layers.library())
     monkeypatch.setattr(cpu_layers, "library", lambda: counting)
     ours = prefill_and_decode(model, prompt)
-    layers = model.config.num_hidden_layers
-    # gemv: the decode steps' one row each (the prefill's logits of every position take torch's)
-    assert counting.calls == {"rms_norm": 3 * (2 * layers + 1), "silu_mul": 3 * layers, "rotary": 2 * layers,
-                              "gemv_bf16": 2 * cpu_layers.gemv_bf16_built(), "decode_layer": 0}  # no int4_a8 plan
+    layers, gemv = model.config.num_hidden_layers, 2 * cpu_layers.gemv_bf16_built()
+    # the prefill: the modules; each decode step: a decode_layer call a layer (int4_gemv_cpu for the default
+    # plans' int4 path), the final norm, gemv for the lm_head's one row (the prefill's logits take torch's)
+    assert counting.calls == {"rms_norm": 2 * layers + 3, "silu_mul": layers, "rotary": 0, "gemv_bf16": gemv, "decode_layer": 2 * layers}
+    counting.calls = dict.fromkeys(counting.calls, 0)
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_layers, "layer_kernel", lambda path: None)  # each module's own C forward
+        modules = prefill_and_decode(model, prompt)
+    assert counting.calls == {"rms_norm": 3 * (2 * layers + 1), "silu_mul": 3 * layers, "rotary": 2 * layers, "gemv_bf16": gemv,
+                              "decode_layer": 0}
+    assert torch.equal(ours, modules)  # decode_layer makes the modules' C calls
     for m in model.modules():  # each replaced module with its own class's forward again
         if isinstance(m, (cpu_layers.CpuRMSNorm, cpu_layers.CpuGatedMLP, cpu_layers.CpuDecodeAttention)):
             m.forward = m.replaced.forward.__get__(m)

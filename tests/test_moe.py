@@ -203,6 +203,91 @@ def test_a_decode_token_and_the_c_silu_product_compute_what_the_grouped_torch_pa
     assert alone.abs().sum() > 0
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_a_sparse_decoder_layer_is_one_c_call_that_sees_its_experts_change(moe, arch, monkeypatch):
+    """At batch 1 each decode step of a Qwen3-MoE or Mixtral bfloat16 CPU model is one decode_layer call per
+    layer (its sparse block in C: the router's gemv_bf16, softmax, top-k, the k experts' two int4_gemv_rows
+    calls). It picks the router's experts and gives the modules' logits. An expert hooked or given another weight after the layer's arguments
+    were built is seen after the call that ran it: the step takes the modules (the hook sees its call,
+    the new weight counts) and the layer leaves C until its arguments can be built again."""
+    from native_c import require_c
+
+    from quantprep.runtime import cpu_layers
+
+    require_c(cpu_layers.library() is not None and cpu_layers.gemv_library() is not None and cpu_layers.gemv_bf16_built())
+    model = quantprep.load(moe(arch) / "cpu")
+    layers = model.model.layers
+    sparse = [layer for layer in layers if cpu_layers.sparse_routing(layer.mlp) is not None]
+    assert len(sparse) == len(layers) == 2
+    calls = {"decode_layer": 0}
+    lib = cpu_layers.library()
+
+    class Counted:
+        def __getattr__(self, name):
+            calls[name] = calls.get(name, 0) + 1
+            return getattr(lib, name)
+
+    monkeypatch.setattr(cpu_layers, "library", Counted)
+    router_picks = []
+    for layer in sparse:  # the router's own choice, from transformers' code on the C layer's input
+        gate = layer.mlp.gate
+        layer.post_attention_layernorm.register_forward_hook(lambda m, a, out, gate=gate: router_picks.append(gate(out)[2]))
+
+    def steps(tokens=(7, 9), after_prefill=lambda: None):
+        with torch.no_grad():
+            out = model(input_ids=PROMPTS[:1], use_cache=True)
+            after_prefill()
+            logits = []
+            for token in tokens:
+                out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+                logits.append(out.logits[0, -1].float())
+        return torch.stack(logits)
+
+    for layer in sparse:  # hooks only on the norms' outputs until the C layer has run: take them off for it
+        layer.post_attention_layernorm._forward_hooks.clear()
+    ours = steps()
+    assert calls["decode_layer"] == 2 * len(layers)
+    chosen = [sorted(vars(layer)["_decode_layer"][4][1]) for layer in sparse]
+    for layer in sparse:
+        gate = layer.mlp.gate
+        layer.post_attention_layernorm.register_forward_hook(lambda m, a, out, gate=gate: router_picks.append(gate(out)[2]))
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_layers, "layer_kernel", lambda path: None)
+        modules = steps()
+    assert [sorted(p.reshape(-1).tolist()) for p in router_picks[-len(sparse):]] == chosen  # the last step's, layer by layer
+    # equal here; 1e-3 leaves room for another CPU's order of the router's float32 sums (the products of
+    # Qwen3-MoE's experts and weights not rounded: 4.7e-3)
+    assert rel_err(ours, modules) < 1e-3 and top1(ours, modules) == 1.0
+    for layer in sparse:
+        layer.post_attention_layernorm._forward_hooks.clear()
+
+    steps()  # the arguments built again
+    experts = sparse[0].mlp.experts
+    seen = []
+    handles = [experts._modules[str(e)].gate_up_proj.register_forward_hook(lambda m, a, o: seen.append(1))
+               for e in range(experts.num_experts)]
+    calls["decode_layer"] = 0
+    steps(tokens=(7,), after_prefill=seen.clear)
+    # layer 0 ran in C, saw the hooks on the experts it chose and took the modules; then it leaves C
+    assert calls["decode_layer"] == len(layers) and len(seen) == model.config.num_experts_per_tok
+    assert vars(sparse[0]).get("_decode_layer") is None
+    for h in handles:
+        h.remove()
+    steps()
+    zeroed = {}
+    for e in range(experts.num_experts):  # another weight for every expert of layer 0: its output is the zero point's
+        linear = experts._modules[str(e)].down_proj
+        zeroed[e] = linear.qweight
+        linear.qweight = torch.zeros_like(linear.qweight)
+    calls["decode_layer"] = 0
+    changed = steps()
+    assert calls["decode_layer"] == 2 * len(layers)  # the first step's layer 0 ran, was refused, then was built again
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_layers, "layer_kernel", lambda path: None)
+        assert rel_err(changed, steps()) < 1e-2
+    assert rel_err(changed, ours) > 1e-2
+
+
 def test_compiled_regions_leave_the_experts_eager(moe):
     """torch.compile and the compiled MLP packages (warm --compile, aot.py) take the dense MLPs: the
     experts a MoE layer runs depend on the data, which export cannot capture (warm would fail)."""

@@ -1,6 +1,6 @@
 /* A decoder layer's steps besides its matmuls and attention (runtime/cpu_layers.py: RMSNorm, Qwen3's
    q/k norms, the rotary embedding, the SiLU product, the float lm_head's gemv_bf16), and a whole layer
-   as one call (layer_rows, decode_layer) that calls int4_a8_cpu and decode_attention through the
+   as one call (layer_rows, decode_layer) that calls the matmul kernels and decode_attention through the
    pointers in its DecodeLayer (runtime/engine.py, runtime/cpu_layers.py). */
 #include "quantprep.h"
 #include <math.h>
@@ -138,7 +138,7 @@ void silu_mul(const uint16_t *gu, int64_t ldg, uint16_t *y, int64_t ldy, int64_t
     }
 }
 static int quant_linear(const DecodeLayer *L, const QuantLinear *p, const uint16_t *x, int64_t rows, uint16_t *y, int threads) {
-    int status = L->int4_a8(x, rows, p->in, p->perm, p->in, p->qweight, p->scales_and_zeros, p->padded_in, p->out, p->group,
+    int status = L->matmul(x, rows, p->in, p->perm, p->in, p->qweight, p->scales_and_zeros, p->padded_in, p->out, p->group,
                             p->block, y, p->out, threads);
     if (status == 0 && p->bias)  /* as the module's y + bias: rounded once */
         for (int64_t r = 0; r < rows; r++)
@@ -150,9 +150,61 @@ static void add_to(const uint16_t *residual, uint16_t *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = to_bf16(from_bf16(residual[i]) + from_bf16(y[i]));
 }
 
+/* One row through a sparse block (Qwen3-MoE's, Mixtral's: transformers' router, then the experts as
+   runtime/experts.py runs a decode token's): the router's logits rounded to bfloat16 (gemv_bf16, as
+   F.linear), their softmax in float32, the top_k largest (NaN first, then the lower index), divided by
+   their sum where L->renormalize; the chosen experts' gated MLPs, their gate_up projections in one
+   experts_matmul call and their down ones in another, silu_mul between; out = the sum over the k of
+   output times weight in float32, rounded once, where L->round_weights each weight and each product
+   rounded to bfloat16 first (Qwen3-MoE's router returns bfloat16 weights, Mixtral's float32 ones). */
+static int sparse_block(const DecodeLayer *L, const uint16_t *x, uint16_t *out, int threads) {
+    int64_t E = L->experts, k = L->top_k, n = L->hidden, I = L->intermediate;
+    if (k < 1 || k > E || n % 32) return -2;
+    char *buffer = malloc(2 * k * sizeof(QuantLinear *) + (E + k) * sizeof(float) + (E + k * (3 * I + n)) * sizeof(uint16_t));
+    if (!buffer) return -1;
+    const QuantLinear **gate_up = (const QuantLinear **)buffer, **down = gate_up + k;
+    float *prob = (float *)(down + k), *weight = prob + E;
+    uint16_t *logits = (uint16_t *)(weight + k), *gu = logits + E, *act = gu + k * 2 * I, *y = act + k * I;
+    int status = gemv_bf16(x, L->router, logits, E, n);
+    if (status) goto done;
+    float max = -INFINITY, sum = 0.f;
+    for (int64_t e = 0; e < E; e++) prob[e] = from_bf16(logits[e]), max = prob[e] > max ? prob[e] : max;
+    for (int64_t e = 0; e < E; e++) prob[e] = expf(prob[e] - max), sum += prob[e];
+    for (int64_t e = 0; e < E; e++) prob[e] *= 1.f / sum;
+    float total = 0.f;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= L->chosen[i] == e;
+            if (!taken && (best < 0 || (isnan(prob[e]) && !isnan(prob[best])) || prob[e] > prob[best])) best = e;
+        }
+        L->chosen[j] = best, weight[j] = prob[best], total += prob[best];
+        gate_up[j] = &L->experts_gate_up[best], down[j] = &L->experts_down[best];
+    }
+    for (int64_t j = 0; j < k; j++) {
+        if (L->renormalize) weight[j] /= total;
+        if (L->round_weights) weight[j] = from_bf16(to_bf16(weight[j]));
+    }
+    if ((status = L->experts_matmul(gate_up, x, 0, k, gu, 2 * I, threads))) goto done;
+    silu_mul(gu, 2 * I, act, I, k, I);
+    if ((status = L->experts_matmul(down, act, I, k, y, n, threads))) goto done;
+    for (int64_t i = 0; i < n; i++) {
+        float s = 0.f;
+        for (int64_t j = 0; j < k; j++) {
+            float v = from_bf16(y[j * n + i]) * weight[j];
+            s += L->round_weights ? from_bf16(to_bf16(v)) : v;
+        }
+        out[i] = to_bf16(s);
+    }
+done:
+    free(buffer);
+    return status;
+}
+
 /* `rows` consecutive tokens through a decoder layer (runtime/architectures.py: Llama's, Qwen2's, Qwen3's,
-   Mistral's) whose four projections run int4_a8 (targets/cpu.py) and whose attention runs decode_attention,
-   both called through the pointers in L: at one row (decode_layer) the same calls, in the same order and
+   Mistral's; or Qwen3-MoE's and Mixtral's, their sparse block at one row) whose projections run int4_a8 or
+   int4_gemv (targets/cpu.py) and whose attention runs decode_attention, all called through the pointers in L: at one row (decode_layer) the same calls, in the same order and
    with the same roundings, as the modules' own C forwards, with no Python between them
    (benchmarks/experiments/README.md, "CPU decode layers"). x and out: `rows` rows of `hidden`; cos, sin: each row's rotary embedding; the new
    keys and values go into rows filled..filled+rows-1 of each head of k_cache, v_cache ([kv_heads,
@@ -163,7 +215,7 @@ int layer_rows(const DecodeLayer *L, const uint16_t *x, int64_t rows, uint16_t *
                uint16_t *k_cache, uint16_t *v_cache, int64_t capacity, int64_t filled, int threads) {
     int64_t n = L->hidden, D = L->head_dim, I = L->intermediate, q_size = L->heads * D, kv_size = L->kv_heads * D;
     int64_t qkv_size = q_size + 2 * kv_size;
-    if (rows < 1 || filled < 0 || filled + rows > capacity) return -2;
+    if (rows < 1 || filled < 0 || filled + rows > capacity || (L->experts_matmul && rows != 1)) return -2;
     uint16_t *buffer = malloc((size_t)rows * (size_t)(3 * n + qkv_size + q_size + 3 * I) * sizeof(uint16_t));
     if (!buffer) return -1;
     uint16_t *xn = buffer, *qkv = xn + rows * n, *attn = qkv + rows * qkv_size, *h = attn + rows * q_size, *hn = h + rows * n,
@@ -187,9 +239,13 @@ int layer_rows(const DecodeLayer *L, const uint16_t *x, int64_t rows, uint16_t *
     if ((status = quant_linear(L, &L->o, attn, rows, h, threads))) goto done;
     add_to(x, h, rows * n);
     rms_norm(h, n, L->norm2, hn, n, rows, n, L->eps2);
-    if ((status = quant_linear(L, &L->gate_up, hn, rows, gu, threads))) goto done;
-    silu_mul(gu, 2 * I, act, I, rows, I);
-    if ((status = quant_linear(L, &L->down, act, rows, out, threads))) goto done;
+    if (L->experts_matmul) {
+        if ((status = sparse_block(L, hn, out, threads))) goto done;
+    } else {
+        if ((status = quant_linear(L, &L->gate_up, hn, rows, gu, threads))) goto done;
+        silu_mul(gu, 2 * I, act, I, rows, I);
+        if ((status = quant_linear(L, &L->down, act, rows, out, threads))) goto done;
+    }
     add_to(h, out, rows * n);
 done:
     free(buffer);

@@ -60,25 +60,36 @@ int decode_attention(const uint16_t *q, int64_t q_sb, int64_t q_sh, const uint16
                      int64_t k_ss, const uint16_t *v, int64_t v_sb, int64_t v_sh, int64_t v_ss, uint16_t *out,
                      int64_t B, int64_t H, int64_t KV, int64_t S, int64_t D, float scale);
 
-/* layers.c: a decoder layer's other steps, and a whole layer */
-typedef struct { /* one projection's int4_a8_cpu arguments */
+/* gemv.c: a few rows' matmuls in float32, the activations as they are; QuantLinear: one projection's
+   kernel arguments (int4_a8_cpu's, int4_gemv_cpu's) */
+typedef struct {
     const int32_t *perm; const uint8_t *qweight; const uint32_t *scales_and_zeros; const uint16_t *bias;
     int64_t in, padded_in, out, group, block;
 } QuantLinear;
-typedef struct {
-    __typeof__(int4_a8_cpu) *int4_a8; /* the kernels a layer calls, from the other libraries (the types declared once, above) */
-    __typeof__(decode_attention) *attention;
-    const uint16_t *norm1, *norm2;
-    const uint16_t *q_norm, *k_norm;  /* Qwen3's per-head norms of q and k (qk_norm), or NULL: none */
-    float eps1, eps2, q_eps, k_eps, scaling;
-    int64_t hidden, heads, kv_heads, head_dim, intermediate;
-    int64_t window;  /* a sliding window: row p attends to rows p - window + 1..p; 0: to every row before it */
-    QuantLinear qkv, o, gate_up, down;
-} DecodeLayer;
-/* gemv.c: a few rows' matmuls in float32, the activations as they are */
 int int4_gemv_rows(const QuantLinear *const *w, const uint16_t *x, int64_t ldx, int64_t rows, uint16_t *out, int64_t ldo, int threads);
 int int4_gemv_cpu(const uint16_t *x, int64_t M, int64_t ldx, const int32_t *perm, int64_t K_in, const uint8_t *packed,
                   const uint32_t *sz, int64_t Kp, int64_t N, int64_t gs, int64_t block, uint16_t *out, int64_t ldo, int threads);
+
+/* layers.c: a decoder layer's other steps, and a whole layer */
+typedef struct {
+    /* the kernels a layer calls, from the other libraries (the types declared once, above) */
+    __typeof__(int4_a8_cpu) *matmul; /* the four projections': int4_a8_cpu, or int4_gemv_cpu (the same arguments) */
+    __typeof__(decode_attention) *attention;
+    __typeof__(int4_gemv_rows) *experts_matmul; /* a sparse block's experts (int4_gemv_rows), or NULL: the gated MLP */
+    const uint16_t *norm1, *norm2;
+    const uint16_t *q_norm, *k_norm;  /* Qwen3's per-head norms of q and k (qk_norm), or NULL: none */
+    float eps1, eps2, q_eps, k_eps, scaling;
+    int64_t hidden, heads, kv_heads, head_dim, intermediate; /* intermediate: an expert's, in a sparse block */
+    int64_t window;  /* a sliding window: row p attends to rows p - window + 1..p; 0: to every row before it */
+    QuantLinear qkv, o, gate_up, down; /* gate_up and down: the gated MLP's, unused in a sparse block */
+    /* A sparse block (experts_matmul set): the router's bfloat16 weight [experts, hidden]; each expert's two
+       projections; how the top_k weights are made (renormalize: divided by their sum; round_weights: rounded to
+       bfloat16, as is each expert's output times its weight); where the experts the row ran are written (top_k) */
+    const uint16_t *router;
+    const QuantLinear *experts_gate_up, *experts_down;
+    int64_t *chosen;
+    int64_t experts, top_k, renormalize, round_weights;
+} DecodeLayer;
 
 int gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t N, int64_t K);
 void rms_norm(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t ldy, int64_t rows, int64_t n, float eps);

@@ -40,7 +40,7 @@ from quantprep.runtime.experts import QuantizedExperts
 from quantprep.runtime.fused import FusedMember
 from quantprep.targets import c_library
 from quantprep.targets.c_abi import DecodeLayerArgs, QuantLinearArgs
-from quantprep.targets.cpu import CpuInt4Linear, eager, gemv_library, native_dequantizer, native_int4_a8
+from quantprep.targets.cpu import CpuInt4Linear, eager, gemv_library, native_dequantizer, native_int4_a8, native_int4_gemv
 from quantprep.targets.packed import SLOW_HALF_GEMM, PackedLinear
 
 
@@ -234,6 +234,21 @@ class CpuQuantizedExperts(Replacement):
         args = quant_linear_args(gate_up, "int4"), quant_linear_args(down, "int4")
         return None if None in args else args
 
+    def expert_state(self, e: int) -> tuple:
+        """What expert e's C arguments (expert_args) depend on: its modules, their classes, forwards set on
+        them, hooks and plans, and their tensors' ids, addresses, shapes, strides and dtypes. A decoder
+        layer that ran it in C compares it with the state it built from (CpuDecoderLayer.forward)."""
+        expert = self._modules.get(str(e))
+        parts = getattr(expert, "_modules", {})
+        out = [expert]
+        for m in (parts.get("gate_up_proj"), parts.get("down_proj")):
+            d = vars(m) if m is not None else {}
+            out += [m, type(m), d.get("forward"), bool(d.get("_forward_hooks") or d.get("_forward_pre_hooks")), d.get("plan"),
+                    d.get("plan_max_m")]
+            out += [(id(t), t.data_ptr(), t.shape, t.stride(), t.dtype) for kind in ("_buffers", "_parameters")
+                    for t in d.get(kind, {}).values() if t is not None]
+        return tuple(out)
+
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         if not runs_here(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] != 2 * self.intermediate_dim or (lib := library()) is None:
             return self.replaced.gated(self, gate_up)
@@ -265,38 +280,68 @@ def quant_linear_args(linear: nn.Module, path: str = "int4_a8") -> QuantLinearAr
 
 
 ATTENTION_MEMBERS, MLP_MEMBERS = ("qkv_proj", "o_proj", "q_proj", "k_proj", "v_proj"), ("gate_up_proj", "down_proj", "gate_proj", "up_proj")
+SPARSE_MEMBERS = ("gate", "experts")  # a sparse block's router and experts
 QK_NORMS = ("q_norm", "k_norm")  # Qwen3's (Architecture.qk_norm)
+ROUTER_SETTINGS = ("top_k", "num_experts", "hidden_dim", "norm_topk_prob")  # the routers' attributes sparse_routing reads
+
+
+def layer_kernel(path: str):
+    """decode_layer's kernel for the projections of a layer whose plans run `path` at one row: int4_a8_cpu, or
+    int4_gemv_cpu for int4 (the same arguments); None for another path or where it did not build."""
+    return native_int4_a8() if path == "int4_a8" else native_int4_gemv() if path == "int4" else None
+
+
+def sparse_routing(mlp: nn.Module) -> tuple[nn.Module, nn.Module, bool, bool] | None:
+    """(router, experts, renormalize, round_weights) of a sparse block whose forward and router's are
+    transformers' Qwen3-MoE's or Mixtral's, instruction for instruction (decode_layer's sparse_block
+    computes theirs: Qwen3-MoE's router renormalizes where norm_topk_prob and returns bfloat16
+    weights, Mixtral's always renormalizes and returns float32 ones), else None."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, MixtralTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
+
+    gate, experts = mlp._modules.get("gate"), mlp._modules.get("experts")
+    if gate is None or experts is None or mlp.training or \
+            not (same_forward(mlp, Qwen3MoeSparseMoeBlock) or same_forward(mlp, MixtralSparseMoeBlock)):
+        return None  # a training Mixtral block adds jitter
+    if same_forward(gate, Qwen3MoeTopKRouter):
+        return gate, experts, bool(getattr(gate, "norm_topk_prob", None)), True
+    if same_forward(gate, MixtralTopKRouter):
+        return gate, experts, True, False
+    return None
 
 
 class CpuDecoderLayer(Replacement):
     """transformers' Llama-style decoder layer (is_decoder_layer). At one decode token of a layer whose norms, attention and
-    MLP are this file's and whose four projections run int4_a8 at one row (a plan's choice, after
-    `warm --int8-activations`), the whole layer is one C call (decode_layer): the calls those modules'
-    forwards make, in their order, without Python between them. Everything else (prefill, batches,
-    autograd, hooks on a member, another cache or kernel) takes the replaced forward, which calls the modules."""
+    MLP (or Qwen3-MoE's or Mixtral's sparse block, its experts this file's) are this file's and whose projections
+    run int4_a8 (a plan's choice, after `warm --int8-activations`) or int4 at one row, the whole layer
+    is one C call (decode_layer): the calls those modules' forwards make, in their order, without
+    Python between them. Everything else (prefill, batches, autograd, hooks on a member, another cache
+    or kernel) takes the replaced forward, which calls the modules."""
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None, use_cache=False,
-                position_embeddings=None, **kwargs):
-        cache = kwargs.pop("past_key_values", cache)  # its name before transformers 5.40
-        decode = self.decode_args(hidden_states, attention_mask, cache, position_embeddings, kwargs)
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        # transformers calls a layer with keywords; Llama's and Mixtral's forwards order them differently
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # its name before transformers 5.40
+        position_embeddings = kwargs.get("position_embeddings")
+        decode = None if args else self.decode_args(hidden_states, kwargs.get("attention_mask"), cache, position_embeddings, kwargs)
         if decode is not None:
-            args, layer = decode
-            room = layer.room((1, args.kv_heads, 1, args.head_dim), torch.bfloat16, hidden_states.device)
+            args_c, layer, sparse = decode
+            room = layer.room((1, args_c.kv_heads, 1, args_c.head_dim), torch.bfloat16, hidden_states.device)
             if room is not None and room[0].is_contiguous() and room[1].is_contiguous():  # C writes row n of each head
                 keys, values, n = room
                 out = torch.empty_like(hidden_states)
                 cos, sin = position_embeddings
-                status = library().decode_layer(ctypes.byref(args), hidden_states.data_ptr(), out.data_ptr(), cos.data_ptr(),
+                status = library().decode_layer(ctypes.byref(args_c), hidden_states.data_ptr(), out.data_ptr(), cos.data_ptr(),
                                                 sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2], n,
                                                 torch.get_num_threads())
                 if status == -1:
                     raise MemoryError("decode_layer could not allocate its buffers")
                 if status:
                     raise ValueError(f"decode_layer's kernels refused this layer ({status})")
-                layer.written(keys, values, n + 1)
-                return out
-        return self.replaced.forward(self, hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings,
-                                     **kwargs)
+                if sparse is None or self.ran_as_built(*sparse):
+                    layer.written(keys, values, n + 1)
+                    return out
+                vars(self).pop("_decode_layer", None)  # the row written past the cache's end: the replaced forward writes it again
+        return self.replaced.forward(self, hidden_states, *args, **kwargs)
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -307,9 +352,17 @@ class CpuDecoderLayer(Replacement):
         vars(self).pop("_decode_layer", None)  # .to(), .float(), ...: the old tensors are not kept
         return super()._apply(fn, recurse)
 
+    @staticmethod
+    def ran_as_built(experts: nn.Module, chosen, states: list) -> bool:
+        """Whether the experts a sparse layer's C call ran (chosen) are as its arguments were built from.
+        Checked after the call, for the experts it chose, where checking all of them would cost more
+        than the layer: an expert changed since is not run by C again (it read the tensors it was built
+        from, which the layer's state keeps alive)."""
+        return all(0 <= e < len(states) and experts.expert_state(e) == states[e] for e in chosen)
+
     def decode_args(self, x: torch.Tensor, attention_mask, cache, position_embeddings, kwargs: dict) -> tuple | None:
-        """(decode_layer's arguments, this layer's cache) where it computes what the replaced forward
-        would, else None.
+        """(decode_layer's arguments, this layer's cache, a sparse block's (experts, chosen, their states)
+        or None) where it computes what the replaced forward would, else None.
 
         The inputs and the cache are checked at every call. The layer's modules, hooks, plans and
         tensors are checked whole (layer_args) when `watched` changes: after a layer that streamed its
@@ -317,7 +370,7 @@ class CpuDecoderLayer(Replacement):
         everything at every call cost a measurable share of a token (timed by hand: benchmarks/experiments/
         README.md, "CPU decode layers")."""
         qkv = getattr(self._modules.get("self_attn"), "_modules", {}).get("qkv_proj")
-        if type(qkv) is not CpuInt4Linear or qkv.path_for(1) != "int4_a8":  # the default plans: nothing more to check
+        if type(qkv) is not CpuInt4Linear or layer_kernel(qkv.path_for(1)) is None:  # nothing more to check
             vars(self).pop("_decode_layer", None)  # nor anything kept from before
             return None
         if attention_mask is not None or position_embeddings is None or torch.is_grad_enabled() or x.dim() != 3 or \
@@ -328,8 +381,8 @@ class CpuDecoderLayer(Replacement):
         state = vars(self).get("_decode_layer")
         if state is None or state[0] != watched:
             built = self.layer_args(x)
-            state = self._decode_layer = (self.watched(), *(built or (None, None, None)))  # as it stands after the build
-        _, args, layer_idx, _ = state
+            state = self._decode_layer = (self.watched(), *(built or (None, None, None, None)))  # as it stands after the build
+        _, args, layer_idx, _, sparse = state
         layers = getattr(cache, "layers", None)
         if args is None or x.shape[2] != args.hidden or layers is None or not 0 <= layer_idx < len(layers) or \
                 getattr(cache, "offloading", False) or type(cache).update is not cache_update():
@@ -340,7 +393,7 @@ class CpuDecoderLayer(Replacement):
                 and all(type(t) is torch.Tensor and t.dim() == 4 and t.dtype == torch.bfloat16 and t.shape[0] == 1
                         and t.shape[1] == kv_heads and t.shape[3] == D for t in (layer.keys, layer.values))):
             return None
-        return args, layer
+        return args, layer, sparse
 
     def watched(self) -> tuple:
         """What layer_args' result depends on, compared at each call: the member modules themselves (a
@@ -353,14 +406,19 @@ class CpuDecoderLayer(Replacement):
         norms = (mods.get("input_layernorm"), mods.get("post_attention_layernorm"))
         a, am, mm = vars(attn) if attn is not None else {}, getattr(attn, "_modules", {}), getattr(mlp, "_modules", {})
         norms += tuple(map(am.get, QK_NORMS))
-        members = (attn, mlp, *norms, *map(am.get, ATTENTION_MEMBERS), *map(mm.get, MLP_MEMBERS))
+        gate, experts = map(mm.get, SPARSE_MEMBERS)
+        members = (attn, mlp, *norms, *map(am.get, ATTENTION_MEMBERS), *map(mm.get, MLP_MEMBERS), gate, experts)
         out = [*members, *map(type, members), *(a.get(k) for k in ("training", "layer_idx", "scaling", "head_dim")),
-               getattr(a.get("config"), "_attn_implementation", None)]
+               getattr(a.get("config"), "_attn_implementation", None), getattr(mlp, "training", None)]
+        if gate is not None:
+            out += [vars(gate).get(k) for k in ROUTER_SETTINGS]
+        if experts is not None:
+            out += [vars(experts).get(k) for k in ("num_experts", "hidden_dim", "intermediate_dim")] + [experts._modules.get("act_fn")]
         for m in members:
             if m is not None:
                 d = vars(m)
                 out += [d.get("forward"), bool(d["_forward_hooks"] or d["_forward_pre_hooks"])]
-        tensors = []
+        tensors = [] if gate is None else [gate._parameters.get("weight")]
         for norm in norms:
             if norm is not None:
                 out.append(vars(norm).get("variance_epsilon"))
@@ -372,51 +430,98 @@ class CpuDecoderLayer(Replacement):
         out += [(id(t), t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors if t is not None]
         return tuple(out)
 
-    def layer_args(self, x: torch.Tensor) -> tuple[DecodeLayerArgs, int, list] | None:
+    def layer_args(self, x: torch.Tensor) -> tuple[DecodeLayerArgs, int, list, tuple | None] | None:
         """(decode_layer's arguments, the layer's index in the cache, what keeps the memory they point
-        into alive), or None where this layer does not run it. x: a row that runs_here."""
+        into alive, a sparse block's (experts, chosen, each expert's state) or None), or None where this
+        layer does not run it. x: a row that runs_here."""
         hidden = x.shape[-1]
         mods = self._modules
         attn, mlp, norm1, norm2 = (mods.get(m) for m in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))
-        replaced = ((attn, CpuDecodeAttention), (mlp, CpuGatedMLP), (norm1, CpuRMSNorm), (norm2, CpuRMSNorm))
+        routing = None if mlp is None or isinstance(mlp, CpuGatedMLP) else sparse_routing(mlp)
+        replaced = ((attn, CpuDecodeAttention), (norm1, CpuRMSNorm), (norm2, CpuRMSNorm)) + \
+            (((mlp, CpuGatedMLP),) if routing is None else ((routing[1], CpuQuantizedExperts),))
         if not all(isinstance(m, Replacement) and type(m) is replacement_class(base, m.replaced) for m, base in replaced):
             return None  # another class (a subclass, a parametrization's) may compute something else
         qk = [attn._modules.get(m) for m in QK_NORMS] if attn.architecture().qk_norm else []
-        members = [attn, mlp, norm1, norm2, *qk, *(attn._modules.get(m) for m in ATTENTION_MEMBERS), *(mlp._modules.get(m) for m in MLP_MEMBERS)]
+        mlp_members = MLP_MEMBERS if routing is None else SPARSE_MEMBERS
+        members = [attn, mlp, norm1, norm2, *qk, *(attn._modules.get(m) for m in ATTENTION_MEMBERS), *(mlp._modules.get(m) for m in mlp_members)]
         weights = [norm._parameters.get("weight") for norm in (norm1, norm2, *qk)]  # read once: C and the state get the same tensors
-        projections = [attn._modules.get(m) for m in ("qkv_proj", "o_proj")] + [mlp._modules.get(m) for m in ("gate_up_proj", "down_proj")]
+        projections = [attn._modules.get(m) for m in ("qkv_proj", "o_proj")] + \
+            ([mlp._modules.get(m) for m in ("gate_up_proj", "down_proj")] if routing is None else [])
         if None in members or any("forward" in vars(m) or m._forward_hooks or m._forward_pre_hooks for m in members) or \
-                not attn.decodes_as_built() or not fused_as_built(mlp, "gate_up_proj", ("gate_proj", "up_proj")) or \
+                not attn.decodes_as_built() or (routing is None and not fused_as_built(mlp, "gate_up_proj", ("gate_proj", "up_proj"))) or \
                 not all(w is not None and runs_here(x, w) for w in weights[:2]) or \
                 not all(w is not None and weight_runs_here(w, (attn.head_dim,)) for w in weights[2:]):
             return None
+        path = projections[0].path_for(1)
         buffers = [dict(m._buffers) for m in projections]
         tensors = [*weights, *(t for b in buffers for t in b.values() if t is not None)]
         kept = tensors + [t.untyped_storage() for t in tensors]  # before C's addresses are read: they stay valid
         addresses = [t.data_ptr() for t in tensors]
-        linears = [quant_linear_args(m) for m in projections]
-        qkv, o, gate_up, down = projections
-        if len(qkv.parts) != 3 or len(gate_up.parts) != 2:
+        linears = [quant_linear_args(m, path) for m in projections]
+        qkv, o = projections[:2]
+        if len(qkv.parts) != 3:
             return None
-        D, (q_size, kv_size, v_size), (inter, up_size) = attn.head_dim, qkv.parts, gate_up.parts
-        if None in linears or (attention := cpu_attention.kernel()) is None or v_size != kv_size or up_size != inter or \
+        D, (q_size, kv_size, v_size) = attn.head_dim, qkv.parts
+        if None in linears or (attention := cpu_attention.kernel()) is None or (matmul := layer_kernel(path)) is None or \
+                v_size != kv_size or \
                 not (isinstance(D, int) and 0 < D <= cpu_attention.MAX_HEAD_DIM and D % 16 == 0 and q_size % D == 0 and
                      kv_size % D == 0 and kv_size and (q_size // D) % (kv_size // D) == 0) or \
-                (qkv.in_features, qkv.out_features, o.in_features, o.out_features, gate_up.in_features, gate_up.out_features,
-                 down.in_features, down.out_features) != (hidden, q_size + 2 * kv_size, q_size, hidden, hidden, 2 * inter, inter, hidden) or \
-                any(m._buffers.get(k) is not t for m, b in zip(projections, buffers, strict=True) for k, t in b.items()) or \
-                [t.data_ptr() for t in tensors] != addresses:
-            return None  # sizes C's buffers are not made for, or tensors replaced or moved while this ran
-        args = DecodeLayerArgs(int4_a8=ctypes.cast(native_int4_a8(), ctypes.c_void_p).value,
+                (qkv.in_features, qkv.out_features, o.in_features, o.out_features) != (hidden, q_size + 2 * kv_size, q_size, hidden):
+            return None  # sizes C's buffers are not made for
+        args = DecodeLayerArgs(matmul=ctypes.cast(matmul, ctypes.c_void_p).value,
                                attention=ctypes.cast(attention, ctypes.c_void_p).value, norm1=weights[0].data_ptr(),
                                norm2=weights[1].data_ptr(), eps1=norm1.variance_epsilon, eps2=norm2.variance_epsilon, scaling=attn.scaling,
-                               hidden=hidden, heads=q_size // D, kv_heads=kv_size // D, head_dim=D, intermediate=inter,
+                               hidden=hidden, heads=q_size // D, kv_heads=kv_size // D, head_dim=D,
                                window=0,  # no mask (decode_args): every key the cache holds, as the attention then sees them
-                               qkv=linears[0], o=linears[1], gate_up=linears[2], down=linears[3])
+                               qkv=linears[0], o=linears[1])
+        if routing is None:
+            gate_up, down = projections[2:]
+            if len(gate_up.parts) != 2 or gate_up.parts[0] != gate_up.parts[1] or \
+                    (gate_up.in_features, gate_up.out_features, down.in_features, down.out_features) != \
+                    (hidden, 2 * gate_up.parts[0], gate_up.parts[0], hidden):
+                return None
+            args.intermediate, args.gate_up, args.down = gate_up.parts[0], linears[2], linears[3]
+            sparse = None
+        else:
+            built = self.sparse_args(args, routing, hidden, kept)
+            if built is None:
+                return None
+            sparse = built
+        if any(m._buffers.get(k) is not t for m, b in zip(projections, buffers, strict=True) for k, t in b.items()) or \
+                [t.data_ptr() for t in tensors] != addresses:
+            return None  # tensors replaced or moved while this ran
         if qk:  # else NULL: no norms
             args.q_norm, args.k_norm, args.q_eps, args.k_eps = weights[2].data_ptr(), weights[3].data_ptr(), \
                 qk[0].variance_epsilon, qk[1].variance_epsilon
-        return args, attn.layer_idx, kept
+        return args, attn.layer_idx, kept, sparse
+
+    @staticmethod
+    def sparse_args(args: DecodeLayerArgs, routing: tuple, hidden: int, kept: list) -> tuple | None:
+        """A sparse block's fields of args set (the router's weight, every expert's projections as
+        int4_gemv_rows reads them, where the chosen experts go) and what they point into appended to kept:
+        (experts, chosen, each expert's state); None where decode_layer does not run it."""
+        gate, experts, renormalize, round_weights = routing
+        weight, E, k = gate._parameters.get("weight"), experts.num_experts, vars(gate).get("top_k")
+        if not is_silu(experts.act_fn) or experts.hidden_dim != hidden or type(k) is not int or not 0 < k <= E or \
+                vars(gate).get("num_experts", E) != E or weight is None or not weight_runs_here(weight, (E, hidden)) or \
+                hidden % 32 or not gemv_bf16_built() or (gemv := gemv_library()) is None:
+            return None
+        states = [experts.expert_state(e) for e in range(E)]  # before the arguments: what they were built from
+        projections = [experts.expert_args(e) for e in range(E)]
+        if None in projections:
+            return None
+        gate_up = (QuantLinearArgs * E)(*(p[0] for p in projections))
+        down = (QuantLinearArgs * E)(*(p[1] for p in projections))
+        chosen = (ctypes.c_int64 * k)()
+        tensors = [weight] + [t for e in range(E) for m in experts._modules[str(e)]._modules.values()
+                              for t in (*m._buffers.values(), *m._parameters.values()) if t is not None]
+        kept += [gate_up, down, chosen, *tensors, *(t.untyped_storage() for t in tensors)]
+        args.experts_matmul = ctypes.cast(gemv.int4_gemv_rows, ctypes.c_void_p).value
+        args.router, args.experts_gate_up, args.experts_down = weight.data_ptr(), ctypes.addressof(gate_up), ctypes.addressof(down)
+        args.chosen, args.experts, args.top_k = ctypes.addressof(chosen), E, k
+        args.renormalize, args.round_weights, args.intermediate = int(renormalize), int(round_weights), experts.intermediate_dim
+        return experts, chosen, states
 
 
 _rotary = threading.local()
@@ -556,10 +661,12 @@ def is_fused_decode_attention(module: nn.Module) -> bool:
 
 
 def is_decoder_layer(module: nn.Module) -> bool:
-    """Llama's decoder layer (forward instruction for instruction: Qwen2's, Qwen3's and Mistral's too), with its four members."""
+    """Llama's decoder layer (forward instruction for instruction: Qwen2's, Qwen3's, Mistral's and Qwen3-MoE's too) or
+    Mixtral's (the same steps, its arguments in another order), with its four members."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 
-    return same_forward(module, LlamaDecoderLayer) and \
+    return (same_forward(module, LlamaDecoderLayer) or same_forward(module, MixtralDecoderLayer)) and \
         all(m in module._modules for m in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))
 
 
@@ -629,8 +736,8 @@ def expects_c(model: nn.Module) -> bool:
 def c_modules(model: nn.Module) -> dict[str, int]:
     """How many of a CPU model's modules run quantprep's C here, by kind (load sets it as model.quantprep_c):
     quantized linears with a C path (c_paths; an a8 path is in a plan only where it built), the layers
-    whose decode attention is the "quantprep_cpu" kernel, RMSNorms, gated MLPs and experts modules, decoder layers whose four
-    projections run int4_a8 at one row (one decode_layer call), and float Linears (the lm_head)."""
+    whose decode attention is the "quantprep_cpu" kernel, RMSNorms, gated MLPs and experts modules, decoder layers whose
+    projections run int4_a8 or int4 at one row (one decode_layer call), and float Linears (the lm_head)."""
     counts = dict.fromkeys(("quantized_linears", "attention", "norms", "mlps", "decoder_layers", "float_linears"), 0)
     if model.config._attn_implementation == cpu_attention.NAME:
         counts["attention"] = model.config.num_hidden_layers
@@ -640,10 +747,14 @@ def c_modules(model: nn.Module) -> dict[str, int]:
         if isinstance(m, PackedLinear):
             counts["quantized_linears"] += any(built.get(p, True) for p in c_paths(m))  # an a8 path is planned only where it built
         elif isinstance(m, CpuDecoderLayer):  # the classes below exist only where their library built (use)
-            attn, mlp = m._modules["self_attn"]._modules, m._modules["mlp"]._modules
-            projections = (attn.get("qkv_proj"), attn.get("o_proj"), mlp.get("gate_up_proj"), mlp.get("down_proj"))
-            counts["decoder_layers"] += cpu_attention.kernel() is not None and \
-                all(p is not None and quant_linear_args(p) is not None for p in projections)
+            attn, mlp = m._modules["self_attn"]._modules, m._modules["mlp"]
+            routing = sparse_routing(mlp)
+            projections = [attn.get("qkv_proj"), attn.get("o_proj")] + \
+                ([mlp._modules.get("gate_up_proj"), mlp._modules.get("down_proj")] if routing is None else [])
+            path = getattr(projections[0], "path_for", lambda m: None)(1)
+            counts["decoder_layers"] += cpu_attention.kernel() is not None and layer_kernel(path) is not None and \
+                all(p is not None and quant_linear_args(p, path) is not None for p in projections) and \
+                (routing is None or all(routing[1].expert_args(e) is not None for e in range(routing[1].num_experts)))
         elif isinstance(m, CpuRMSNorm):
             counts["norms"] += 1
         elif isinstance(m, CpuGatedMLP | CpuQuantizedExperts):

@@ -303,7 +303,7 @@ class NativeModel:
                                                  ("mlp.gate_up_proj", c.hidden, 2 * c.intermediate, [c.intermediate] * 2),
                                                  ("mlp.down_proj", c.intermediate, c.hidden, None))]
             self.layers.append(c_abi.DecodeLayerArgs(
-                int4_a8=ctypes.cast(self.int4_a8, ctypes.c_void_p).value,
+                matmul=ctypes.cast(self.int4_a8, ctypes.c_void_p).value,
                 attention=ctypes.cast(attention.decode_attention, ctypes.c_void_p).value,
                 norm1=norms[0].ctypes.data, norm2=norms[1].ctypes.data, q_norm=qk[0], k_norm=qk[1],
                 eps1=c.eps, eps2=c.eps, q_eps=c.eps, k_eps=c.eps, scaling=c.head_dim ** -0.5, hidden=c.hidden, heads=c.heads,

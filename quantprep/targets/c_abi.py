@@ -14,17 +14,19 @@ MAX_HEAD_DIM = 256  # quantprep.h's MAX_D: attention and the rotary embedding ke
 
 
 class QuantLinearArgs(ctypes.Structure):
-    """quantprep.h's QuantLinear: one projection's int4_a8 arguments (C's `in` is `in_features` here)."""
+    """quantprep.h's QuantLinear: one projection's kernel arguments (C's `in` is `in_features` here)."""
     _fields_ = [("perm", ctypes.c_void_p), ("qweight", ctypes.c_void_p), ("scales_and_zeros", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p)] + [(f, ctypes.c_int64) for f in ("in_features", "padded_in", "out", "group", "block")]
 
 
 class DecodeLayerArgs(ctypes.Structure):
     """quantprep.h's DecodeLayer."""
-    _fields_ = [(f, ctypes.c_void_p) for f in ("int4_a8", "attention", "norm1", "norm2", "q_norm", "k_norm")] + \
+    _fields_ = [(f, ctypes.c_void_p) for f in ("matmul", "attention", "experts_matmul", "norm1", "norm2", "q_norm", "k_norm")] + \
         [(f, ctypes.c_float) for f in ("eps1", "eps2", "q_eps", "k_eps", "scaling")] + \
         [(f, ctypes.c_int64) for f in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "window")] + \
-        [(f, QuantLinearArgs) for f in ("qkv", "o", "gate_up", "down")]
+        [(f, QuantLinearArgs) for f in ("qkv", "o", "gate_up", "down")] + \
+        [(f, ctypes.c_void_p) for f in ("router", "experts_gate_up", "experts_down", "chosen")] + \
+        [(f, ctypes.c_int64) for f in ("experts", "top_k", "renormalize", "round_weights")]
 
 
 P, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
