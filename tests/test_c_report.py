@@ -17,8 +17,9 @@ from quantprep.runtime import cpu_layers, plan
 from quantprep.targets.cpu import CpuInt4Linear
 
 # 1 layer, q/k/v and gate/up fused: 4 int4 linears (their dense path tiles in C from 384 rows), the
-# C attention kernel, 2 RMSNorms + the final one, the gated MLP, the float bfloat16 lm_head
-ALL_C = {"quantized_linears": 4, "attention": 1, "norms": 3, "mlps": 1, "decoder_layers": 0, "float_linears": 1}
+# C attention kernel, 2 RMSNorms + the final one, the gated MLP, the decoder layer (its projections'
+# int4 path at one row: one decode_layer call), the float bfloat16 lm_head
+ALL_C = {"quantized_linears": 4, "attention": 1, "norms": 3, "mlps": 1, "decoder_layers": 1, "float_linears": 1}
 NO_C = dict.fromkeys(ALL_C, 0)
 
 LOAD_CHILD = """
@@ -48,13 +49,15 @@ def test_a_cpu_load_reports_the_modules_that_run_c(artifact):
     assert c_warnings(caught) == []
 
 
-def test_a_plan_of_int4_a8_at_one_row_makes_each_decoder_layer_one_c_call(artifact):
+def test_a_plan_at_one_row_decides_whether_each_decoder_layer_is_one_c_call(artifact):
+    """int4_a8 or int4 at one row: decode_layer; the dequantize path at one row: the modules."""
     model = quantprep.load(artifact)
     if not all("int4_a8" in m.paths() for m in model.modules() if isinstance(m, CpuInt4Linear)):
         pytest.skip("no int4_a8 kernel on this CPU (neither AVX512-VNNI with VBMI nor AVX2)")
-    shapes = {shape: [[1, "int4_a8"], [8, "int4"]] for shape in plan.planned_modules(model)}
-    plan.apply(model, {"version": 1, "key": plan.plan_key("cpu"), "max_m": 16, "shapes": shapes}, "cpu")
-    assert cpu_layers.c_modules(model) == ALL_C | {"decoder_layers": 1}
+    for first, layers in (("int4_a8", 1), ("dequant", 0)):
+        shapes = {shape: [[1, first], [8, "int4"]] for shape in plan.planned_modules(model)}
+        plan.apply(model, {"version": 1, "key": plan.plan_key("cpu"), "max_m": 16, "shapes": shapes}, "cpu")
+        assert cpu_layers.c_modules(model) == ALL_C | {"decoder_layers": layers}, first
 
 
 def test_without_the_c_libraries_the_load_warns_once_naming_why(artifact, tmp_path):

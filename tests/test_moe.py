@@ -247,7 +247,7 @@ def test_a_sparse_decoder_layer_is_one_c_call_that_sees_its_experts_change(moe, 
         layer.post_attention_layernorm._forward_hooks.clear()
     ours = steps()
     assert calls["decode_layer"] == 2 * len(layers)
-    chosen = [sorted(vars(layer)["_decode_layer"][4][1]) for layer in sparse]
+    chosen = [sorted(vars(layer)["_decode_layer"][5][1]) for layer in sparse]
     for layer in sparse:
         gate = layer.mlp.gate
         layer.post_attention_layernorm.register_forward_hook(lambda m, a, out, gate=gate: router_picks.append(gate(out)[2]))

@@ -33,6 +33,7 @@ import threading
 import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
+from torch.utils.hooks import RemovableHandle
 
 from quantprep.runtime import cpu_attention
 from quantprep.runtime.architectures import ARCHITECTURES, Architecture
@@ -41,7 +42,7 @@ from quantprep.runtime.fused import FusedMember
 from quantprep.targets import c_library
 from quantprep.targets.c_abi import DecodeLayerArgs, QuantLinearArgs
 from quantprep.targets.cpu import CpuInt4Linear, eager, gemv_library, native_dequantizer, native_int4_a8, native_int4_gemv
-from quantprep.targets.packed import SLOW_HALF_GEMM, PackedLinear
+from quantprep.targets.packed import SLOW_HALF_GEMM, CountedModule, PackedLinear
 
 
 @functools.cache
@@ -70,12 +71,13 @@ def weight_runs_here(weight: torch.Tensor, shape: tuple[int, ...]) -> bool:
         weight.is_contiguous() and weight.shape == shape and not (torch.is_grad_enabled() and weight.requires_grad)
 
 
-class Replacement(nn.Module):
+class Replacement(CountedModule):
     """A transformers module whose class `replace` swapped for `replacement_class(base, its class)`: a
     subclass of both, so its parameters, submodules, attributes and hooks stay where they were and
     isinstance checks on the replaced class still hold (transformers records attentions by class).
     `replaced` is that class; its forward runs wherever C does not. Pickles and copies through
-    `rebuild` (the combined class is made at run time)."""
+    `rebuild` (the combined class is made at run time). Its changes are counted (CountedModule):
+    a decoder layer in C sees that its members did not change from the counts."""
 
     replaced: type
 
@@ -353,22 +355,28 @@ class CpuDecoderLayer(Replacement):
         return super()._apply(fn, recurse)
 
     @staticmethod
-    def ran_as_built(experts: nn.Module, chosen, states: list) -> bool:
-        """Whether the experts a sparse layer's C call ran (chosen) are as its arguments were built from.
-        Checked after the call, for the experts it chose, where checking all of them would cost more
-        than the layer: an expert changed since is not run by C again (it read the tensors it was built
-        from, which the layer's state keeps alive)."""
-        return all(0 <= e < len(states) and experts.expert_state(e) == states[e] for e in chosen)
+    def ran_as_built(experts: nn.Module, chosen, states: list, stamp: tuple, addresses: list) -> bool:
+        """Whether the experts a sparse layer's C call ran (chosen) are as its arguments were built from:
+        no quantprep module changed and no hook was made since (changes_stamp) and their tensors did not
+        move, or else each of them as it was (expert_state). Checked after the call, for the experts it
+        chose, where checking all of them would cost more than the layer: an expert changed since is not
+        run by C again (it read the tensors it was built from, which the layer's state keeps alive)."""
+        if not all(0 <= e < len(states) for e in chosen):
+            return False
+        if changes_stamp() == stamp and all(t.data_ptr() == p for e in chosen for t, p in addresses[e]):
+            return True
+        return all(experts.expert_state(e) == states[e] for e in chosen)
 
     def decode_args(self, x: torch.Tensor, attention_mask, cache, position_embeddings, kwargs: dict) -> tuple | None:
         """(decode_layer's arguments, this layer's cache, a sparse block's (experts, chosen, their states)
         or None) where it computes what the replaced forward would, else None.
 
         The inputs and the cache are checked at every call. The layer's modules, hooks, plans and
-        tensors are checked whole (layer_args) when `watched` changes: after a layer that streamed its
-        weights through the caches, each Python object a check touches comes from memory, and checking
-        everything at every call cost a measurable share of a token (timed by hand: benchmarks/experiments/
-        README.md, "CPU decode layers")."""
+        tensors are checked whole (layer_args) when `watched` changes, and `watched` is compared only
+        when the counts of changes and hooks (changes_stamp) or what they do not count (uncounted)
+        moved: after a layer that streamed its weights through the caches, each Python object a check
+        touches comes from memory, and checking everything at every call cost a measurable share of a
+        token (benchmarks/experiments/README.md, "CPU decode layers", "MoE decode on the CPU")."""
         qkv = getattr(self._modules.get("self_attn"), "_modules", {}).get("qkv_proj")
         if type(qkv) is not CpuInt4Linear or layer_kernel(qkv.path_for(1)) is None:  # nothing more to check
             vars(self).pop("_decode_layer", None)  # nor anything kept from before
@@ -377,12 +385,16 @@ class CpuDecoderLayer(Replacement):
                 x.shape[:2] != (1, 1) or not runs_here(x) or kwargs.get("output_attentions") or \
                 torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
             return None
-        watched = self.watched()
-        state = vars(self).get("_decode_layer")
-        if state is None or state[0] != watched:
-            built = self.layer_args(x)
-            state = self._decode_layer = (self.watched(), *(built or (None, None, None, None)))  # as it stands after the build
-        _, args, layer_idx, _, sparse = state
+        stamp, state = changes_stamp(), vars(self).get("_decode_layer")
+        if state is None or state[2] is None or state[1] != stamp or state[7] != self.uncounted(state[6]):
+            watched = self.watched()  # (a layer C does not run is checked whole: a hook's removal is not counted)
+            if state is None or state[0] != watched:
+                built = self.layer_args(x) or (None, None, None, None, [])
+                state = (self.watched(), changes_stamp(), *built, self.uncounted(built[4]))  # as it stands after the build
+            else:
+                state = (watched, stamp, *state[2:])
+            vars(self)["_decode_layer"] = state  # this layer's own cache: not a change to count
+        args, layer_idx, _, sparse = state[2:6]
         layers = getattr(cache, "layers", None)
         if args is None or x.shape[2] != args.hidden or layers is None or not 0 <= layer_idx < len(layers) or \
                 getattr(cache, "offloading", False) or type(cache).update is not cache_update():
@@ -394,6 +406,22 @@ class CpuDecoderLayer(Replacement):
                         and t.shape[1] == kv_heads and t.shape[3] == D for t in (layer.keys, layer.values))):
             return None
         return args, layer, sparse
+
+    def uncounted(self, tensors: list) -> tuple:
+        """What `watched` reads that changes_stamp does not count: the attention's implementation (the
+        model's config), a sparse block and its router and experts (transformers' block: its members, class,
+        forward, hooks, training and the router's settings and weight), and the addresses of the tensors C
+        reads (a tensor's own share_memory_ or set_ moves it)."""
+        mods = self._modules
+        attn, mlp = mods.get("self_attn"), mods.get("mlp")
+        out = [getattr(vars(attn).get("config") if attn is not None else None, "_attn_implementation", None)]
+        if mlp is not None and not isinstance(mlp, CountedModule):
+            gate, experts = map(mlp._modules.get, SPARSE_MEMBERS)
+            for m in (mlp, gate):
+                d = vars(m) if m is not None else {}
+                out += [m, type(m), d.get("forward"), bool(d.get("_forward_hooks") or d.get("_forward_pre_hooks")), d.get("training")]
+            out += [experts, *(vars(gate).get(k) for k in ROUTER_SETTINGS), gate._parameters.get("weight")] if gate is not None else [experts]
+        return (*out, *(t.data_ptr() for t in tensors))
 
     def watched(self) -> tuple:
         """What layer_args' result depends on, compared at each call: the member modules themselves (a
@@ -430,10 +458,10 @@ class CpuDecoderLayer(Replacement):
         out += [(id(t), t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors if t is not None]
         return tuple(out)
 
-    def layer_args(self, x: torch.Tensor) -> tuple[DecodeLayerArgs, int, list, tuple | None] | None:
+    def layer_args(self, x: torch.Tensor) -> tuple[DecodeLayerArgs, int, list, tuple | None, list] | None:
         """(decode_layer's arguments, the layer's index in the cache, what keeps the memory they point
-        into alive, a sparse block's (experts, chosen, each expert's state) or None), or None where this
-        layer does not run it. x: a row that runs_here."""
+        into alive, a sparse block's checks (sparse_args) or None, the tensors outside the experts C reads), or None where this layer does not run it.
+        x: a row that runs_here."""
         hidden = x.shape[-1]
         mods = self._modules
         attn, mlp, norm1, norm2 = (mods.get(m) for m in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))
@@ -484,33 +512,35 @@ class CpuDecoderLayer(Replacement):
             args.intermediate, args.gate_up, args.down = gate_up.parts[0], linears[2], linears[3]
             sparse = None
         else:
-            built = self.sparse_args(args, routing, hidden, kept)
-            if built is None:
+            sparse = self.sparse_args(args, routing, hidden, kept)
+            if sparse is None:
                 return None
-            sparse = built
         if any(m._buffers.get(k) is not t for m, b in zip(projections, buffers, strict=True) for k, t in b.items()) or \
                 [t.data_ptr() for t in tensors] != addresses:
             return None  # tensors replaced or moved while this ran
         if qk:  # else NULL: no norms
             args.q_norm, args.k_norm, args.q_eps, args.k_eps = weights[2].data_ptr(), weights[3].data_ptr(), \
                 qk[0].variance_epsilon, qk[1].variance_epsilon
-        return args, attn.layer_idx, kept, sparse
+        return args, attn.layer_idx, kept, sparse, tensors + ([] if routing is None else [routing[0]._parameters["weight"]])
 
     @staticmethod
     def sparse_args(args: DecodeLayerArgs, routing: tuple, hidden: int, kept: list) -> tuple | None:
         """A sparse block's fields of args set (the router's weight, every expert's projections as
         int4_gemv_rows reads them, where the chosen experts go) and what they point into appended to kept:
-        (experts, chosen, each expert's state); None where decode_layer does not run it."""
+        (experts, chosen, each expert's state, the stamp it was taken at, each expert's tensors and their
+        addresses); None where decode_layer does not run it."""
         gate, experts, renormalize, round_weights = routing
         weight, E, k = gate._parameters.get("weight"), experts.num_experts, vars(gate).get("top_k")
         if not is_silu(experts.act_fn) or experts.hidden_dim != hidden or type(k) is not int or not 0 < k <= E or \
                 vars(gate).get("num_experts", E) != E or weight is None or not weight_runs_here(weight, (E, hidden)) or \
                 hidden % 32 or not gemv_bf16_built() or (gemv := gemv_library()) is None:
             return None
-        states = [experts.expert_state(e) for e in range(E)]  # before the arguments: what they were built from
-        projections = [experts.expert_args(e) for e in range(E)]
+        projections = [experts.expert_args(e) for e in range(E)]  # (which may cache a weight's checks in its module)
         if None in projections:
             return None
+        stamp, states = changes_stamp(), [experts.expert_state(e) for e in range(E)]  # what the arguments were built from
+        addresses = [[(t, t.data_ptr()) for m in experts._modules[str(e)]._modules.values()
+                      for t in (*m._buffers.values(), *m._parameters.values()) if t is not None] for e in range(E)]
         gate_up = (QuantLinearArgs * E)(*(p[0] for p in projections))
         down = (QuantLinearArgs * E)(*(p[1] for p in projections))
         chosen = (ctypes.c_int64 * k)()
@@ -521,7 +551,14 @@ class CpuDecoderLayer(Replacement):
         args.router, args.experts_gate_up, args.experts_down = weight.data_ptr(), ctypes.addressof(gate_up), ctypes.addressof(down)
         args.chosen, args.experts, args.top_k = ctypes.addressof(chosen), E, k
         args.renormalize, args.round_weights, args.intermediate = int(renormalize), int(round_weights), experts.intermediate_dim
-        return experts, chosen, states
+        return experts, chosen, states, stamp, addresses
+
+
+def changes_stamp() -> tuple[int, int]:
+    """The counts of changes to quantprep's modules (CountedModule) and of hooks made (each module or
+    tensor hook torch makes, removed or not): equal at two times, neither an expert nor its
+    projections gained a hook, a forward, a tensor, a plan or a class in between."""
+    return CountedModule.changes, RemovableHandle.next_id
 
 
 _rotary = threading.local()
@@ -751,7 +788,7 @@ def c_modules(model: nn.Module) -> dict[str, int]:
             routing = sparse_routing(mlp)
             projections = [attn.get("qkv_proj"), attn.get("o_proj")] + \
                 ([mlp._modules.get("gate_up_proj"), mlp._modules.get("down_proj")] if routing is None else [])
-            path = getattr(projections[0], "path_for", lambda m: None)(1)
+            path = projections[0].path_for(1) if type(projections[0]) is CpuInt4Linear else None
             counts["decoder_layers"] += cpu_attention.kernel() is not None and layer_kernel(path) is not None and \
                 all(p is not None and quant_linear_args(p, path) is not None for p in projections) and \
                 (routing is None or all(routing[1].expert_args(e) is not None for e in range(routing[1].num_experts)))

@@ -28,6 +28,7 @@ from torch import nn
 
 from quantprep.errors import ArtifactError
 from quantprep.format.expert_names import PROJECTIONS, ExpertLinear, expert_linear
+from quantprep.targets.packed import CountedModule
 
 EXPERTS_CALL = ("hidden_states", "top_k_index", "top_k_weights")
 
@@ -108,11 +109,11 @@ class ExpertLinearSlot(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, empty"
 
 
-class Expert(nn.Module):
+class Expert(CountedModule):
     """One expert's projections (QuantizedExperts' child)."""
 
 
-class QuantizedExperts(nn.Module):
+class QuantizedExperts(CountedModule):
     """Stands in for transformers' experts module: forward(hidden_states [T, H], top_k_index [T, k],
     top_k_weights [T, k]) -> [T, H]. Expert e is child `e`: gate_up_proj (fused, load installs the
     members gate_proj and up_proj beside it) or gate_proj and up_proj, then down_proj."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quantprep.targets.packed import PackedLinear
+from quantprep.targets.packed import CountedModule, PackedLinear
 
 
 class FusedGroup:
@@ -41,7 +41,7 @@ class FusedGroup:
         return y
 
 
-class FusedMember(nn.Module):
+class FusedMember(CountedModule):
     """Stands in for one of the fused Linears (no tensors of its own)."""
 
     def __init__(self, group: FusedGroup, index: int, in_features: int):

@@ -115,7 +115,42 @@ def make_int8_module(meta: dict, act_dtype: torch.dtype, per_channel: type | Non
     return (per_channel_class if meta.get("int8_kernel") == "per_channel" else DequantInt8Linear)(meta, act_dtype)
 
 
-class PackedLinear(nn.Module):
+class CountedModule(nn.Module):
+    """An nn.Module whose changes made through its own methods are counted, one count shared by every
+    such module (`changes`): each attribute set or deleted (its class, training, buffers, parameters,
+    submodules, forward), each tensor or module registered, and _apply (to(), float(), ...). With
+    torch's count of the hooks made (RemovableHandle.next_id), a C path that holds the addresses of
+    many modules' tensors sees that none of them changed without walking them all (cpu_layers' sparse
+    decode layers). What bypasses nn.Module (writes into its dicts, a tensor's .data or set_) is not counted."""
+
+    changes = 0
+
+    def __setattr__(self, name: str, value) -> None:
+        CountedModule.changes += 1
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        CountedModule.changes += 1
+        super().__delattr__(name)
+
+    def register_buffer(self, name: str, tensor, persistent: bool = True) -> None:
+        CountedModule.changes += 1
+        super().register_buffer(name, tensor, persistent)
+
+    def register_parameter(self, name: str, param) -> None:
+        CountedModule.changes += 1
+        super().register_parameter(name, param)
+
+    def add_module(self, name: str, module) -> None:
+        CountedModule.changes += 1
+        super().add_module(name, module)
+
+    def _apply(self, fn, recurse: bool = True):
+        CountedModule.changes += 1
+        return super()._apply(fn, recurse)
+
+
+class PackedLinear(CountedModule):
     """A prepacked quantized Linear. Subclasses register their kernel's buffers and implement
     `kernel(x)` on 2-D activations already in the kernel's K order (act-order gather, K padding).
 
