@@ -18,6 +18,7 @@ gptqmodel rounds it to nearest, no logits test can see it, and its probe is what
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -209,7 +210,8 @@ def test_a_sparse_decoder_layer_is_one_c_call_that_sees_its_experts_change(moe, 
     layer (its sparse block in C: the router's gemv_bf16, softmax, top-k, the k experts' two int4_gemv_rows
     calls). It picks the router's experts and gives the modules' logits. An expert hooked or given another weight after the layer's arguments
     were built is seen after the call that ran it: the step takes the modules (the hook sees its call,
-    the new weight counts) and the layer leaves C until its arguments can be built again."""
+    the new weight counts) and the layer leaves C until its arguments can be built again. A tensor
+    moved in memory by its own method (share_memory_: no module sees it) is read where it is."""
     from native_c import require_c
 
     from quantprep.runtime import cpu_layers
@@ -286,6 +288,27 @@ def test_a_sparse_decoder_layer_is_one_c_call_that_sees_its_experts_change(moe, 
         patch.setattr(cpu_layers, "layer_kernel", lambda path: None)
         assert rel_err(changed, steps()) < 1e-2
     assert rel_err(changed, ours) > 1e-2
+
+    # tensors moved in memory by their own methods (no module sees it) between two decode steps, C reads
+    # them where they are: a norm's weight (checked at each call), then every expert's codes (after the call)
+    for moved in ([sparse[1].post_attention_layernorm.weight],
+                  [experts._modules[str(e)].gate_up_proj.qweight for e in range(experts.num_experts)]):
+        with torch.no_grad():
+            out = model(input_ids=PROMPTS[:1], use_cache=True)
+            out = model(input_ids=torch.tensor([[7]]), past_key_values=out.past_key_values, use_cache=True)
+            addresses = [t.data_ptr() for t in moved]
+            for t in moved:
+                t.share_memory_()
+                t.copy_(t * 2 if t.is_floating_point() else t.flip(-1))  # (the norm's weight is all ones)
+            assert all(t.data_ptr() != a for t, a in zip(moved, addresses, strict=True))
+            cache = copy.deepcopy(out.past_key_values)
+            calls["decode_layer"] = 0
+            in_c = model(input_ids=torch.tensor([[9]]), past_key_values=out.past_key_values, use_cache=True).logits.float()
+            assert calls["decode_layer"] == len(layers)
+            with monkeypatch.context() as patch:
+                patch.setattr(cpu_layers, "layer_kernel", lambda path: None)
+                by_modules = model(input_ids=torch.tensor([[9]]), past_key_values=cache, use_cache=True).logits.float()
+        assert rel_err(in_c, by_modules) < 1e-3
 
 
 def test_compiled_regions_leave_the_experts_eager(moe):
