@@ -18,12 +18,14 @@ is noise; the shapes, the routing and every kernel are real).
      runtime's first run is reported apart
      (`first_token_first_run_s`), the medians are of the runs after it, as every start after a user's first.
   2. decode: greedy tokens/s of --new tokens after the 16-token prompt (timed from the first new
-     token to the last, so the prompt's forward is left out), one process per runtime, one untimed
-     warm-up generates (torch.compile may recompile once a shape turns dynamic), then median of --runs.
-     With a few layers the float lm_head (151936 x 2048 bfloat16, 622 MB read per token, the same in
-     every runtime) is most of a token; --more-layers N also measures decode with N layers, and the
-     difference gives each runtime's time per layer and its decode for all 48 layers (a line through
-     the two measurements: `per_layer_ms`, `decode_48_layers_tok_s`). Decode reads memory: a layer's
+     token to the last, so the prompt's forward is left out), one process per runtime and depth, one
+     untimed warm-up generates (torch.compile may recompile once a shape turns dynamic), then median of
+     --runs. With a few layers the float lm_head (151936 x 2048 bfloat16, 622 MB read per token, the
+     same in every runtime) is most of a token; --more-layers N also measures decode with N layers, and
+     the difference gives each runtime's time per layer and its decode for all 48 layers (a line through
+     the two measurements: `per_layer_ms`, `decode_48_layers_tok_s`). --runs rounds, each runtime's
+     two depths back to back in each: each figure and ratio is the median of the rounds' (this host's
+     speed drifts within minutes, and a depth's difference amplifies it). Decode reads memory: a layer's
      bytes (`layer_bytes`: its attention's and top-k experts' int4 codes and scales) at this machine's
      read rate (`read_bandwidth_gb_s`: torch summing 2 GiB) is the floor under every runtime
      (`per_layer_floor_ms`), and so bounds any ratio to GPTQModel's per-layer time.
@@ -212,6 +214,43 @@ def read_bandwidth_gb_s(runs: int = 5) -> float:
     return x.numel() * 8 / median_and_runs(times)["median"] / 1e9
 
 
+def decode_summary(result: dict, rounds: list[dict], layers: int, more_layers: int | None) -> None:
+    """Medians over the rounds ({runtime: {depth: tok/s}}) into result: decode_tok_s (and _more_layers),
+    per_layer_ms (the slope between the two depths, each round's), decode_48_layers_tok_s (the line
+    through them at 48 layers), and each round's ratio to GPTQModel's, whose median is the ratio reported."""
+    def summary(value) -> dict:  # {runtime: median_and_runs of value(round, runtime)}, the ratios beside
+        out = {}
+        for n in rounds[0]:
+            values = [v for r in rounds if (v := value(r, n)) is not None]
+            if values:
+                out[n] = median_and_runs(values)
+        for n in ("cpu", "openvino"):
+            ratios = [v / g for r in rounds if (v := value(r, n)) is not None and (g := value(r, "gptqmodel")) is not None]
+            if ratios and "gptqmodel" in out:
+                out[f"{n}_ratios"] = median_and_runs(ratios)
+        return out
+
+    def per_layer(r: dict, n: str) -> float | None:
+        got = r.get(n, {})
+        if layers not in got or more_layers not in got:
+            return None
+        return (1000 / got[more_layers] - 1000 / got[layers]) / (more_layers - layers)
+
+    def at_48(r: dict, n: str) -> float | None:
+        p = per_layer(r, n)
+        return None if p is None or p <= 0 else 1000 / (1000 / r[n][layers] + (48 - layers) * p)
+
+    result["decode_tok_s"] = summary(lambda r, n: r.get(n, {}).get(layers))
+    if more_layers:
+        result["more_layers"] = more_layers
+        result["decode_tok_s_more_layers"] = summary(lambda r, n: r.get(n, {}).get(more_layers))
+        result["per_layer_ms"] = {n: v["median"] for n, v in summary(per_layer).items() if not n.endswith("_ratios")}
+        for n, v in result["per_layer_ms"].items():
+            if v <= 0:  # deeper ran faster: the host's speed moved between the runs, no estimate holds
+                result["errors"][f"{n} per layer"] = f"{v:.2f} ms per layer (not positive): measure again on a quiet machine"
+        result["decode_48_layers_tok_s"] = summary(at_48)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=2)
@@ -220,7 +259,7 @@ def main() -> None:
     p.add_argument("--experts", type=int, help="override num_experts (a quick check)")
     p.add_argument("--hidden", type=int, help="override hidden_size (a quick check)")
     p.add_argument("--vocab", type=int, help="override vocab_size (a quick check)")
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=int, default=3, help="first-token processes, decode rounds, and generates in each decode process")
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--backend", default="AUTO", help="GPTQModel's BACKEND name (AUTO: its own pick on this CPU)")
     p.add_argument("--only", nargs="+", choices=["gptqmodel", "cpu", "openvino"], default=["gptqmodel", "cpu", "openvino"])
@@ -275,30 +314,24 @@ def main() -> None:
         result["first_token_s"] = {n: median_and_runs([r["first_token_s"] for r in rs]) for n, rs in raw.items() if rs}
         result["first_token_raw"] = raw
     if "decode" not in args.skip:
-        result["decode_raw"] = {n: r for n in args.only if (r := child(n, "decode"))}
-        result["decode_tok_s"] = {n: median_and_runs(r["tok_s"]) for n, r in result["decode_raw"].items()}
-        if deeper:
-            result["more_layers"] = args.more_layers
-            result["decode_raw_more_layers"] = {n: r for n in args.only if (r := child(n, "decode", deeper))}
-            result["decode_tok_s_more_layers"] = {n: median_and_runs(r["tok_s"]) for n, r in result["decode_raw_more_layers"].items()}
-            result["per_layer_ms"], result["decode_48_layers_tok_s"] = {}, {}
-            for n, deep in result["decode_tok_s_more_layers"].items():
-                few = 1000 / result["decode_tok_s"][n]["median"]
-                per_layer = (1000 / deep["median"] - few) / (args.more_layers - args.layers)
-                result["per_layer_ms"][n] = per_layer
-                if per_layer <= 0:  # deeper ran faster: the host's speed moved between the runs, no estimate holds
-                    result["errors"][f"{n} per layer"] = f"{per_layer:.2f} ms per layer (not positive): measure again on a quiet machine"
-                    continue
-                result["decode_48_layers_tok_s"][n] = {"median": 1000 / (few + (48 - args.layers) * per_layer)}
-            # the floor no runtime can pass: a layer's bytes at this machine's read rate
+        depths = [(args.layers, paths)] + ([(args.more_layers, deeper)] if deeper else [])
+        rounds = []
+        for _ in range(args.runs):
+            # the runtimes in turn, round by round, each one's two depths back to back: the per-layer time and
+            # the ratios come from measurements seconds apart (this host's speed drifts over minutes)
+            rounds.append({n: {d: median_and_runs(r["tok_s"])["median"] for d, at in depths if (r := child(n, "decode", at))}
+                           for n in args.only})
+        result["decode_rounds"] = rounds
+        decode_summary(result, rounds, args.layers, args.more_layers)
+        if deeper:  # the floor no runtime can pass: a layer's bytes at this machine's read rate
             result["layer_bytes"], result["read_bandwidth_gb_s"] = layer_bytes(config), read_bandwidth_gb_s()
             result["per_layer_floor_ms"] = result["layer_bytes"] / result["read_bandwidth_gb_s"] / 1e6
     for key, goal, better in (("first_token_s", 0.3, "<="), ("decode_tok_s", 2.0, ">="), ("decode_48_layers_tok_s", 2.0, ">=")):
         r = result.get(key, {})
         if "gptqmodel" in r:
             for n in ("cpu", "openvino"):
-                if n in r:
-                    ratio = r[n]["median"] / r["gptqmodel"]["median"]
+                if n in r:  # decode: the median of each round's ratio (decode_summary); the first token: of the medians
+                    ratio = r.pop(f"{n}_ratios")["median"] if f"{n}_ratios" in r else r[n]["median"] / r["gptqmodel"]["median"]
                     met = ratio <= goal if better == "<=" else ratio >= goal
                     r[f"{n}_over_gptqmodel"] = {"ratio": ratio, "goal": f"{better} {goal}", "met": met}
     if "repack" not in args.skip:
