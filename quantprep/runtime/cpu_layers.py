@@ -17,9 +17,10 @@ submodules, hooks and tied weights, isinstance checks still hold, and its forwar
 computes the same (`runs_here`: eager bfloat16 CPU rows, no autograd; attention: one token of a
 "quantprep_cpu" model; no hooks on fused members) and the replaced
 class's own forward everywhere else (torch.compile, export, other dtypes, prefill's attention, a
-Linear's several rows where torch has a bfloat16 GEMM kernel). Where a decode token's four
-projections run int4_a8, a decoder layer is one C call (decode_layer) that makes its modules' C
-calls in turn, without the Python between them (benchmarks/experiments/results/cpu-layers-avx2.json).
+Linear's several rows where torch has a bfloat16 GEMM kernel). Where a decode token's projections
+run int4 or int4_a8 at one row, a decoder layer is one C call (decode_layer) that makes its modules'
+C calls in turn, without the Python between them; a Qwen3-MoE or Mixtral layer's sparse block too
+(benchmarks/experiments/README.md, "CPU decode layers", "MoE decode on the CPU").
 """
 
 from __future__ import annotations
