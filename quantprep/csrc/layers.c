@@ -150,67 +150,87 @@ static void add_to(const uint16_t *residual, uint16_t *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = to_bf16(from_bf16(residual[i]) + from_bf16(y[i]));
 }
 
-/* One row through a sparse block (Qwen3-MoE's, Mixtral's: transformers' router, then the experts as
-   runtime/experts.py runs a decode token's): the router's logits rounded to bfloat16 (gemv_bf16, as
-   F.linear), their softmax in float32, the top_k largest (NaN first, then the lower index), divided by
-   their sum where L->renormalize; the chosen experts' gated MLPs, their gate_up projections in one
-   experts_matmul call and their down ones in another, silu_mul between; out = the sum over the k of
-   output times weight in float32, rounded once, where L->round_weights each weight and each product
-   rounded to bfloat16 first (Qwen3-MoE's router returns bfloat16 weights, Mixtral's float32 ones). */
-static int sparse_block(const DecodeLayer *L, const uint16_t *x, uint16_t *out, int threads) {
-    int64_t E = L->experts, k = L->top_k, n = L->hidden, I = L->intermediate;
+/* A sparse block (Qwen3-MoE's, Mixtral's: transformers' router, then the experts as runtime/experts.py
+   runs a decode token's) at one row, in two calls so that the caller can check the chosen experts'
+   tensors before C reads them. route: the router's logits rounded to bfloat16 (gemv_bf16, as F.linear),
+   their softmax in float32, the top_k largest (NaN first, then the lower index: torch.topk leaves ties
+   unordered), divided by their sum where L->renormalize, rounded to bfloat16 where L->round_weights
+   (Qwen3-MoE's router returns bfloat16 weights, Mixtral's float32 ones); the choice and x into L->chosen,
+   L->chosen_weights and L->routed. */
+static int route(const DecodeLayer *L, const uint16_t *x) {
+    int64_t E = L->experts, k = L->top_k, n = L->hidden;
     if (k < 1 || k > E || n % 32) return -2;
-    char *buffer = malloc(2 * k * sizeof(QuantLinear *) + (E + k) * sizeof(float) + (E + k * (3 * I + n)) * sizeof(uint16_t));
+    float *prob = malloc(E * sizeof(float) + E * sizeof(uint16_t));
+    if (!prob) return -1;
+    uint16_t *logits = (uint16_t *)(prob + E);
+    int status = gemv_bf16(x, L->router, logits, E, n);
+    if (status == 0) {
+        float max = -INFINITY, sum = 0.f, total = 0.f;
+        for (int64_t e = 0; e < E; e++) prob[e] = from_bf16(logits[e]), max = prob[e] > max ? prob[e] : max;
+        for (int64_t e = 0; e < E; e++) prob[e] = expf(prob[e] - max), sum += prob[e];
+        for (int64_t e = 0; e < E; e++) prob[e] *= 1.f / sum;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= L->chosen[i] == e;
+                if (!taken && (best < 0 || (isnan(prob[e]) && !isnan(prob[best])) || prob[e] > prob[best])) best = e;
+            }
+            L->chosen[j] = best, L->chosen_weights[j] = prob[best], total += prob[best];
+        }
+        for (int64_t j = 0; j < k; j++) {
+            if (L->renormalize) L->chosen_weights[j] /= total;
+            if (L->round_weights) L->chosen_weights[j] = from_bf16(to_bf16(L->chosen_weights[j]));
+        }
+        memcpy(L->routed, x, n * sizeof(uint16_t));
+    }
+    free(prob);
+    return status;
+}
+
+/* The second call: the experts route chose (L->chosen, each below L->experts) on L->routed, their
+   gate_up projections in one experts_matmul call and their down ones in another, silu_mul between;
+   out = out + the sum over the k of output times weight (in float32, rounded once; where
+   L->round_weights each product rounded to bfloat16 first), rounded as the layer's residual add.
+   out holds the residual decode_layer left there. 0, -1 (no memory), -2 or a kernel's error. */
+int sparse_experts(const DecodeLayer *L, uint16_t *out, int threads) {
+    int64_t k = L->top_k, n = L->hidden, I = L->intermediate;
+    if (!L->experts_matmul || k < 1 || k > L->experts) return -2;
+    for (int64_t j = 0; j < k; j++)
+        if (L->chosen[j] < 0 || L->chosen[j] >= L->experts) return -2;
+    char *buffer = malloc(2 * k * sizeof(QuantLinear *) + k * (3 * I + n) * sizeof(uint16_t));
     if (!buffer) return -1;
     const QuantLinear **gate_up = (const QuantLinear **)buffer, **down = gate_up + k;
-    float *prob = (float *)(down + k), *weight = prob + E;
-    uint16_t *logits = (uint16_t *)(weight + k), *gu = logits + E, *act = gu + k * 2 * I, *y = act + k * I;
-    int status = gemv_bf16(x, L->router, logits, E, n);
-    if (status) goto done;
-    float max = -INFINITY, sum = 0.f;
-    for (int64_t e = 0; e < E; e++) prob[e] = from_bf16(logits[e]), max = prob[e] > max ? prob[e] : max;
-    for (int64_t e = 0; e < E; e++) prob[e] = expf(prob[e] - max), sum += prob[e];
-    for (int64_t e = 0; e < E; e++) prob[e] *= 1.f / sum;
-    float total = 0.f;
-    for (int64_t j = 0; j < k; j++) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; e++) {
-            int taken = 0;
-            for (int64_t i = 0; i < j; i++) taken |= L->chosen[i] == e;
-            if (!taken && (best < 0 || (isnan(prob[e]) && !isnan(prob[best])) || prob[e] > prob[best])) best = e;
+    uint16_t *gu = (uint16_t *)(down + k), *act = gu + k * 2 * I, *y = act + k * I;
+    for (int64_t j = 0; j < k; j++) gate_up[j] = &L->experts_gate_up[L->chosen[j]], down[j] = &L->experts_down[L->chosen[j]];
+    int status = L->experts_matmul(gate_up, L->routed, 0, k, gu, 2 * I, threads);
+    if (status == 0) {
+        silu_mul(gu, 2 * I, act, I, k, I);
+        status = L->experts_matmul(down, act, I, k, y, n, threads);
+    }
+    if (status == 0)
+        for (int64_t i = 0; i < n; i++) {
+            float s = 0.f;
+            for (int64_t j = 0; j < k; j++) {
+                float v = from_bf16(y[j * n + i]) * L->chosen_weights[j];
+                s += L->round_weights ? from_bf16(to_bf16(v)) : v;
+            }
+            out[i] = to_bf16(from_bf16(out[i]) + from_bf16(to_bf16(s)));
         }
-        L->chosen[j] = best, weight[j] = prob[best], total += prob[best];
-        gate_up[j] = &L->experts_gate_up[best], down[j] = &L->experts_down[best];
-    }
-    for (int64_t j = 0; j < k; j++) {
-        if (L->renormalize) weight[j] /= total;
-        if (L->round_weights) weight[j] = from_bf16(to_bf16(weight[j]));
-    }
-    if ((status = L->experts_matmul(gate_up, x, 0, k, gu, 2 * I, threads))) goto done;
-    silu_mul(gu, 2 * I, act, I, k, I);
-    if ((status = L->experts_matmul(down, act, I, k, y, n, threads))) goto done;
-    for (int64_t i = 0; i < n; i++) {
-        float s = 0.f;
-        for (int64_t j = 0; j < k; j++) {
-            float v = from_bf16(y[j * n + i]) * weight[j];
-            s += L->round_weights ? from_bf16(to_bf16(v)) : v;
-        }
-        out[i] = to_bf16(s);
-    }
-done:
     free(buffer);
     return status;
 }
 
 /* `rows` consecutive tokens through a decoder layer (runtime/architectures.py: Llama's, Qwen2's, Qwen3's,
-   Mistral's; or Qwen3-MoE's and Mixtral's, their sparse block at one row) whose projections run int4_a8 or
-   int4_gemv (targets/cpu.py) and whose attention runs decode_attention, all called through the pointers in L: at one row (decode_layer) the same calls, in the same order and
-   with the same roundings, as the modules' own C forwards, with no Python between them
-   (benchmarks/experiments/README.md, "CPU decode layers"). x and out: `rows` rows of `hidden`; cos, sin: each row's rotary embedding; the new
-   keys and values go into rows filled..filled+rows-1 of each head of k_cache, v_cache ([kv_heads,
-   capacity, D]), and row r attends to rows 0..filled+r (causal: a prompt's tokens as one call,
-   runtime/engine.py), the last L->window of them where that is not 0 (a sliding window). 0, -1 (no
-   memory) or a kernel's error. */
+   Mistral's; Qwen3-MoE's and Mixtral's at one row, up to their router's choice, sparse_experts doing
+   the rest) whose projections run int4_a8 or int4_gemv (targets/cpu.py) and whose attention runs
+   decode_attention, all called through the pointers in L: at one row (decode_layer) the same calls,
+   in the same order and with the same roundings, as the modules' own C forwards, with no Python
+   between them (benchmarks/experiments/README.md, "CPU decode layers"). x and out: `rows` rows of
+   `hidden`; cos, sin: each row's rotary embedding; the new keys and values go into rows
+   filled..filled+rows-1 of each head of k_cache, v_cache ([kv_heads, capacity, D]), and row r attends
+   to rows 0..filled+r (causal: a prompt's tokens as one call, runtime/engine.py), the last L->window
+   of them where that is not 0 (a sliding window). 0, -1 (no memory) or a kernel's error. */
 int layer_rows(const DecodeLayer *L, const uint16_t *x, int64_t rows, uint16_t *out, const uint16_t *cos, const uint16_t *sin,
                uint16_t *k_cache, uint16_t *v_cache, int64_t capacity, int64_t filled, int threads) {
     int64_t n = L->hidden, D = L->head_dim, I = L->intermediate, q_size = L->heads * D, kv_size = L->kv_heads * D;
@@ -239,13 +259,14 @@ int layer_rows(const DecodeLayer *L, const uint16_t *x, int64_t rows, uint16_t *
     if ((status = quant_linear(L, &L->o, attn, rows, h, threads))) goto done;
     add_to(x, h, rows * n);
     rms_norm(h, n, L->norm2, hn, n, rows, n, L->eps2);
-    if (L->experts_matmul) {
-        if ((status = sparse_block(L, hn, out, threads))) goto done;
-    } else {
-        if ((status = quant_linear(L, &L->gate_up, hn, rows, gu, threads))) goto done;
-        silu_mul(gu, 2 * I, act, I, rows, I);
-        if ((status = quant_linear(L, &L->down, act, rows, out, threads))) goto done;
+    if (L->experts_matmul) { /* the router's choice; the residual in out, for sparse_experts */
+        if ((status = route(L, hn))) goto done;
+        memcpy(out, h, n * sizeof(uint16_t));
+        goto done;
     }
+    if ((status = quant_linear(L, &L->gate_up, hn, rows, gu, threads))) goto done;
+    silu_mul(gu, 2 * I, act, I, rows, I);
+    if ((status = quant_linear(L, &L->down, act, rows, out, threads))) goto done;
     add_to(h, out, rows * n);
 done:
     free(buffer);

@@ -84,10 +84,14 @@ typedef struct {
     QuantLinear qkv, o, gate_up, down; /* gate_up and down: the gated MLP's, unused in a sparse block */
     /* A sparse block (experts_matmul set): the router's bfloat16 weight [experts, hidden]; each expert's two
        projections; how the top_k weights are made (renormalize: divided by their sum; round_weights: rounded to
-       bfloat16, as is each expert's output times its weight); where the experts the row ran are written (top_k) */
+       bfloat16, as is each expert's output times its weight); where the router's choice goes between the two
+       calls of a row (decode_layer, then sparse_experts): the experts (top_k), their weights (top_k) and the
+       normalized row they run on (hidden) */
     const uint16_t *router;
     const QuantLinear *experts_gate_up, *experts_down;
     int64_t *chosen;
+    float *chosen_weights;
+    uint16_t *routed;
     int64_t experts, top_k, renormalize, round_weights;
 } DecodeLayer;
 
@@ -101,5 +105,6 @@ int layer_rows(const DecodeLayer *L, const uint16_t *x, int64_t rows, uint16_t *
                uint16_t *k_cache, uint16_t *v_cache, int64_t capacity, int64_t filled, int threads);
 int decode_layer(const DecodeLayer *L, const uint16_t *x, uint16_t *out, const uint16_t *cos, const uint16_t *sin,
                  uint16_t *k_cache, uint16_t *v_cache, int64_t capacity, int64_t filled, int threads);
+int sparse_experts(const DecodeLayer *L, uint16_t *out, int threads);
 
 #endif

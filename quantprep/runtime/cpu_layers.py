@@ -232,15 +232,16 @@ class CpuQuantizedExperts(Replacement):
         plain CpuInt4Linear modules that run the int4 path at one row; else None."""
         parts = self._modules[str(e)]._modules
         gate_up, down = parts.get("gate_up_proj"), parts.get("down_proj")
-        if gate_up is None or down is None or gate_up.out_features != 2 * self.intermediate_dim or down.out_features != self.hidden_dim:
-            return None
+        if gate_up is None or down is None or (gate_up.in_features, gate_up.out_features, down.in_features, down.out_features) != \
+                (self.hidden_dim, 2 * self.intermediate_dim, self.intermediate_dim, self.hidden_dim):
+            return None  # C reads the row and the SiLU product by these sizes
         args = quant_linear_args(gate_up, "int4"), quant_linear_args(down, "int4")
         return None if None in args else args
 
     def expert_state(self, e: int) -> tuple:
         """What expert e's C arguments (expert_args) depend on: its modules, their classes, forwards set on
         them, hooks and plans, and their tensors' ids, addresses, shapes, strides and dtypes. A decoder
-        layer that ran it in C compares it with the state it built from (CpuDecoderLayer.forward)."""
+        layer that runs it in C compares it with the state it was built from (SparseState.as_built)."""
         expert = self._modules.get(str(e))
         parts = getattr(expert, "_modules", {})
         out = [expert]
@@ -336,14 +337,17 @@ class CpuDecoderLayer(Replacement):
                 status = library().decode_layer(ctypes.byref(args_c), hidden_states.data_ptr(), out.data_ptr(), cos.data_ptr(),
                                                 sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2], n,
                                                 torch.get_num_threads())
+                if status == 0 and sparse is not None:  # the router chose: C reads those experts where they are now
+                    if not sparse.chosen_in_place():
+                        vars(self).pop("_decode_layer", None)  # the row written past the cache's end: the modules write it again
+                        return self.replaced.forward(self, hidden_states, *args, **kwargs)
+                    status = library().sparse_experts(ctypes.byref(args_c), out.data_ptr(), torch.get_num_threads())
                 if status == -1:
                     raise MemoryError("decode_layer could not allocate its buffers")
                 if status:
                     raise ValueError(f"decode_layer's kernels refused this layer ({status})")
-                if sparse is None or self.ran_as_built(*sparse):
-                    layer.written(keys, values, n + 1)
-                    return out
-                vars(self).pop("_decode_layer", None)  # the row written past the cache's end: the replaced forward writes it again
+                layer.written(keys, values, n + 1)
+                return out
         return self.replaced.forward(self, hidden_states, *args, **kwargs)
 
     def __getstate__(self) -> dict:
@@ -355,27 +359,14 @@ class CpuDecoderLayer(Replacement):
         vars(self).pop("_decode_layer", None)  # .to(), .float(), ...: the old tensors are not kept
         return super()._apply(fn, recurse)
 
-    @staticmethod
-    def ran_as_built(experts: nn.Module, chosen, states: list, stamp: tuple, addresses: list) -> bool:
-        """Whether the experts a sparse layer's C call ran (chosen) are as its arguments were built from:
-        no quantprep module changed and no hook was made since (changes_stamp) and their tensors did not
-        move, or else each of them as it was (expert_state). Checked after the call, for the experts it
-        chose, where checking all of them would cost more than the layer: an expert changed since is not
-        run by C again (it read the tensors it was built from, which the layer's state keeps alive)."""
-        if not all(0 <= e < len(states) for e in chosen):
-            return False
-        if changes_stamp() == stamp and all(t.data_ptr() == p for e in chosen for t, p in addresses[e]):
-            return True
-        return all(experts.expert_state(e) == states[e] for e in chosen)
-
     def decode_args(self, x: torch.Tensor, attention_mask, cache, position_embeddings, kwargs: dict) -> tuple | None:
-        """(decode_layer's arguments, this layer's cache, a sparse block's (experts, chosen, their states)
-        or None) where it computes what the replaced forward would, else None.
+        """(decode_layer's arguments, this layer's cache, a sparse block's SparseState or None) where it
+        computes what the replaced forward would, else None.
 
         The inputs and the cache are checked at every call. The layer's modules, hooks, plans and
-        tensors are checked whole (layer_args) when `watched` changes, and `watched` is compared only
-        when the counts of changes and hooks (changes_stamp) or what they do not count (uncounted)
-        moved: after a layer that streamed its weights through the caches, each Python object a check
+        tensors are checked whole (layer_args) when `watched` changes (or a sparse block's experts,
+        SparseState.as_built), and those are compared only when the counts of changes and hooks
+        (changes_stamp) or what they do not count (uncounted, tensors_in_place) moved: after a layer that streamed its weights through the caches, each Python object a check
         touches comes from memory, and checking everything at every call cost a measurable share of a
         token (benchmarks/experiments/README.md, "CPU decode layers", "MoE decode on the CPU")."""
         qkv = getattr(self._modules.get("self_attn"), "_modules", {}).get("qkv_proj")
@@ -387,13 +378,14 @@ class CpuDecoderLayer(Replacement):
                 torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
             return None
         stamp, state = changes_stamp(), vars(self).get("_decode_layer")
-        if state is None or state[2] is None or state[1] != stamp or state[7] != self.uncounted(state[6]):
+        if state is None or state[2] is None or state[1] != stamp or state[7] != self.uncounted() or not tensors_in_place(state[6]):
             watched = self.watched()  # (a layer C does not run is checked whole: a hook's removal is not counted)
-            if state is None or state[0] != watched:
+            if state is None or state[0] != watched or (state[2] is None and state[1] != stamp) or \
+                    (state[5] is not None and not state[5].as_built()):  # (a refused build is tried again when the counts move)
                 built = self.layer_args(x) or (None, None, None, None, [])
-                state = (self.watched(), changes_stamp(), *built, self.uncounted(built[4]))  # as it stands after the build
+                state = (self.watched(), changes_stamp(), *built, self.uncounted())  # as it stands after the build
             else:
-                state = (watched, stamp, *state[2:])
+                state = (watched, stamp, *state[2:7], self.uncounted())
             vars(self)["_decode_layer"] = state  # this layer's own cache: not a change to count
         args, layer_idx, _, sparse = state[2:6]
         layers = getattr(cache, "layers", None)
@@ -408,11 +400,10 @@ class CpuDecoderLayer(Replacement):
             return None
         return args, layer, sparse
 
-    def uncounted(self, tensors: list) -> tuple:
-        """What `watched` reads that changes_stamp does not count: the attention's implementation (the
-        model's config), a sparse block and its router and experts (transformers' block: its members, class,
-        forward, hooks, training and the router's settings and weight), and the addresses of the tensors C
-        reads (a tensor's own share_memory_ or set_ moves it)."""
+    def uncounted(self) -> tuple:
+        """What `watched` reads that changes_stamp does not count, but for the tensors (tensors_in_place):
+        the attention's implementation (the model's config), and a sparse block with its router and
+        experts (transformers' block: its members, class, forward, hooks, training, the router's settings)."""
         mods = self._modules
         attn, mlp = mods.get("self_attn"), mods.get("mlp")
         out = [getattr(vars(attn).get("config") if attn is not None else None, "_attn_implementation", None)]
@@ -421,15 +412,15 @@ class CpuDecoderLayer(Replacement):
             for m in (mlp, gate):
                 d = vars(m) if m is not None else {}
                 out += [m, type(m), d.get("forward"), bool(d.get("_forward_hooks") or d.get("_forward_pre_hooks")), d.get("training")]
-            out += [experts, *(vars(gate).get(k) for k in ROUTER_SETTINGS), gate._parameters.get("weight")] if gate is not None else [experts]
-        return (*out, *(t.data_ptr() for t in tensors))
+            out += [experts, *(vars(gate).get(k) for k in ROUTER_SETTINGS)] if gate is not None else [experts]
+        return tuple(out)
 
     def watched(self) -> tuple:
         """What layer_args' result depends on, compared at each call: the member modules themselves (a
         tuple compares them by identity), their classes, forwards set on them and hooks, the attention's
         mode, settings and cache index, the norms' epsilons, each projection's plan and parts, and the
-        ids, addresses, shapes, strides and dtypes of the tensors C reads (the state that holds the tuple keeps them and
-        their storage alive, so no other tensor or allocation takes their ids or addresses)."""
+        ids, addresses, shapes, strides and dtypes of the tensors C reads (the state that holds the tuple keeps
+        them alive, so no other tensor takes their ids)."""
         mods = self._modules  # instance dicts read directly: a missing attribute through nn.Module costs an exception
         attn, mlp = mods.get("self_attn"), mods.get("mlp")
         norms = (mods.get("input_layernorm"), mods.get("post_attention_layernorm"))
@@ -459,10 +450,10 @@ class CpuDecoderLayer(Replacement):
         out += [(id(t), t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors if t is not None]
         return tuple(out)
 
-    def layer_args(self, x: torch.Tensor) -> tuple[DecodeLayerArgs, int, list, tuple | None, list] | None:
+    def layer_args(self, x: torch.Tensor) -> tuple[DecodeLayerArgs, int, list, SparseState | None, list] | None:
         """(decode_layer's arguments, the layer's index in the cache, what keeps the memory they point
-        into alive, a sparse block's checks (sparse_args) or None, the tensors outside the experts C reads), or None where this layer does not run it.
-        x: a row that runs_here."""
+        into alive, a sparse block's SparseState or None, where the tensors outside the experts that C
+        reads are (tensor_slots)), or None where this layer does not run it. x: a row that runs_here."""
         hidden = x.shape[-1]
         mods = self._modules
         attn, mlp, norm1, norm2 = (mods.get(m) for m in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))
@@ -485,7 +476,7 @@ class CpuDecoderLayer(Replacement):
         path = projections[0].path_for(1)
         buffers = [dict(m._buffers) for m in projections]
         tensors = [*weights, *(t for b in buffers for t in b.values() if t is not None)]
-        kept = tensors + [t.untyped_storage() for t in tensors]  # before C's addresses are read: they stay valid
+        kept = tensors + [t.untyped_storage() for t in tensors]  # deleted from the modules, they stay valid (moved: tensors_in_place)
         addresses = [t.data_ptr() for t in tensors]
         linears = [quant_linear_args(m, path) for m in projections]
         qkv, o = projections[:2]
@@ -522,14 +513,13 @@ class CpuDecoderLayer(Replacement):
         if qk:  # else NULL: no norms
             args.q_norm, args.k_norm, args.q_eps, args.k_eps = weights[2].data_ptr(), weights[3].data_ptr(), \
                 qk[0].variance_epsilon, qk[1].variance_epsilon
-        return args, attn.layer_idx, kept, sparse, tensors + ([] if routing is None else [routing[0]._parameters["weight"]])
+        return args, attn.layer_idx, kept, sparse, tensor_slots([norm1, norm2, *qk, *projections, *([] if routing is None else [routing[0]])])
 
     @staticmethod
-    def sparse_args(args: DecodeLayerArgs, routing: tuple, hidden: int, kept: list) -> tuple | None:
+    def sparse_args(args: DecodeLayerArgs, routing: tuple, hidden: int, kept: list) -> SparseState | None:
         """A sparse block's fields of args set (the router's weight, every expert's projections as
-        int4_gemv_rows reads them, where the chosen experts go) and what they point into appended to kept:
-        (experts, chosen, each expert's state, the stamp it was taken at, each expert's tensors and their
-        addresses); None where decode_layer does not run it."""
+        int4_gemv_rows reads them, where the router's choice goes) and what they point into appended to
+        kept: its SparseState; None where decode_layer does not run it."""
         gate, experts, renormalize, round_weights = routing
         weight, E, k = gate._parameters.get("weight"), experts.num_experts, vars(gate).get("top_k")
         if not is_silu(experts.act_fn) or experts.hidden_dim != hidden or type(k) is not int or not 0 < k <= E or \
@@ -539,20 +529,50 @@ class CpuDecoderLayer(Replacement):
         projections = [experts.expert_args(e) for e in range(E)]  # (which may cache a weight's checks in its module)
         if None in projections:
             return None
-        stamp, states = changes_stamp(), [experts.expert_state(e) for e in range(E)]  # what the arguments were built from
-        addresses = [[(t, t.data_ptr()) for m in experts._modules[str(e)]._modules.values()
-                      for t in (*m._buffers.values(), *m._parameters.values()) if t is not None] for e in range(E)]
+        states = [experts.expert_state(e) for e in range(E)]  # what the arguments were built from
         gate_up = (QuantLinearArgs * E)(*(p[0] for p in projections))
         down = (QuantLinearArgs * E)(*(p[1] for p in projections))
-        chosen = (ctypes.c_int64 * k)()
-        tensors = [weight] + [t for e in range(E) for m in experts._modules[str(e)]._modules.values()
-                              for t in (*m._buffers.values(), *m._parameters.values()) if t is not None]
-        kept += [gate_up, down, chosen, *tensors, *(t.untyped_storage() for t in tensors)]
+        sparse = SparseState(experts, states, [tensor_slots(experts._modules[str(e)]._modules.values()) for e in range(E)], k, hidden)
+        tensors = [weight] + [t for slots in sparse.slots for _, _, t, _ in slots]
+        kept += [gate_up, down, *tensors, *(t.untyped_storage() for t in tensors)]
         args.experts_matmul = ctypes.cast(gemv.int4_gemv_rows, ctypes.c_void_p).value
         args.router, args.experts_gate_up, args.experts_down = weight.data_ptr(), ctypes.addressof(gate_up), ctypes.addressof(down)
-        args.chosen, args.experts, args.top_k = ctypes.addressof(chosen), E, k
+        args.chosen, args.chosen_weights = ctypes.addressof(sparse.chosen), ctypes.addressof(sparse.chosen_weights)
+        args.routed, args.experts, args.top_k = sparse.routed.data_ptr(), E, k
         args.renormalize, args.round_weights, args.intermediate = int(renormalize), int(round_weights), experts.intermediate_dim
-        return experts, chosen, states, stamp, addresses
+        return sparse
+
+
+class SparseState:
+    """A sparse decode layer's experts as its C arguments were built from them: each expert's state
+    (expert_state) and where its tensors are (tensor_slots), and the buffers the router's choice goes
+    into between decode_layer and sparse_experts (the experts, their weights, the normalized row)."""
+
+    def __init__(self, experts: nn.Module, states: list[tuple], slots: list[list], top_k: int, hidden: int):
+        self.experts, self.states, self.slots = experts, states, slots
+        self.chosen, self.chosen_weights = (ctypes.c_int64 * top_k)(), (ctypes.c_float * top_k)()
+        self.routed = torch.empty(hidden, dtype=torch.bfloat16)
+
+    def as_built(self) -> bool:
+        """Every expert as it was: checked when the counts moved (a walk over all of them)."""
+        return all(self.experts.expert_state(e) == state for e, state in enumerate(self.states))
+
+    def chosen_in_place(self) -> bool:
+        """Whether the experts the router chose still hold the tensors C was built from, where they were
+        (what the counts do not see: a tensor moved in place, or put in a module's dicts directly).
+        Checked before C reads them, for those experts only: checking all of them would cost more than the layer."""
+        return all(0 <= e < len(self.slots) and tensors_in_place(self.slots[e]) for e in self.chosen)
+
+
+def tensor_slots(modules) -> list[tuple[dict, str, torch.Tensor, int]]:
+    """(dict, name, tensor, its address) for each buffer and parameter of `modules`."""
+    return [(d, name, t, t.data_ptr()) for m in modules for d in (m._buffers, m._parameters) for name, t in d.items() if t is not None]
+
+
+def tensors_in_place(slots: list) -> bool:
+    """Whether each tensor of tensor_slots is still in its module, at its address (a tensor's own
+    share_memory_ or set_ moves it and frees the memory C would read)."""
+    return all(d.get(name) is t and t.data_ptr() == address for d, name, t, address in slots)
 
 
 def changes_stamp() -> tuple[int, int]:
@@ -792,7 +812,8 @@ def c_modules(model: nn.Module) -> dict[str, int]:
             path = projections[0].path_for(1) if type(projections[0]) is CpuInt4Linear else None
             counts["decoder_layers"] += cpu_attention.kernel() is not None and layer_kernel(path) is not None and \
                 all(p is not None and quant_linear_args(p, path) is not None for p in projections) and \
-                (routing is None or all(routing[1].expert_args(e) is not None for e in range(routing[1].num_experts)))
+                (routing is None or (isinstance(routing[1], CpuQuantizedExperts) and
+                                     all(routing[1].expert_args(e) is not None for e in range(routing[1].num_experts))))
         elif isinstance(m, CpuRMSNorm):
             counts["norms"] += 1
         elif isinstance(m, CpuGatedMLP | CpuQuantizedExperts):

@@ -25,7 +25,7 @@ class DecodeLayerArgs(ctypes.Structure):
         [(f, ctypes.c_float) for f in ("eps1", "eps2", "q_eps", "k_eps", "scaling")] + \
         [(f, ctypes.c_int64) for f in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "window")] + \
         [(f, QuantLinearArgs) for f in ("qkv", "o", "gate_up", "down")] + \
-        [(f, ctypes.c_void_p) for f in ("router", "experts_gate_up", "experts_down", "chosen")] + \
+        [(f, ctypes.c_void_p) for f in ("router", "experts_gate_up", "experts_down", "chosen", "chosen_weights", "routed")] + \
         [(f, ctypes.c_int64) for f in ("experts", "top_k", "renormalize", "round_weights")]
 
 
@@ -55,6 +55,7 @@ SIGNATURES = {
         "silu_mul": (None, [P, I64, P, I64, I64, I64]),
         "layer_rows": (INT, [LAYER, P, I64] + [P] * 5 + [I64, I64, INT]),
         "decode_layer": (INT, [LAYER] + [P] * 6 + [I64, I64, INT]),
+        "sparse_experts": (INT, [LAYER, P, INT]),
     },
 }
 

@@ -398,7 +398,7 @@ class CpuInt4Linear(PackedLinear):
                     qweight.dtype != torch.uint8 or qweight.numel() * 2 != self.padded_in * self.padded_out or \
                     (perm is not None and (perm.numel() != self.in_features or perm.dtype != torch.int32)):
                 raise ValueError(f"{path} cannot run a {self.in_features}x{self.out_features} module with these tensors")
-            self._c_weight = key
+            vars(self)["_c_weight"] = key  # a cache of the checks, not a change (CountedModule)
         perm, qweight, sz = (None if t is None else t.data_ptr() for t in buffers)
         return perm, qweight, sz, self.padded_in, self.padded_out, self.kernel_group_size
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from quantprep.errors import SourceError
 from quantprep.format.gptq import PrepackLayer
@@ -115,13 +116,22 @@ def make_int8_module(meta: dict, act_dtype: torch.dtype, per_channel: type | Non
     return (per_channel_class if meta.get("int8_kernel") == "per_channel" else DequantInt8Linear)(meta, act_dtype)
 
 
+class CountedHandle(RemovableHandle):
+    """The handle of a forward hook on a CountedModule: removing the hook is a change too."""
+
+    def remove(self) -> None:
+        CountedModule.changes += 1
+        super().remove()
+
+
 class CountedModule(nn.Module):
     """An nn.Module whose changes made through its own methods are counted, one count shared by every
     such module (`changes`): each attribute set or deleted (its class, training, buffers, parameters,
-    submodules, forward), each tensor or module registered, and _apply (to(), float(), ...). With
-    torch's count of the hooks made (RemovableHandle.next_id), a C path that holds the addresses of
-    many modules' tensors sees that none of them changed without walking them all (cpu_layers' sparse
-    decode layers). What bypasses nn.Module (writes into its dicts, a tensor's .data or set_) is not counted."""
+    submodules, forward), each tensor or module registered, _apply (to(), float(), ...), and a forward
+    hook's removal. With torch's count of the hooks made (RemovableHandle.next_id), a C path that holds
+    the addresses of many modules' tensors sees that none of them changed without walking them all
+    (cpu_layers' decode layers). What bypasses nn.Module (writes into its dicts, a tensor's .data or
+    set_) is not counted."""
 
     changes = 0
 
@@ -148,6 +158,16 @@ class CountedModule(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         CountedModule.changes += 1
         return super()._apply(fn, recurse)
+
+    def register_forward_hook(self, *args, **kwargs) -> RemovableHandle:
+        handle = super().register_forward_hook(*args, **kwargs)
+        handle.__class__ = CountedHandle
+        return handle
+
+    def register_forward_pre_hook(self, *args, **kwargs) -> RemovableHandle:
+        handle = super().register_forward_pre_hook(*args, **kwargs)
+        handle.__class__ = CountedHandle
+        return handle
 
 
 class PackedLinear(CountedModule):
