@@ -250,7 +250,7 @@ def test_a_sparse_decoder_layer_is_one_c_call_that_sees_its_experts_change(moe, 
         layer.post_attention_layernorm._forward_hooks.clear()
     ours = steps()
     assert calls["decode_layer"] == 2 * len(layers)
-    chosen = [sorted(vars(layer)["_decode_layer"][5].chosen) for layer in sparse]
+    chosen = [sorted(vars(layer)["_decode_layer"].sparse.chosen) for layer in sparse]
     for layer in sparse:
         gate = layer.mlp.gate
         layer.post_attention_layernorm.register_forward_hook(lambda m, a, out, gate=gate: router_picks.append(gate(out)[2]))
@@ -273,7 +273,7 @@ def test_a_sparse_decoder_layer_is_one_c_call_that_sees_its_experts_change(moe, 
     steps(tokens=(7,), after_prefill=seen.clear)
     # the hooks moved the counts: layer 0 found its experts changed and took the modules, layer 1 none
     assert calls["decode_layer"] == len(layers) - 1 and len(seen) == model.config.num_experts_per_tok
-    assert vars(sparse[0])["_decode_layer"][2] is None
+    assert vars(sparse[0])["_decode_layer"].args is None
     for h in handles:
         h.remove()
     steps()

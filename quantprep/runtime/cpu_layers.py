@@ -30,6 +30,7 @@ import functools
 import inspect
 import sys
 import threading
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -314,6 +315,19 @@ def sparse_routing(mlp: nn.Module) -> tuple[nn.Module, nn.Module, bool, bool] | 
     return None
 
 
+class LayerState(NamedTuple):
+    """A decoder layer's C arguments and what they were checked against (CpuDecoderLayer.decode_args)."""
+
+    watched: tuple  # CpuDecoderLayer.watched() at the build, or at the last check
+    stamp: tuple  # changes_stamp() then
+    args: DecodeLayerArgs | None  # None: this layer does not run C
+    layer_idx: int | None
+    kept: list | None  # what keeps the memory the arguments point into alive
+    sparse: SparseState | None
+    slots: list  # tensor_slots of the tensors outside the experts that C reads
+    uncounted: tuple  # CpuDecoderLayer.uncounted() then
+
+
 class CpuDecoderLayer(Replacement):
     """transformers' Llama-style decoder layer (is_decoder_layer). At one decode token of a layer whose norms, attention and
     MLP (or Qwen3-MoE's or Mixtral's sparse block, its experts this file's) are this file's and whose projections
@@ -366,9 +380,10 @@ class CpuDecoderLayer(Replacement):
         The inputs and the cache are checked at every call. The layer's modules, hooks, plans and
         tensors are checked whole (layer_args) when `watched` changes (or a sparse block's experts,
         SparseState.as_built), and those are compared only when the counts of changes and hooks
-        (changes_stamp) or what they do not count (uncounted, tensors_in_place) moved: after a layer that streamed its weights through the caches, each Python object a check
-        touches comes from memory, and checking everything at every call cost a measurable share of a
-        token (benchmarks/experiments/README.md, "CPU decode layers", "MoE decode on the CPU")."""
+        (changes_stamp) or what they do not count (uncounted, tensors_in_place) moved: after a layer
+        that streamed its weights through the caches, each Python object a check touches comes from
+        memory, and checking everything at every call cost a measurable share of a token
+        (benchmarks/experiments/README.md, "CPU decode layers", "MoE decode on the CPU")."""
         qkv = getattr(self._modules.get("self_attn"), "_modules", {}).get("qkv_proj")
         if type(qkv) is not CpuInt4Linear or layer_kernel(qkv.path_for(1)) is None:  # nothing more to check
             vars(self).pop("_decode_layer", None)  # nor anything kept from before
@@ -378,16 +393,18 @@ class CpuDecoderLayer(Replacement):
                 torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
             return None
         stamp, state = changes_stamp(), vars(self).get("_decode_layer")
-        if state is None or state[2] is None or state[1] != stamp or state[7] != self.uncounted() or not tensors_in_place(state[6]):
-            watched = self.watched()  # (a layer C does not run is checked whole: a hook's removal is not counted)
-            if state is None or state[0] != watched or (state[2] is None and state[1] != stamp) or \
-                    (state[5] is not None and not state[5].as_built()):  # (a refused build is tried again when the counts move)
+        if state is None or state.args is None or state.stamp != stamp or state.uncounted != self.uncounted() or \
+                not tensors_in_place(state.slots):
+            # (a layer C does not run is checked whole at every call: a hook's removal is counted on quantprep's modules only)
+            watched = self.watched()
+            if state is None or state.watched != watched or (state.args is None and state.stamp != stamp) or \
+                    (state.sparse is not None and not state.sparse.as_built()):  # (a refused build is tried again when the counts move)
                 built = self.layer_args(x) or (None, None, None, None, [])
-                state = (self.watched(), changes_stamp(), *built, self.uncounted())  # as it stands after the build
+                state = LayerState(self.watched(), changes_stamp(), *built, self.uncounted())  # as it stands after the build
             else:
-                state = (watched, stamp, *state[2:7], self.uncounted())
+                state = state._replace(watched=watched, stamp=stamp, uncounted=self.uncounted())
             vars(self)["_decode_layer"] = state  # this layer's own cache: not a change to count
-        args, layer_idx, _, sparse = state[2:6]
+        args, layer_idx, sparse = state.args, state.layer_idx, state.sparse
         layers = getattr(cache, "layers", None)
         if args is None or x.shape[2] != args.hidden or layers is None or not 0 <= layer_idx < len(layers) or \
                 getattr(cache, "offloading", False) or type(cache).update is not cache_update():
