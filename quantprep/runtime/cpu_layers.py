@@ -392,17 +392,17 @@ class CpuDecoderLayer(Replacement):
                 x.shape[:2] != (1, 1) or not runs_here(x) or kwargs.get("output_attentions") or \
                 torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
             return None
-        stamp, state = changes_stamp(), vars(self).get("_decode_layer")
-        if state is None or state.args is None or state.stamp != stamp or state.uncounted != self.uncounted() or \
+        stamp, uncounted, state = changes_stamp(), self.uncounted(), vars(self).get("_decode_layer")
+        if state is None or state.args is None or state.stamp != stamp or state.uncounted != uncounted or \
                 not tensors_in_place(state.slots):
             # (a layer C does not run is checked whole at every call: a hook's removal is counted on quantprep's modules only)
             watched = self.watched()
             if state is None or state.watched != watched or (state.args is None and state.stamp != stamp) or \
                     (state.sparse is not None and not state.sparse.as_built()):  # (a refused build is tried again when the counts move)
                 built = self.layer_args(x) or (None, None, None, None, [])
-                state = LayerState(self.watched(), changes_stamp(), *built, self.uncounted())  # as it stands after the build
+                state = LayerState(self.watched(), changes_stamp(), *built, uncounted)  # as it stands after the build
             else:
-                state = state._replace(watched=watched, stamp=stamp, uncounted=self.uncounted())
+                state = state._replace(watched=watched, stamp=stamp, uncounted=uncounted)
             vars(self)["_decode_layer"] = state  # this layer's own cache: not a change to count
         args, layer_idx, sparse = state.args, state.layer_idx, state.sparse
         layers = getattr(cache, "layers", None)
@@ -491,10 +491,9 @@ class CpuDecoderLayer(Replacement):
                 not all(w is not None and weight_runs_here(w, (attn.head_dim,)) for w in weights[2:]):
             return None
         path = projections[0].path_for(1)
-        buffers = [dict(m._buffers) for m in projections]
-        tensors = [*weights, *(t for b in buffers for t in b.values() if t is not None)]
+        slots = tensor_slots([norm1, norm2, *qk, *projections, *([] if routing is None else [routing[0]])])  # the tensors C reads
+        tensors = [t for _, _, t, _ in slots]
         kept = tensors + [t.untyped_storage() for t in tensors]  # deleted from the modules, they stay valid (moved: tensors_in_place)
-        addresses = [t.data_ptr() for t in tensors]
         linears = [quant_linear_args(m, path) for m in projections]
         qkv, o = projections[:2]
         if len(qkv.parts) != 3:
@@ -524,13 +523,12 @@ class CpuDecoderLayer(Replacement):
             sparse = self.sparse_args(args, routing, hidden, kept)
             if sparse is None:
                 return None
-        if any(m._buffers.get(k) is not t for m, b in zip(projections, buffers, strict=True) for k, t in b.items()) or \
-                [t.data_ptr() for t in tensors] != addresses:
+        if not tensors_in_place(slots):
             return None  # tensors replaced or moved while this ran
         if qk:  # else NULL: no norms
             args.q_norm, args.k_norm, args.q_eps, args.k_eps = weights[2].data_ptr(), weights[3].data_ptr(), \
                 qk[0].variance_epsilon, qk[1].variance_epsilon
-        return args, attn.layer_idx, kept, sparse, tensor_slots([norm1, norm2, *qk, *projections, *([] if routing is None else [routing[0]])])
+        return args, attn.layer_idx, kept, sparse, slots
 
     @staticmethod
     def sparse_args(args: DecodeLayerArgs, routing: tuple, hidden: int, kept: list) -> SparseState | None:
@@ -550,7 +548,7 @@ class CpuDecoderLayer(Replacement):
         gate_up = (QuantLinearArgs * E)(*(p[0] for p in projections))
         down = (QuantLinearArgs * E)(*(p[1] for p in projections))
         sparse = SparseState(experts, states, [tensor_slots(experts._modules[str(e)]._modules.values()) for e in range(E)], k, hidden)
-        tensors = [weight] + [t for slots in sparse.slots for _, _, t, _ in slots]
+        tensors = [t for slots in sparse.slots for _, _, t, _ in slots]  # (the router's weight: layer_args keeps it)
         kept += [gate_up, down, *tensors, *(t.untyped_storage() for t in tensors)]
         args.experts_matmul = ctypes.cast(gemv.int4_gemv_rows, ctypes.c_void_p).value
         args.router, args.experts_gate_up, args.experts_down = weight.data_ptr(), ctypes.addressof(gate_up), ctypes.addressof(down)
@@ -594,8 +592,8 @@ def tensors_in_place(slots: list) -> bool:
 
 def changes_stamp() -> tuple[int, int]:
     """The counts of changes to quantprep's modules (CountedModule) and of hooks made (each module or
-    tensor hook torch makes, removed or not): equal at two times, neither an expert nor its
-    projections gained a hook, a forward, a tensor, a plan or a class in between."""
+    tensor hook torch makes): equal at two times, none of quantprep's modules gained or lost a hook,
+    a forward, a tensor, a plan or a class in between through nn.Module's own methods."""
     return CountedModule.changes, RemovableHandle.next_id
 
 
