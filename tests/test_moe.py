@@ -312,6 +312,104 @@ def test_a_sparse_decoder_layer_is_one_c_call_that_sees_its_experts_change(moe, 
         assert rel_err(in_c, by_modules) < 1e-3
 
 
+def test_two_threads_decoding_one_sparse_model_each_get_their_own_experts(moe, monkeypatch):
+    """Two decodes of one Qwen3-MoE model in two threads (a server's): the router's choice each
+    decode_layer call leaves for its sparse_experts call is that thread's, so each thread's logits
+    equal its decode run alone. (With one set of buffers per layer, the other thread's choice
+    overwrote it between the two calls: the threads got other experts' outputs.)"""
+    import ctypes
+    import threading
+
+    from native_c import require_c
+
+    from quantprep.runtime import cpu_layers
+
+    require_c(cpu_layers.library() is not None and cpu_layers.gemv_library() is not None and cpu_layers.gemv_bf16_built())
+    model = quantprep.load(moe("qwen3_moe") / "cpu")
+    lib, calls = cpu_layers.library(), []
+
+    class Counted:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(lib, name)
+
+    monkeypatch.setattr(cpu_layers, "library", Counted)
+
+    def decode(prompt: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            out = model(input_ids=prompt, use_cache=True)
+            logits = []
+            for token in tokens:
+                out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+                logits.append(out.logits[0, -1].float())
+        return torch.stack(logits)
+
+    work = [(PROMPTS[i : i + 1], [(7 * i + 3 * s) % 40 + 1 for s in range(24)]) for i in range(2)]
+    alone = [decode(*w) for w in work]
+    assert rel_err(alone[0], alone[1]) > 1e-2  # different experts chosen: a swap would show
+    results: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+    def run(i: int) -> None:
+        for _ in range(4):
+            results[i].append(decode(*work[i]))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # each decode step of each thread: both layers in C
+    assert calls.count("sparse_experts") == 2 * len(model.model.layers) * 24 * (1 + 4)
+    shared = vars(model.model.layers[0])["_decode_layer"].args  # the layer's own arguments have no buffers: C refuses them
+    assert lib.sparse_experts(ctypes.byref(shared), torch.empty(shared.hidden, dtype=torch.bfloat16).data_ptr(), 1) == -2
+    for i in range(2):
+        assert len(results[i]) == 4
+        for got in results[i]:
+            assert torch.equal(got, alone[i])
+
+
+def test_a_module_put_into_a_dict_directly_is_seen_before_c_reads_it(moe, monkeypatch):
+    """A projection swapped by writing a module's `_modules` (no nn.Module method: the counts do not
+    move), an attention's or a chosen expert's, is what the next C decode step reads: its logits
+    equal the modules' path, not the old projection's."""
+    from native_c import require_c
+
+    from quantprep.runtime import cpu_layers
+
+    require_c(cpu_layers.library() is not None and cpu_layers.gemv_library() is not None and cpu_layers.gemv_bf16_built())
+    model = quantprep.load(moe("qwen3_moe") / "cpu")
+    layer = model.model.layers[1]
+    experts = layer.mlp.experts
+    swaps = [(layer.self_attn._modules, "o_proj")] + [(experts._modules[str(e)]._modules, "down_proj") for e in range(experts.num_experts)]
+    others = []
+    for d, name in swaps:  # made before the decode: each change to them is counted
+        other = copy.deepcopy(d[name])
+        other.qweight = other.qweight.flip(0)
+        others.append(other)
+
+    def step(cache, modules: bool = False):
+        with monkeypatch.context() as patch, torch.no_grad():
+            if modules:
+                patch.setattr(cpu_layers, "layer_kernel", lambda path: None)
+            return model(input_ids=torch.tensor([[9]]), past_key_values=cache, use_cache=True).logits[0, -1].float()
+
+    for swap in ([0], list(range(1, len(swaps)))):
+        with torch.no_grad():
+            out = model(input_ids=PROMPTS[:1], use_cache=True)
+            out = model(input_ids=torch.tensor([[7]]), past_key_values=out.past_key_values, use_cache=True)
+        assert vars(layer)["_decode_layer"].args is not None  # C ran that step
+        before = step(copy.deepcopy(out.past_key_values))
+        for i in swap:
+            d, name = swaps[i]
+            d[name], others[i] = others[i], d[name]
+        in_c, by_modules = step(copy.deepcopy(out.past_key_values)), step(out.past_key_values, modules=True)
+        assert rel_err(in_c, before) > 1e-2
+        assert rel_err(in_c, by_modules) < 1e-3
+        for i in swap:
+            d, name = swaps[i]
+            d[name], others[i] = others[i], d[name]
+
+
 def test_compiled_regions_leave_the_experts_eager(moe):
     """torch.compile and the compiled MLP packages (warm --compile, aot.py) take the dense MLPs: the
     experts a MoE layer runs depend on the data, which export cannot capture (warm would fail)."""

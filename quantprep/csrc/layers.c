@@ -159,7 +159,7 @@ static void add_to(const uint16_t *residual, uint16_t *y, int64_t n) {
    L->chosen_weights and L->routed. */
 static int route(const DecodeLayer *L, const uint16_t *x) {
     int64_t E = L->experts, k = L->top_k, n = L->hidden;
-    if (k < 1 || k > E || n % 32) return -2;
+    if (k < 1 || k > E || n % 32 || !L->chosen || !L->chosen_weights || !L->routed) return -2;
     float *prob = malloc(E * sizeof(float) + E * sizeof(uint16_t));
     if (!prob) return -1;
     uint16_t *logits = (uint16_t *)(prob + E);
@@ -195,7 +195,7 @@ static int route(const DecodeLayer *L, const uint16_t *x) {
    out holds the residual decode_layer left there. 0, -1 (no memory), -2 or a kernel's error. */
 int sparse_experts(const DecodeLayer *L, uint16_t *out, int threads) {
     int64_t k = L->top_k, n = L->hidden, I = L->intermediate;
-    if (!L->experts_matmul || k < 1 || k > L->experts) return -2;
+    if (!L->experts_matmul || k < 1 || k > L->experts || !L->chosen || !L->chosen_weights || !L->routed) return -2;
     for (int64_t j = 0; j < k; j++)
         if (L->chosen[j] < 0 || L->chosen[j] >= L->experts) return -2;
     char *buffer = malloc(2 * k * sizeof(QuantLinear *) + k * (3 * I + n) * sizeof(uint16_t));

@@ -324,7 +324,7 @@ class LayerState(NamedTuple):
     layer_idx: int | None
     kept: list | None  # what keeps the memory the arguments point into alive
     sparse: SparseState | None
-    slots: list  # tensor_slots of the tensors outside the experts that C reads
+    slots: list  # module_slots and tensor_slots of what C reads outside the experts
     uncounted: tuple  # CpuDecoderLayer.uncounted() then
 
 
@@ -343,6 +343,8 @@ class CpuDecoderLayer(Replacement):
         decode = None if args else self.decode_args(hidden_states, kwargs.get("attention_mask"), cache, position_embeddings, kwargs)
         if decode is not None:
             args_c, layer, sparse = decode
+            if sparse is not None:
+                args_c = sparse.thread_args(args_c)
             room = layer.room((1, args_c.kv_heads, 1, args_c.head_dim), torch.bfloat16, hidden_states.device)
             if room is not None and room[0].is_contiguous() and room[1].is_contiguous():  # C writes row n of each head
                 keys, values, n = room
@@ -380,7 +382,7 @@ class CpuDecoderLayer(Replacement):
         The inputs and the cache are checked at every call. The layer's modules, hooks, plans and
         tensors are checked whole (layer_args) when `watched` changes (or a sparse block's experts,
         SparseState.as_built), and those are compared only when the counts of changes and hooks
-        (changes_stamp) or what they do not count (uncounted, tensors_in_place) moved: after a layer
+        (changes_stamp) or what they do not count (uncounted, in_place) moved: after a layer
         that streamed its weights through the caches, each Python object a check touches comes from
         memory, and checking everything at every call cost a measurable share of a token
         (benchmarks/experiments/README.md, "CPU decode layers", "MoE decode on the CPU")."""
@@ -394,7 +396,7 @@ class CpuDecoderLayer(Replacement):
             return None
         stamp, uncounted, state = changes_stamp(), self.uncounted(), vars(self).get("_decode_layer")
         if state is None or state.args is None or state.stamp != stamp or state.uncounted != uncounted or \
-                not tensors_in_place(state.slots):
+                not in_place(state.slots):
             # (a layer C does not run is checked whole at every call: a hook's removal is counted on quantprep's modules only)
             watched = self.watched()
             if state is None or state.watched != watched or (state.args is None and state.stamp != stamp) or \
@@ -418,7 +420,7 @@ class CpuDecoderLayer(Replacement):
         return args, layer, sparse
 
     def uncounted(self) -> tuple:
-        """What `watched` reads that changes_stamp does not count, but for the tensors (tensors_in_place):
+        """What `watched` reads that changes_stamp does not count, but for the members and tensors (in_place):
         the attention's implementation (the model's config), and a sparse block with its router and
         experts (transformers' block: its members, class, forward, hooks, training, the router's settings)."""
         mods = self._modules
@@ -470,7 +472,7 @@ class CpuDecoderLayer(Replacement):
     def layer_args(self, x: torch.Tensor) -> tuple[DecodeLayerArgs, int, list, SparseState | None, list] | None:
         """(decode_layer's arguments, the layer's index in the cache, what keeps the memory they point
         into alive, a sparse block's SparseState or None, where the tensors outside the experts that C
-        reads are (tensor_slots)), or None where this layer does not run it. x: a row that runs_here."""
+        reads are, and the modules that hold them (module_slots, tensor_slots)), or None where this layer does not run it. x: a row that runs_here."""
         hidden = x.shape[-1]
         mods = self._modules
         attn, mlp, norm1, norm2 = (mods.get(m) for m in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))
@@ -491,9 +493,11 @@ class CpuDecoderLayer(Replacement):
                 not all(w is not None and weight_runs_here(w, (attn.head_dim,)) for w in weights[2:]):
             return None
         path = projections[0].path_for(1)
-        slots = tensor_slots([norm1, norm2, *qk, *projections, *([] if routing is None else [routing[0]])])  # the tensors C reads
-        tensors = [t for _, _, t, _ in slots]
-        kept = tensors + [t.untyped_storage() for t in tensors]  # deleted from the modules, they stay valid (moved: tensors_in_place)
+        slots = module_slots(self, ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")) + \
+            module_slots(attn, ATTENTION_MEMBERS + QK_NORMS) + module_slots(mlp, mlp_members) + \
+            tensor_slots([norm1, norm2, *qk, *projections, *([] if routing is None else [routing[0]])])  # the tensors C reads
+        tensors = [t for _, _, t, address in slots if address is not None]
+        kept = tensors + [t.untyped_storage() for t in tensors]  # deleted from the modules, they stay valid (moved: in_place)
         linears = [quant_linear_args(m, path) for m in projections]
         qkv, o = projections[:2]
         if len(qkv.parts) != 3:
@@ -523,7 +527,7 @@ class CpuDecoderLayer(Replacement):
             sparse = self.sparse_args(args, routing, hidden, kept)
             if sparse is None:
                 return None
-        if not tensors_in_place(slots):
+        if not in_place(slots):
             return None  # tensors replaced or moved while this ran
         if qk:  # else NULL: no norms
             args.q_norm, args.k_norm, args.q_eps, args.k_eps = weights[2].data_ptr(), weights[3].data_ptr(), \
@@ -547,36 +551,53 @@ class CpuDecoderLayer(Replacement):
         states = [experts.expert_state(e) for e in range(E)]  # what the arguments were built from
         gate_up = (QuantLinearArgs * E)(*(p[0] for p in projections))
         down = (QuantLinearArgs * E)(*(p[1] for p in projections))
-        sparse = SparseState(experts, states, [tensor_slots(experts._modules[str(e)]._modules.values()) for e in range(E)], k, hidden)
-        tensors = [t for slots in sparse.slots for _, _, t, _ in slots]  # (the router's weight: layer_args keeps it)
+        slots = [module_slots(experts, (str(e),)) + module_slots(expert := experts._modules[str(e)], ("gate_up_proj", "down_proj")) +
+                 tensor_slots(expert._modules.values()) for e in range(E)]
+        sparse = SparseState(experts, states, slots, k, hidden)
+        tensors = [t for ts in slots for _, _, t, address in ts if address is not None]  # (the router's weight: layer_args keeps it)
         kept += [gate_up, down, *tensors, *(t.untyped_storage() for t in tensors)]
         args.experts_matmul = ctypes.cast(gemv.int4_gemv_rows, ctypes.c_void_p).value
         args.router, args.experts_gate_up, args.experts_down = weight.data_ptr(), ctypes.addressof(gate_up), ctypes.addressof(down)
-        args.chosen, args.chosen_weights = ctypes.addressof(sparse.chosen), ctypes.addressof(sparse.chosen_weights)
-        args.routed, args.experts, args.top_k = sparse.routed.data_ptr(), E, k
+        args.experts, args.top_k = E, k  # (the choice's buffers: SparseState.thread_args)
         args.renormalize, args.round_weights, args.intermediate = int(renormalize), int(round_weights), experts.intermediate_dim
         return sparse
 
 
 class SparseState:
     """A sparse decode layer's experts as its C arguments were built from them: each expert's state
-    (expert_state) and where its tensors are (tensor_slots), and the buffers the router's choice goes
-    into between decode_layer and sparse_experts (the experts, their weights, the normalized row)."""
+    (expert_state) and where its modules and tensors are (module_slots, tensor_slots), and, per thread, the buffers the router's
+    choice goes into between decode_layer and sparse_experts (the experts, their weights, the
+    normalized row): two decodes of one model in two threads (a server's) each keep their own."""
 
     def __init__(self, experts: nn.Module, states: list[tuple], slots: list[list], top_k: int, hidden: int):
         self.experts, self.states, self.slots = experts, states, slots
-        self.chosen, self.chosen_weights = (ctypes.c_int64 * top_k)(), (ctypes.c_float * top_k)()
-        self.routed = torch.empty(hidden, dtype=torch.bfloat16)
+        self.top_k, self.hidden, self.threads = top_k, hidden, threading.local()
+
+    def thread_args(self, args: DecodeLayerArgs) -> DecodeLayerArgs:
+        """args (whose chosen, chosen_weights and routed are NULL: C refuses them) with this thread's buffers."""
+        mine = vars(self.threads)
+        if "args" not in mine:
+            chosen, weights = (ctypes.c_int64 * self.top_k)(), (ctypes.c_float * self.top_k)()
+            routed = torch.empty(self.hidden, dtype=torch.bfloat16)
+            copy = DecodeLayerArgs.from_buffer_copy(args)
+            copy.chosen, copy.chosen_weights, copy.routed = ctypes.addressof(chosen), ctypes.addressof(weights), routed.data_ptr()
+            mine.update(args=copy, chosen=chosen, chosen_weights=weights, routed=routed)
+        return mine["args"]
+
+    @property
+    def chosen(self) -> ctypes.Array:
+        """The experts the router chose at this thread's last decode_layer call."""
+        return self.threads.chosen
 
     def as_built(self) -> bool:
         """Every expert as it was: checked when the counts moved (a walk over all of them)."""
         return all(self.experts.expert_state(e) == state for e, state in enumerate(self.states))
 
     def chosen_in_place(self) -> bool:
-        """Whether the experts the router chose still hold the tensors C was built from, where they were
+        """Whether the experts the router chose are still the modules holding the tensors C was built from, where they were
         (what the counts do not see: a tensor moved in place, or put in a module's dicts directly).
         Checked before C reads them, for those experts only: checking all of them would cost more than the layer."""
-        return all(0 <= e < len(self.slots) and tensors_in_place(self.slots[e]) for e in self.chosen)
+        return all(0 <= e < len(self.slots) and in_place(self.slots[e]) for e in self.chosen)
 
 
 def tensor_slots(modules) -> list[tuple[dict, str, torch.Tensor, int]]:
@@ -584,10 +605,16 @@ def tensor_slots(modules) -> list[tuple[dict, str, torch.Tensor, int]]:
     return [(d, name, t, t.data_ptr()) for m in modules for d in (m._buffers, m._parameters) for name, t in d.items() if t is not None]
 
 
-def tensors_in_place(slots: list) -> bool:
-    """Whether each tensor of tensor_slots is still in its module, at its address (a tensor's own
-    share_memory_ or set_ moves it and frees the memory C would read)."""
-    return all(d.get(name) is t and t.data_ptr() == address for d, name, t, address in slots)
+def module_slots(parent: nn.Module, names) -> list[tuple[dict, str, nn.Module | None, None]]:
+    """(dict, name, the module there or None, None) for each of parent's members `names`: a module put
+    into parent._modules directly is no change the counts see."""
+    return [(parent._modules, name, parent._modules.get(name), None) for name in names]
+
+
+def in_place(slots: list) -> bool:
+    """Whether each module of module_slots and each tensor of tensor_slots is still in its dict, a
+    tensor at its address (a tensor's own share_memory_ or set_ moves it and frees the memory C would read)."""
+    return all(d.get(name) is t and (address is None or t.data_ptr() == address) for d, name, t, address in slots)
 
 
 def changes_stamp() -> tuple[int, int]:
