@@ -79,6 +79,7 @@ ABI_C = r"""
 int main(void) {
     DecodeLayer DecodeLayer_; QuantLinear QuantLinear_;
     printf("MAX_D %d\n", MAX_D);
+    printf("ROUTER_TIE %d\n", ROUTER_TIE);
 %s
     return 0;
 }
@@ -88,8 +89,8 @@ KIND = {ctypes.c_void_p: "pointer", ctypes.c_float: "float", ctypes.c_int64: "in
 
 def test_the_structs_are_laid_out_as_the_compiler_lays_out_the_header_s(tmp_path):
     """Each ctypes field at the C field's offset, of its size and kind, and each struct of C's size
-    (a field C has and Python lacks changes one or the other); MAX_D is MAX_HEAD_DIM."""
-    lines, want = [], ["MAX_D 256"]
+    (a field C has and Python lacks changes one or the other); MAX_D is MAX_HEAD_DIM, ROUTER_TIE ROUTER_TIE."""
+    lines, want = [], ["MAX_D 256", f"ROUTER_TIE {c_abi.ROUTER_TIE}"]
     for struct, c_name in ((c_abi.DecodeLayerArgs, "DecodeLayer"), (c_abi.QuantLinearArgs, "QuantLinear")):
         lines.append(f'    printf("{c_name} %zu\\n", sizeof({c_name}));')
         want.append(f"{c_name} {ctypes.sizeof(struct)}")
@@ -176,7 +177,7 @@ def test_ci_fails_where_a_missing_library_would_skip(monkeypatch):
 SANITIZED = ["tests/test_cpu_attention.py", "tests/test_cpu_layers.py", "tests/targets/test_cpu.py", "tests/test_moe.py", "-k",
              "matches_float64 or past_exps or strided or rms_norm_matches or silu_mul or gemv_matches or decode_layer_is_one or "
              "native_pack_from_gptq or native_dequantize or unaligned or int4_a8_is_the or avx2_int4_a8 or int8_a8_is or int4_gemv or "
-             "c_silu_product or sparse_decoder_layer or two_threads_decoding"]
+             "c_silu_product or sparse_decoder_layer or two_threads_decoding or equal_router"]
 SANITIZE = ["-O1", "-g", "-march=native", "-shared", "-fPIC", "-fsanitize=address,undefined", "-fno-omit-frame-pointer",
             "-fno-sanitize-recover=all"]
 RUN = """import sys

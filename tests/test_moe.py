@@ -368,6 +368,40 @@ def test_two_threads_decoding_one_sparse_model_each_get_their_own_experts(moe, m
             assert torch.equal(got, alone[i])
 
 
+def test_the_experts_a_c_layer_takes_at_equal_router_probabilities_are_torch_topk_s(moe, monkeypatch):
+    """Every row of layer 1's router the same: its 4 experts' probabilities are equal, and torch.topk
+    takes experts 2 and 3 of them (its own order of ties, not the lowest indices). The C layer meets
+    the tie, lets the router module choose on its normalized row, and its logits are the modules'."""
+    from native_c import require_c
+
+    from quantprep.runtime import cpu_layers
+
+    require_c(cpu_layers.library() is not None and cpu_layers.gemv_library() is not None and cpu_layers.gemv_bf16_built())
+    model = quantprep.load(moe("qwen3_moe") / "cpu")
+    gate = model.model.layers[1].mlp.gate
+    with torch.no_grad():
+        gate.weight.copy_(gate.weight[0].clone().expand_as(gate.weight))  # in place: C reads it at its address
+    assert gate(torch.randn(1, gate.hidden_dim).bfloat16())[2].tolist() == [[2, 3]]
+    ties = []
+    chooses = cpu_layers.SparseState.router_chooses
+    monkeypatch.setattr(cpu_layers.SparseState, "router_chooses", lambda self: ties.append(1) or chooses(self))
+
+    def steps(modules: bool = False) -> torch.Tensor:
+        with monkeypatch.context() as patch, torch.no_grad():
+            if modules:
+                patch.setattr(cpu_layers, "layer_kernel", lambda path: None)
+            out = model(input_ids=PROMPTS[:1], use_cache=True)
+            logits = []
+            for token in (7, 9, 11):
+                out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+                logits.append(out.logits[0, -1].float())
+        return torch.stack(logits)
+
+    in_c = steps()
+    assert len(ties) == 3  # each step's layer 1
+    assert torch.equal(in_c, steps(modules=True))
+
+
 def test_a_module_put_into_a_dict_directly_is_seen_before_c_reads_it(moe, monkeypatch):
     """A projection swapped by writing a module's `_modules` (no nn.Module method: the counts do not
     move), an attention's or a chosen expert's, is what the next C decode step reads: its logits

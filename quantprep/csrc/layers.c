@@ -153,10 +153,12 @@ static void add_to(const uint16_t *residual, uint16_t *y, int64_t n) {
 /* A sparse block (Qwen3-MoE's, Mixtral's: transformers' router, then the experts as runtime/experts.py
    runs a decode token's) at one row, in two calls so that the caller can check the chosen experts'
    tensors before C reads them. route: the router's logits rounded to bfloat16 (gemv_bf16, as F.linear),
-   their softmax in float32, the top_k largest (NaN first, then the lower index: torch.topk leaves ties
-   unordered), divided by their sum where L->renormalize, rounded to bfloat16 where L->round_weights
-   (Qwen3-MoE's router returns bfloat16 weights, Mixtral's float32 ones); the choice and x into L->chosen,
-   L->chosen_weights and L->routed. */
+   their softmax in float32, the top_k largest (NaN first), divided by their sum where L->renormalize,
+   rounded to bfloat16 where L->round_weights (Qwen3-MoE's router returns bfloat16 weights, Mixtral's
+   float32 ones); the choice and x into L->chosen, L->chosen_weights and L->routed. Where two of the
+   top_k, or the last of them and the best left out, are equal (bfloat16 logits make it common: a few
+   tokens in a hundred), ROUTER_TIE with x in L->routed: torch.topk leaves ties unordered, and which
+   expert it takes, or in which order, is its own (the caller's router chooses). */
 static int route(const DecodeLayer *L, const uint16_t *x) {
     int64_t E = L->experts, k = L->top_k, n = L->hidden;
     if (k < 1 || k > E || n % 32 || !L->chosen || !L->chosen_weights || !L->routed) return -2;
@@ -177,6 +179,17 @@ static int route(const DecodeLayer *L, const uint16_t *x) {
                 if (!taken && (best < 0 || (isnan(prob[e]) && !isnan(prob[best])) || prob[e] > prob[best])) best = e;
             }
             L->chosen[j] = best, L->chosen_weights[j] = prob[best], total += prob[best];
+        }
+        int64_t next = -1; /* the best left out */
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < k; i++) taken |= L->chosen[i] == e;
+            if (!taken && (next < 0 || (isnan(prob[e]) && !isnan(prob[next])) || prob[e] > prob[next])) next = e;
+        }
+        for (int64_t j = 0; j < k && status == 0; j++) { /* largest first: equal ones are neighbours */
+            int64_t below = j + 1 < k ? L->chosen[j + 1] : next;
+            float a = prob[L->chosen[j]];
+            if (below >= 0 && (a == prob[below] || (isnan(a) && isnan(prob[below])))) status = ROUTER_TIE;
         }
         for (int64_t j = 0; j < k; j++) {
             if (L->renormalize) L->chosen_weights[j] /= total;
@@ -260,8 +273,7 @@ int layer_rows(const DecodeLayer *L, const uint16_t *x, int64_t rows, uint16_t *
     add_to(x, h, rows * n);
     rms_norm(h, n, L->norm2, hn, n, rows, n, L->eps2);
     if (L->experts_matmul) { /* the router's choice; the residual in out, for sparse_experts */
-        if ((status = route(L, hn))) goto done;
-        memcpy(out, h, n * sizeof(uint16_t));
+        if ((status = route(L, hn)) == 0 || status == ROUTER_TIE) memcpy(out, h, n * sizeof(uint16_t));
         goto done;
     }
     if ((status = quant_linear(L, &L->gate_up, hn, rows, gu, threads))) goto done;

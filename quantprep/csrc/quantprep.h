@@ -11,6 +11,8 @@
 #include <string.h>
 
 #define MAX_D 256 /* the largest head dimension: attention and the rotary embedding keep a row on the stack */
+#define ROUTER_TIE 1 /* decode_layer's status where the router's top-k compared two equal probabilities: torch.topk
+                        leaves ties unordered, so the caller's router chooses (into chosen and chosen_weights) */
 
 #if defined(_OPENMP) && defined(__GNUC__) && !defined(__clang__)
 #include <omp.h>

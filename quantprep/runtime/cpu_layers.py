@@ -42,7 +42,7 @@ from quantprep.runtime.architectures import ARCHITECTURES, Architecture
 from quantprep.runtime.experts import QuantizedExperts
 from quantprep.runtime.fused import FusedMember
 from quantprep.targets import c_library
-from quantprep.targets.c_abi import DecodeLayerArgs, QuantLinearArgs
+from quantprep.targets.c_abi import ROUTER_TIE, DecodeLayerArgs, QuantLinearArgs
 from quantprep.targets.cpu import CpuInt4Linear, eager, gemv_library, native_dequantizer, native_int4_a8, native_int4_gemv
 from quantprep.targets.packed import SLOW_HALF_GEMM, CountedModule, PackedLinear
 
@@ -353,7 +353,9 @@ class CpuDecoderLayer(Replacement):
                 status = library().decode_layer(ctypes.byref(args_c), hidden_states.data_ptr(), out.data_ptr(), cos.data_ptr(),
                                                 sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2], n,
                                                 torch.get_num_threads())
-                if status == 0 and sparse is not None:  # the router chose: C reads those experts where they are now
+                if sparse is not None and status in (0, ROUTER_TIE):  # the router chose: C reads those experts where they are now
+                    if status == ROUTER_TIE:
+                        sparse.router_chooses()
                     if not sparse.chosen_in_place():
                         vars(self).pop("_decode_layer", None)  # the row written past the cache's end: the modules write it again
                         return self.replaced.forward(self, hidden_states, *args, **kwargs)
@@ -553,7 +555,7 @@ class CpuDecoderLayer(Replacement):
         down = (QuantLinearArgs * E)(*(p[1] for p in projections))
         slots = [module_slots(experts, (str(e),)) + module_slots(expert := experts._modules[str(e)], ("gate_up_proj", "down_proj")) +
                  tensor_slots(expert._modules.values()) for e in range(E)]
-        sparse = SparseState(experts, states, slots, k, hidden)
+        sparse = SparseState(gate, experts, states, slots, k, hidden)
         tensors = [t for ts in slots for _, _, t, address in ts if address is not None]  # (the router's weight: layer_args keeps it)
         kept += [gate_up, down, *tensors, *(t.untyped_storage() for t in tensors)]
         args.experts_matmul = ctypes.cast(gemv.int4_gemv_rows, ctypes.c_void_p).value
@@ -569,8 +571,8 @@ class SparseState:
     choice goes into between decode_layer and sparse_experts (the experts, their weights, the
     normalized row): two decodes of one model in two threads (a server's) each keep their own."""
 
-    def __init__(self, experts: nn.Module, states: list[tuple], slots: list[list], top_k: int, hidden: int):
-        self.experts, self.states, self.slots = experts, states, slots
+    def __init__(self, router: nn.Module, experts: nn.Module, states: list[tuple], slots: list[list], top_k: int, hidden: int):
+        self.router, self.experts, self.states, self.slots = router, experts, states, slots
         self.top_k, self.hidden, self.threads = top_k, hidden, threading.local()
 
     def thread_args(self, args: DecodeLayerArgs) -> DecodeLayerArgs:
@@ -583,6 +585,15 @@ class SparseState:
             copy.chosen, copy.chosen_weights, copy.routed = ctypes.addressof(chosen), ctypes.addressof(weights), routed.data_ptr()
             mine.update(args=copy, chosen=chosen, chosen_weights=weights, routed=routed)
         return mine["args"]
+
+    def router_chooses(self) -> None:
+        """Where C's top-k met equal probabilities (ROUTER_TIE): the router module's own choice on this
+        thread's normalized row, into its buffers. torch.topk takes which of equal ones it takes, and
+        orders them, its own way (std::nth_element's), which C does not copy."""
+        mine = vars(self.threads)
+        _, weights, index = self.router(mine["routed"].view(1, self.hidden))
+        mine["chosen"][:] = index.reshape(-1).tolist()
+        mine["chosen_weights"][:] = weights.float().reshape(-1).tolist()
 
     @property
     def chosen(self) -> ctypes.Array:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 
 MAX_HEAD_DIM = 256  # quantprep.h's MAX_D: attention and the rotary embedding keep a row on the stack
+ROUTER_TIE = 1  # quantprep.h's: decode_layer's status where the router's top-k met equal probabilities
 
 
 class QuantLinearArgs(ctypes.Structure):
