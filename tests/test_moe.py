@@ -313,10 +313,12 @@ def test_a_sparse_decoder_layer_is_one_c_call_that_sees_its_experts_change(moe, 
 
 
 def test_two_threads_decoding_one_sparse_model_each_get_their_own_experts(moe, monkeypatch):
-    """Two decodes of one Qwen3-MoE model in two threads (a server's): the router's choice each
-    decode_layer call leaves for its sparse_experts call is that thread's, so each thread's logits
-    equal its decode run alone. (With one set of buffers per layer, the other thread's choice
-    overwrote it between the two calls: the threads got other experts' outputs.)"""
+    """Two decodes of one Qwen3-MoE model in two threads (a server's), from its first step on (both
+    threads build the layers' arguments, and one's replace the other's while it runs): the router's
+    choice each decode_layer call leaves for its sparse_experts call is that thread's, so each
+    thread's logits equal its decode run alone on another load of the model. (With one set of
+    buffers per layer, the other thread's choice overwrote it between the two calls: the threads got
+    other experts' outputs.)"""
     import ctypes
     import threading
 
@@ -325,7 +327,7 @@ def test_two_threads_decoding_one_sparse_model_each_get_their_own_experts(moe, m
     from quantprep.runtime import cpu_layers
 
     require_c(cpu_layers.library() is not None and cpu_layers.gemv_library() is not None and cpu_layers.gemv_bf16_built())
-    model = quantprep.load(moe("qwen3_moe") / "cpu")
+    model, apart = quantprep.load(moe("qwen3_moe") / "cpu"), quantprep.load(moe("qwen3_moe") / "cpu")
     lib, calls = cpu_layers.library(), []
 
     class Counted:
@@ -335,7 +337,7 @@ def test_two_threads_decoding_one_sparse_model_each_get_their_own_experts(moe, m
 
     monkeypatch.setattr(cpu_layers, "library", Counted)
 
-    def decode(prompt: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    def decode(prompt: torch.Tensor, tokens: list[int], model=model) -> torch.Tensor:
         with torch.no_grad():
             out = model(input_ids=prompt, use_cache=True)
             logits = []
@@ -345,7 +347,8 @@ def test_two_threads_decoding_one_sparse_model_each_get_their_own_experts(moe, m
         return torch.stack(logits)
 
     work = [(PROMPTS[i : i + 1], [(7 * i + 3 * s) % 40 + 1 for s in range(24)]) for i in range(2)]
-    alone = [decode(*w) for w in work]
+    alone = [decode(*w, model=apart) for w in work]
+    assert all("_decode_layer" not in vars(layer) for layer in model.model.layers)
     assert rel_err(alone[0], alone[1]) > 1e-2  # different experts chosen: a swap would show
     results: dict[int, list[torch.Tensor]] = {0: [], 1: []}
 
@@ -368,10 +371,13 @@ def test_two_threads_decoding_one_sparse_model_each_get_their_own_experts(moe, m
             assert torch.equal(got, alone[i])
 
 
-def test_the_experts_a_c_layer_takes_at_equal_router_probabilities_are_torch_topk_s(moe, monkeypatch):
-    """Every row of layer 1's router the same: its 4 experts' probabilities are equal, and torch.topk
-    takes experts 2 and 3 of them (its own order of ties, not the lowest indices). The C layer meets
-    the tie, lets the router module choose on its normalized row, and its logits are the modules'."""
+@pytest.mark.parametrize("rows", ["equal", "boundary"])
+def test_the_experts_a_c_layer_takes_at_equal_router_probabilities_are_torch_topk_s(moe, monkeypatch, rows):
+    """Layer 1's router (4 experts, top 2) made to tie. "equal": every row the same, so are the
+    probabilities, and torch.topk takes experts 2 and 3 (its own order of ties, not the lowest
+    indices). "boundary": rows -r, 0, 0, r, so experts 1 and 2 tie for the second place only, and
+    torch.topk takes 2 after 3. The C layer meets the tie, lets the router module choose on its
+    normalized row, and its logits are the modules'."""
     from native_c import require_c
 
     from quantprep.runtime import cpu_layers
@@ -379,9 +385,12 @@ def test_the_experts_a_c_layer_takes_at_equal_router_probabilities_are_torch_top
     require_c(cpu_layers.library() is not None and cpu_layers.gemv_library() is not None and cpu_layers.gemv_bf16_built())
     model = quantprep.load(moe("qwen3_moe") / "cpu")
     gate = model.model.layers[1].mlp.gate
-    with torch.no_grad():
-        gate.weight.copy_(gate.weight[0].clone().expand_as(gate.weight))  # in place: C reads it at its address
-    assert gate(torch.randn(1, gate.hidden_dim).bfloat16())[2].tolist() == [[2, 3]]
+    r = gate.weight[0].clone()
+    with torch.no_grad():  # in place: C reads it at its address
+        gate.weight.copy_(r.expand_as(gate.weight) if rows == "equal" else torch.stack([-r, 0 * r, 0 * r, r]))
+    x = torch.randn(1, gate.hidden_dim).bfloat16()
+    picks = gate(x)[2].tolist() + gate(-x)[2].tolist()
+    assert picks == ([[2, 3], [2, 3]] if rows == "equal" else [[3, 2], [0, 1]] if (x @ r.T).item() > 0 else [[0, 1], [3, 2]])
     ties = []
     chooses = cpu_layers.SparseState.router_chooses
     monkeypatch.setattr(cpu_layers.SparseState, "router_chooses", lambda self: ties.append(1) or chooses(self))

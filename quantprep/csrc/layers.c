@@ -158,7 +158,8 @@ static void add_to(const uint16_t *residual, uint16_t *y, int64_t n) {
    float32 ones); the choice and x into L->chosen, L->chosen_weights and L->routed. Where two of the
    top_k, or the last of them and the best left out, are equal (bfloat16 logits make it common: a few
    tokens in a hundred), ROUTER_TIE with x in L->routed: torch.topk leaves ties unordered, and which
-   expert it takes, or in which order, is its own (the caller's router chooses). */
+   expert it takes, or in which order, is its own (the caller's router chooses). Equal within 8 ulps:
+   torch's exp is not expf, and two probabilities C tells apart may be equal in torch's. */
 static int route(const DecodeLayer *L, const uint16_t *x) {
     int64_t E = L->experts, k = L->top_k, n = L->hidden;
     if (k < 1 || k > E || n % 32 || !L->chosen || !L->chosen_weights || !L->routed) return -2;
@@ -188,8 +189,8 @@ static int route(const DecodeLayer *L, const uint16_t *x) {
         }
         for (int64_t j = 0; j < k && status == 0; j++) { /* largest first: equal ones are neighbours */
             int64_t below = j + 1 < k ? L->chosen[j + 1] : next;
-            float a = prob[L->chosen[j]];
-            if (below >= 0 && (a == prob[below] || (isnan(a) && isnan(prob[below])))) status = ROUTER_TIE;
+            float a = prob[L->chosen[j]], b = below >= 0 ? prob[below] : 0.f;
+            if (below >= 0 && (a - b <= 0x1p-20f * a || (isnan(a) && isnan(b)))) status = ROUTER_TIE;
         }
         for (int64_t j = 0; j < k; j++) {
             if (L->renormalize) L->chosen_weights[j] /= total;
@@ -253,7 +254,7 @@ int layer_rows(const DecodeLayer *L, const uint16_t *x, int64_t rows, uint16_t *
     if (!buffer) return -1;
     uint16_t *xn = buffer, *qkv = xn + rows * n, *attn = qkv + rows * qkv_size, *h = attn + rows * q_size, *hn = h + rows * n,
              *gu = hn + rows * n, *act = gu + rows * 2 * I;
-    int status;
+    int status, tied = 0;
     rms_norm(x, n, L->norm1, xn, n, rows, n, L->eps1);
     if ((status = quant_linear(L, &L->qkv, xn, rows, qkv, threads))) goto done;
     if (L->q_norm) qk_norm(qkv, qkv_size, rows, L->heads, L->kv_heads, D, L->q_norm, L->k_norm, L->q_eps, L->k_eps);
@@ -273,7 +274,7 @@ int layer_rows(const DecodeLayer *L, const uint16_t *x, int64_t rows, uint16_t *
     add_to(x, h, rows * n);
     rms_norm(h, n, L->norm2, hn, n, rows, n, L->eps2);
     if (L->experts_matmul) { /* the router's choice; the residual in out, for sparse_experts */
-        if ((status = route(L, hn)) == 0 || status == ROUTER_TIE) memcpy(out, h, n * sizeof(uint16_t));
+        if ((status = route(L, hn)) == 0 || (tied = status == ROUTER_TIE)) memcpy(out, h, n * sizeof(uint16_t));
         goto done;
     }
     if ((status = quant_linear(L, &L->gate_up, hn, rows, gu, threads))) goto done;
@@ -282,7 +283,7 @@ int layer_rows(const DecodeLayer *L, const uint16_t *x, int64_t rows, uint16_t *
     add_to(h, out, rows * n);
 done:
     free(buffer);
-    return status;
+    return status == ROUTER_TIE && !tied ? -2 : status; /* a kernel's own code is never taken for the router's tie */
 }
 
 int decode_layer(const DecodeLayer *L, const uint16_t *x, uint16_t *out, const uint16_t *cos, const uint16_t *sin,

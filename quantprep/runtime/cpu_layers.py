@@ -342,7 +342,8 @@ class CpuDecoderLayer(Replacement):
         position_embeddings = kwargs.get("position_embeddings")
         decode = None if args else self.decode_args(hidden_states, kwargs.get("attention_mask"), cache, position_embeddings, kwargs)
         if decode is not None:
-            args_c, layer, sparse = decode
+            state, layer = decode  # held until C returns: what the arguments point into stays alive (kept) if
+            args_c, sparse = state.args, state.sparse  # another thread builds the layer again meanwhile
             if sparse is not None:
                 args_c = sparse.thread_args(args_c)
             room = layer.room((1, args_c.kv_heads, 1, args_c.head_dim), torch.bfloat16, hidden_states.device)
@@ -378,8 +379,8 @@ class CpuDecoderLayer(Replacement):
         return super()._apply(fn, recurse)
 
     def decode_args(self, x: torch.Tensor, attention_mask, cache, position_embeddings, kwargs: dict) -> tuple | None:
-        """(decode_layer's arguments, this layer's cache, a sparse block's SparseState or None) where it
-        computes what the replaced forward would, else None.
+        """(the LayerState whose arguments decode_layer takes, this layer's cache) where it computes what
+        the replaced forward would, else None.
 
         The inputs and the cache are checked at every call. The layer's modules, hooks, plans and
         tensors are checked whole (layer_args) when `watched` changes (or a sparse block's experts,
@@ -408,7 +409,7 @@ class CpuDecoderLayer(Replacement):
             else:
                 state = state._replace(watched=watched, stamp=stamp, uncounted=uncounted)
             vars(self)["_decode_layer"] = state  # this layer's own cache: not a change to count
-        args, layer_idx, sparse = state.args, state.layer_idx, state.sparse
+        args, layer_idx = state.args, state.layer_idx
         layers = getattr(cache, "layers", None)
         if args is None or x.shape[2] != args.hidden or layers is None or not 0 <= layer_idx < len(layers) or \
                 getattr(cache, "offloading", False) or type(cache).update is not cache_update():
@@ -419,7 +420,7 @@ class CpuDecoderLayer(Replacement):
                 and all(type(t) is torch.Tensor and t.dim() == 4 and t.dtype == torch.bfloat16 and t.shape[0] == 1
                         and t.shape[1] == kv_heads and t.shape[3] == D for t in (layer.keys, layer.values))):
             return None
-        return args, layer, sparse
+        return state, layer
 
     def uncounted(self) -> tuple:
         """What `watched` reads that changes_stamp does not count, but for the members and tensors (in_place):
@@ -497,6 +498,7 @@ class CpuDecoderLayer(Replacement):
         path = projections[0].path_for(1)
         slots = module_slots(self, ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")) + \
             module_slots(attn, ATTENTION_MEMBERS + QK_NORMS) + module_slots(mlp, mlp_members) + \
+            ([] if routing is None else module_slots(routing[1], ("act_fn",))) + \
             tensor_slots([norm1, norm2, *qk, *projections, *([] if routing is None else [routing[0]])])  # the tensors C reads
         tensors = [t for _, _, t, address in slots if address is not None]
         kept = tensors + [t.untyped_storage() for t in tensors]  # deleted from the modules, they stay valid (moved: in_place)
