@@ -475,7 +475,8 @@ class CpuDecoderLayer(Replacement):
     def layer_args(self, x: torch.Tensor) -> tuple[DecodeLayerArgs, int, list, SparseState | None, list] | None:
         """(decode_layer's arguments, the layer's index in the cache, what keeps the memory they point
         into alive, a sparse block's SparseState or None, where the tensors outside the experts that C
-        reads are, and the modules that hold them (module_slots, tensor_slots)), or None where this layer does not run it. x: a row that runs_here."""
+        reads are, and the modules that hold them (module_slots, tensor_slots)), or None where this
+        layer does not run it. x: a row that runs_here."""
         hidden = x.shape[-1]
         mods = self._modules
         attn, mlp, norm1, norm2 = (mods.get(m) for m in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))
@@ -569,9 +570,10 @@ class CpuDecoderLayer(Replacement):
 
 class SparseState:
     """A sparse decode layer's experts as its C arguments were built from them: each expert's state
-    (expert_state) and where its modules and tensors are (module_slots, tensor_slots), and, per thread, the buffers the router's
-    choice goes into between decode_layer and sparse_experts (the experts, their weights, the
-    normalized row): two decodes of one model in two threads (a server's) each keep their own."""
+    (expert_state) and where its modules and tensors are (module_slots, tensor_slots); and, per
+    thread, the buffers the router's choice goes into between decode_layer and sparse_experts (the
+    experts, their weights, the normalized row): two decodes of one model in two threads (a
+    server's) each keep their own."""
 
     def __init__(self, router: nn.Module, experts: nn.Module, states: list[tuple], slots: list[list], top_k: int, hidden: int):
         self.router, self.experts, self.states, self.slots = router, experts, states, slots
@@ -590,8 +592,8 @@ class SparseState:
 
     def router_chooses(self) -> None:
         """Where C's top-k met equal probabilities (ROUTER_TIE): the router module's own choice on this
-        thread's normalized row, into its buffers. torch.topk takes which of equal ones it takes, and
-        orders them, its own way (std::nth_element's), which C does not copy."""
+        thread's normalized row, into its buffers. Among equal probabilities torch.topk picks, and
+        orders, by its own algorithm (std::nth_element's), which C does not copy."""
         mine = vars(self.threads)
         _, weights, index = self.router(mine["routed"].view(1, self.hidden))
         mine["chosen"][:] = index.reshape(-1).tolist()
@@ -607,8 +609,9 @@ class SparseState:
         return all(self.experts.expert_state(e) == state for e, state in enumerate(self.states))
 
     def chosen_in_place(self) -> bool:
-        """Whether the experts the router chose are still the modules holding the tensors C was built from, where they were
-        (what the counts do not see: a tensor moved in place, or put in a module's dicts directly).
+        """Whether the experts the router chose are still the modules holding the tensors C was built
+        from, where they were (what the counts do not see: a tensor moved in place, or a module or
+        tensor put in a module's dicts directly).
         Checked before C reads them, for those experts only: checking all of them would cost more than the layer."""
         return all(0 <= e < len(self.slots) and in_place(self.slots[e]) for e in self.chosen)
 
