@@ -372,18 +372,19 @@ def test_two_threads_decoding_one_sparse_model_each_get_their_own_experts(moe, m
 
 
 @pytest.mark.parametrize("rows", ["equal", "boundary"])
-def test_the_experts_a_c_layer_takes_at_equal_router_probabilities_are_torch_topk_s(moe, monkeypatch, rows):
-    """Layer 1's router (4 experts, top 2) made to tie. "equal": every row the same, so are the
-    probabilities, and torch.topk takes experts 2 and 3 (its own order of ties, not the lowest
-    indices). "boundary": rows -r, 0, 0, r, so experts 1 and 2 tie for the second place only, and
-    torch.topk takes 2 after 3. The C layer meets the tie, lets the router module choose on its
-    normalized row, and its logits are the modules'."""
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_the_experts_a_c_layer_takes_at_equal_router_probabilities_are_torch_topk_s(moe, monkeypatch, arch, rows):
+    """Layer 1's router (4 experts, top 2; Qwen3-MoE's weights rounded to bfloat16, Mixtral's not)
+    made to tie. "equal": every row the same, so are the probabilities, and torch.topk takes experts
+    2 and 3 (its own order of ties, not the lowest indices). "boundary": rows -r, 0, 0, r, so experts
+    1 and 2 tie for the second place only, and torch.topk takes 2 after 3. The C layer meets the tie,
+    leaves the choice to torch.topk on its logits, and its logits are the modules'."""
     from native_c import require_c
 
     from quantprep.runtime import cpu_layers
 
     require_c(cpu_layers.library() is not None and cpu_layers.gemv_library() is not None and cpu_layers.gemv_bf16_built())
-    model = quantprep.load(moe("qwen3_moe") / "cpu")
+    model = quantprep.load(moe(arch) / "cpu")
     gate = model.model.layers[1].mlp.gate
     r = gate.weight[0].clone()
     with torch.no_grad():  # in place: C reads it at its address

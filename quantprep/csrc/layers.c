@@ -155,21 +155,21 @@ static void add_to(const uint16_t *residual, uint16_t *y, int64_t n) {
    tensors before C reads them. route: the router's logits rounded to bfloat16 (gemv_bf16, as F.linear),
    their softmax in float32, the top_k largest (NaN first), divided by their sum where L->renormalize,
    rounded to bfloat16 where L->round_weights (Qwen3-MoE's router returns bfloat16 weights, Mixtral's
-   float32 ones); the choice and x into L->chosen, L->chosen_weights and L->routed. Where two of the
-   top_k, or the last of them and the best left out, are equal (bfloat16 logits make it common: a few
-   tokens in a hundred), ROUTER_TIE with x in L->routed: torch.topk leaves ties unordered, and which
-   expert it takes, or in which order, is its own (the caller's router chooses). Equal within 8 ulps:
-   torch's exp is not expf, and two probabilities C tells apart may be equal in torch's. */
+   float32 ones); the choice, x and the logits into L->chosen, L->chosen_weights, L->routed and
+   L->logits. Where the last of the top_k and the best left out are equal (bfloat16 logits make it
+   common: a token-layer in ten on random weights), ROUTER_TIE: which of equal experts torch.topk takes
+   is its own, and the caller's torch.topk chooses from L->logits. Equal within 8 ulps: torch's exp is
+   not expf. Equal ones within the top_k are taken either way; torch may order them otherwise, which
+   changes only the order of the float32 sum of their outputs. */
 static int route(const DecodeLayer *L, const uint16_t *x) {
     int64_t E = L->experts, k = L->top_k, n = L->hidden;
-    if (k < 1 || k > E || n % 32 || !L->chosen || !L->chosen_weights || !L->routed) return -2;
-    float *prob = malloc(E * sizeof(float) + E * sizeof(uint16_t));
+    if (k < 1 || k > E || n % 32 || !L->chosen || !L->chosen_weights || !L->routed || !L->logits) return -2;
+    float *prob = malloc(E * sizeof(float));
     if (!prob) return -1;
-    uint16_t *logits = (uint16_t *)(prob + E);
-    int status = gemv_bf16(x, L->router, logits, E, n);
+    int status = gemv_bf16(x, L->router, L->logits, E, n);
     if (status == 0) {
         float max = -INFINITY, sum = 0.f, total = 0.f;
-        for (int64_t e = 0; e < E; e++) prob[e] = from_bf16(logits[e]), max = prob[e] > max ? prob[e] : max;
+        for (int64_t e = 0; e < E; e++) prob[e] = from_bf16(L->logits[e]), max = prob[e] > max ? prob[e] : max;
         for (int64_t e = 0; e < E; e++) prob[e] = expf(prob[e] - max), sum += prob[e];
         for (int64_t e = 0; e < E; e++) prob[e] *= 1.f / sum;
         for (int64_t j = 0; j < k; j++) {
@@ -187,11 +187,8 @@ static int route(const DecodeLayer *L, const uint16_t *x) {
             for (int64_t i = 0; i < k; i++) taken |= L->chosen[i] == e;
             if (!taken && (next < 0 || (isnan(prob[e]) && !isnan(prob[next])) || prob[e] > prob[next])) next = e;
         }
-        for (int64_t j = 0; j < k && status == 0; j++) { /* largest first: equal ones are neighbours */
-            int64_t below = j + 1 < k ? L->chosen[j + 1] : next;
-            float a = prob[L->chosen[j]], b = below >= 0 ? prob[below] : 0.f;
-            if (below >= 0 && (a - b <= 0x1p-20f * a || (isnan(a) && isnan(b)))) status = ROUTER_TIE;
-        }
+        float last = prob[L->chosen[k - 1]], left = next >= 0 ? prob[next] : 0.f; /* last >= left: largest first */
+        if (status == 0 && next >= 0 && (last - left <= 0x1p-20f * last || (isnan(last) && isnan(left)))) status = ROUTER_TIE;
         for (int64_t j = 0; j < k; j++) {
             if (L->renormalize) L->chosen_weights[j] /= total;
             if (L->round_weights) L->chosen_weights[j] = from_bf16(to_bf16(L->chosen_weights[j]));

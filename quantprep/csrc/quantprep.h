@@ -11,8 +11,8 @@
 #include <string.h>
 
 #define MAX_D 256 /* the largest head dimension: attention and the rotary embedding keep a row on the stack */
-#define ROUTER_TIE 1 /* decode_layer's status where the router's top-k compared two equal probabilities: torch.topk
-                        leaves ties unordered, so the caller's router chooses (into chosen and chosen_weights) */
+#define ROUTER_TIE 1 /* decode_layer's status where the last of the router's top-k and the best left out are equal:
+                        which one torch.topk takes is its own, so the caller chooses from the logits C left */
 
 #if defined(_OPENMP) && defined(__GNUC__) && !defined(__clang__)
 #include <omp.h>
@@ -87,13 +87,13 @@ typedef struct {
     /* A sparse block (experts_matmul set): the router's bfloat16 weight [experts, hidden]; each expert's two
        projections; how the top_k weights are made (renormalize: divided by their sum; round_weights: rounded to
        bfloat16, as is each expert's output times its weight); where the router's choice goes between the two
-       calls of a row (decode_layer, then sparse_experts): the experts (top_k), their weights (top_k) and the
-       normalized row they run on (hidden) */
+       calls of a row (decode_layer, then sparse_experts): the experts (top_k), their weights (top_k), the
+       normalized row they run on (hidden) and the router's logits (experts: the caller's at ROUTER_TIE) */
     const uint16_t *router;
     const QuantLinear *experts_gate_up, *experts_down;
     int64_t *chosen;
     float *chosen_weights;
-    uint16_t *routed;
+    uint16_t *routed, *logits;
     int64_t experts, top_k, renormalize, round_weights;
 } DecodeLayer;
 

@@ -558,7 +558,7 @@ class CpuDecoderLayer(Replacement):
         down = (QuantLinearArgs * E)(*(p[1] for p in projections))
         slots = [module_slots(experts, (str(e),)) + module_slots(expert := experts._modules[str(e)], ("gate_up_proj", "down_proj")) +
                  tensor_slots(expert._modules.values()) for e in range(E)]
-        sparse = SparseState(gate, experts, states, slots, k, hidden)
+        sparse = SparseState(routing, states, slots, hidden)
         tensors = [t for ts in slots for _, _, t, address in ts if address is not None]  # (the router's weight: layer_args keeps it)
         kept += [gate_up, down, *tensors, *(t.untyped_storage() for t in tensors)]
         args.experts_matmul = ctypes.cast(gemv.int4_gemv_rows, ctypes.c_void_p).value
@@ -575,27 +575,35 @@ class SparseState:
     experts, their weights, the normalized row): two decodes of one model in two threads (a
     server's) each keep their own."""
 
-    def __init__(self, router: nn.Module, experts: nn.Module, states: list[tuple], slots: list[list], top_k: int, hidden: int):
-        self.router, self.experts, self.states, self.slots = router, experts, states, slots
-        self.top_k, self.hidden, self.threads = top_k, hidden, threading.local()
+    def __init__(self, routing: tuple, states: list[tuple], slots: list[list], hidden: int):
+        _, self.experts, self.renormalize, self.round_weights = routing  # (sparse_routing's)
+        self.states, self.slots, self.hidden, self.threads = states, slots, hidden, threading.local()
+        self.top_k = vars(routing[0])["top_k"]
 
     def thread_args(self, args: DecodeLayerArgs) -> DecodeLayerArgs:
         """args (whose chosen, chosen_weights and routed are NULL: C refuses them) with this thread's buffers."""
         mine = vars(self.threads)
         if "args" not in mine:
             chosen, weights = (ctypes.c_int64 * self.top_k)(), (ctypes.c_float * self.top_k)()
-            routed = torch.empty(self.hidden, dtype=torch.bfloat16)
+            routed, logits = torch.empty(self.hidden, dtype=torch.bfloat16), torch.empty(1, args.experts, dtype=torch.bfloat16)
             copy = DecodeLayerArgs.from_buffer_copy(args)
-            copy.chosen, copy.chosen_weights, copy.routed = ctypes.addressof(chosen), ctypes.addressof(weights), routed.data_ptr()
-            mine.update(args=copy, chosen=chosen, chosen_weights=weights, routed=routed)
+            copy.chosen, copy.chosen_weights = ctypes.addressof(chosen), ctypes.addressof(weights)
+            copy.routed, copy.logits = routed.data_ptr(), logits.data_ptr()
+            mine.update(args=copy, chosen=chosen, chosen_weights=weights, routed=routed, logits=logits)
         return mine["args"]
 
     def router_chooses(self) -> None:
-        """Where C's top-k met equal probabilities (ROUTER_TIE): the router module's own choice on this
-        thread's normalized row, into its buffers. Among equal probabilities torch.topk picks, and
-        orders, by its own algorithm (std::nth_element's), which C does not copy."""
+        """Where C's top-k met equal probabilities at its last place (ROUTER_TIE): the router's own steps
+        after its F.linear (sparse_routing's two routers': softmax in float32, torch.topk, the
+        renormalization, the rounding) on the logits C left, into this thread's buffers. Which of equal
+        probabilities torch.topk takes is its own algorithm's (std::nth_element's), which C does not copy.
+        (The router module itself would also compute the logits again: 0.5 ms more at each tie.)"""
         mine = vars(self.threads)
-        _, weights, index = self.router(mine["routed"].view(1, self.hidden))
+        weights, index = torch.topk(torch.softmax(mine["logits"], dim=-1, dtype=torch.float), self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.round_weights:
+            weights = weights.to(torch.bfloat16)
         mine["chosen"][:] = index.reshape(-1).tolist()
         mine["chosen_weights"][:] = weights.float().reshape(-1).tolist()
 

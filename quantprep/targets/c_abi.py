@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 
 MAX_HEAD_DIM = 256  # quantprep.h's MAX_D: attention and the rotary embedding keep a row on the stack
-ROUTER_TIE = 1  # quantprep.h's: decode_layer's status where the router's top-k met equal probabilities
+ROUTER_TIE = 1  # quantprep.h's: decode_layer's status where the router's top-k met equal probabilities at its last
 
 
 class QuantLinearArgs(ctypes.Structure):
@@ -26,7 +26,7 @@ class DecodeLayerArgs(ctypes.Structure):
         [(f, ctypes.c_float) for f in ("eps1", "eps2", "q_eps", "k_eps", "scaling")] + \
         [(f, ctypes.c_int64) for f in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "window")] + \
         [(f, QuantLinearArgs) for f in ("qkv", "o", "gate_up", "down")] + \
-        [(f, ctypes.c_void_p) for f in ("router", "experts_gate_up", "experts_down", "chosen", "chosen_weights", "routed")] + \
+        [(f, ctypes.c_void_p) for f in ("router", "experts_gate_up", "experts_down", "chosen", "chosen_weights", "routed", "logits")] + \
         [(f, ctypes.c_int64) for f in ("experts", "top_k", "renormalize", "round_weights")]
 
 
