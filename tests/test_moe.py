@@ -391,7 +391,7 @@ def test_the_experts_a_c_layer_takes_at_equal_router_probabilities_are_torch_top
         gate.weight.copy_(r.expand_as(gate.weight) if rows == "equal" else torch.stack([-r, 0 * r, 0 * r, r]))
     x = torch.randn(1, gate.hidden_dim).bfloat16()
     picks = gate(x)[2].tolist() + gate(-x)[2].tolist()
-    assert picks == ([[2, 3], [2, 3]] if rows == "equal" else [[3, 2], [0, 1]] if (x @ r.T).item() > 0 else [[0, 1], [3, 2]])
+    assert picks == ([[2, 3], [2, 3]] if rows == "equal" else [[3, 2], [0, 1]] if (x.float() @ r.float()).item() > 0 else [[0, 1], [3, 2]])
     ties = []
     chooses = cpu_layers.SparseState.router_chooses
     monkeypatch.setattr(cpu_layers.SparseState, "router_chooses", lambda self: ties.append(1) or chooses(self))
