@@ -172,23 +172,19 @@ static int route(const DecodeLayer *L, const uint16_t *x) {
         for (int64_t e = 0; e < E; e++) prob[e] = from_bf16(L->logits[e]), max = prob[e] > max ? prob[e] : max;
         for (int64_t e = 0; e < E; e++) prob[e] = expf(prob[e] - max), sum += prob[e];
         for (int64_t e = 0; e < E; e++) prob[e] *= 1.f / sum;
-        for (int64_t j = 0; j < k; j++) {
+        int64_t next = -1; /* the best left out */
+        for (int64_t j = 0; j < k + (k < E); j++) { /* the top_k, largest first, then the best left out */
             int64_t best = -1;
             for (int64_t e = 0; e < E; e++) {
                 int taken = 0;
                 for (int64_t i = 0; i < j; i++) taken |= L->chosen[i] == e;
                 if (!taken && (best < 0 || (isnan(prob[e]) && !isnan(prob[best])) || prob[e] > prob[best])) best = e;
             }
-            L->chosen[j] = best, L->chosen_weights[j] = prob[best], total += prob[best];
+            if (j == k) next = best;
+            else L->chosen[j] = best, L->chosen_weights[j] = prob[best], total += prob[best];
         }
-        int64_t next = -1; /* the best left out */
-        for (int64_t e = 0; e < E; e++) {
-            int taken = 0;
-            for (int64_t i = 0; i < k; i++) taken |= L->chosen[i] == e;
-            if (!taken && (next < 0 || (isnan(prob[e]) && !isnan(prob[next])) || prob[e] > prob[next])) next = e;
-        }
-        float last = prob[L->chosen[k - 1]], left = next >= 0 ? prob[next] : 0.f; /* last >= left: largest first */
-        if (status == 0 && next >= 0 && (last - left <= 0x1p-20f * last || (isnan(last) && isnan(left)))) status = ROUTER_TIE;
+        float last = prob[L->chosen[k - 1]], left = next >= 0 ? prob[next] : 0.f; /* last >= left */
+        if (next >= 0 && (last - left <= 0x1p-20f * last || (isnan(last) && isnan(left)))) status = ROUTER_TIE;
         for (int64_t j = 0; j < k; j++) {
             if (L->renormalize) L->chosen_weights[j] /= total;
             if (L->round_weights) L->chosen_weights[j] = from_bf16(to_bf16(L->chosen_weights[j]));
