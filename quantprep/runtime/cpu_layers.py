@@ -501,8 +501,7 @@ class CpuDecoderLayer(Replacement):
             module_slots(attn, ATTENTION_MEMBERS + QK_NORMS) + module_slots(mlp, mlp_members) + \
             ([] if routing is None else module_slots(routing[1], ("act_fn",))) + \
             tensor_slots([norm1, norm2, *qk, *projections, *([] if routing is None else [routing[0]])])  # the tensors C reads
-        tensors = [t for _, _, t, address in slots if address is not None]
-        kept = tensors + [t.untyped_storage() for t in tensors]  # deleted from the modules, they stay valid (moved: in_place)
+        kept = kept_alive(slots)
         linears = [quant_linear_args(m, path) for m in projections]
         qkv, o = projections[:2]
         if len(qkv.parts) != 3:
@@ -558,9 +557,8 @@ class CpuDecoderLayer(Replacement):
         down = (QuantLinearArgs * E)(*(p[1] for p in projections))
         slots = [module_slots(experts, (str(e),)) + module_slots(expert := experts._modules[str(e)], ("gate_up_proj", "down_proj")) +
                  tensor_slots(expert._modules.values()) for e in range(E)]
-        sparse = SparseState(routing, states, slots, hidden)
-        tensors = [t for ts in slots for _, _, t, address in ts if address is not None]  # (the router's weight: layer_args keeps it)
-        kept += [gate_up, down, *tensors, *(t.untyped_storage() for t in tensors)]
+        sparse = SparseState(routing, states, slots)
+        kept += [gate_up, down, *kept_alive(s for ts in slots for s in ts)]  # (the router's weight: layer_args keeps it)
         args.experts_matmul = ctypes.cast(gemv.int4_gemv_rows, ctypes.c_void_p).value
         args.router, args.experts_gate_up, args.experts_down = weight.data_ptr(), ctypes.addressof(gate_up), ctypes.addressof(down)
         args.experts, args.top_k = E, k  # (the choice's buffers: SparseState.thread_args)
@@ -575,17 +573,16 @@ class SparseState:
     experts, their weights, the normalized row): two decodes of one model in two threads (a
     server's) each keep their own."""
 
-    def __init__(self, routing: tuple, states: list[tuple], slots: list[list], hidden: int):
+    def __init__(self, routing: tuple, states: list[tuple], slots: list[list]):
         _, self.experts, self.renormalize, self.round_weights = routing  # (sparse_routing's)
-        self.states, self.slots, self.hidden, self.threads = states, slots, hidden, threading.local()
-        self.top_k = vars(routing[0])["top_k"]
+        self.states, self.slots, self.threads = states, slots, threading.local()
 
     def thread_args(self, args: DecodeLayerArgs) -> DecodeLayerArgs:
         """args (whose chosen, chosen_weights and routed are NULL: C refuses them) with this thread's buffers."""
         mine = vars(self.threads)
         if "args" not in mine:
-            chosen, weights = (ctypes.c_int64 * self.top_k)(), (ctypes.c_float * self.top_k)()
-            routed, logits = torch.empty(self.hidden, dtype=torch.bfloat16), torch.empty(1, args.experts, dtype=torch.bfloat16)
+            chosen, weights = (ctypes.c_int64 * args.top_k)(), (ctypes.c_float * args.top_k)()
+            routed, logits = torch.empty(args.hidden, dtype=torch.bfloat16), torch.empty(1, args.experts, dtype=torch.bfloat16)
             copy = DecodeLayerArgs.from_buffer_copy(args)
             copy.chosen, copy.chosen_weights = ctypes.addressof(chosen), ctypes.addressof(weights)
             copy.routed, copy.logits = routed.data_ptr(), logits.data_ptr()
@@ -599,7 +596,7 @@ class SparseState:
         probabilities torch.topk takes is its own algorithm's (std::nth_element's), which C does not copy.
         (The router module itself would also compute the logits again: 0.5 ms more at each tie.)"""
         mine = vars(self.threads)
-        weights, index = torch.topk(torch.softmax(mine["logits"], dim=-1, dtype=torch.float), self.top_k, dim=-1)
+        weights, index = torch.topk(torch.softmax(mine["logits"], dim=-1, dtype=torch.float), len(mine["chosen"]), dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.round_weights:
@@ -627,6 +624,13 @@ class SparseState:
 def tensor_slots(modules) -> list[tuple[dict, str, torch.Tensor, int]]:
     """(dict, name, tensor, its address) for each buffer and parameter of `modules`."""
     return [(d, name, t, t.data_ptr()) for m in modules for d in (m._buffers, m._parameters) for name, t in d.items() if t is not None]
+
+
+def kept_alive(slots) -> list:
+    """The tensors of tensor_slots among `slots`, and their storages: deleted from their modules, they
+    stay valid where C points (moved in place: in_place sees it)."""
+    tensors = [t for _, _, t, address in slots if address is not None]
+    return tensors + [t.untyped_storage() for t in tensors]
 
 
 def module_slots(parent: nn.Module, names) -> list[tuple[dict, str, nn.Module | None, None]]:
